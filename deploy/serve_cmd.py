@@ -1,0 +1,68 @@
+"""`tandem serve`: resolve the model once, then hand everything to the supervisor."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from deploy.logs import setup_logging
+from deploy.settings import Settings
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _bytes(text: str) -> int:
+    """'2G', '512M', '1048576' -> bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = Settings()
+    p.add_argument("--model", default=None, help="MLX folder, .gguf file or Hugging Face repo id (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--prefill-workers", type=_positive, default=d.prefill_workers)
+    p.add_argument("--decode-workers", type=_positive, default=d.decode_workers)
+    p.add_argument("--colocate", action="store_true", help="prefill and decode in one process (one copy of the weights)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--cache-memory", type=_bytes, default=d.cache_memory_bytes, help="shared-memory arena size, e.g. 2G")
+    p.add_argument("--max-batch", type=_positive, default=d.max_batch, help="decode batch size per decode worker")
+    p.add_argument("--prefill-chunk", type=_positive, default=d.prefill_chunk, help="tokens per prefill step")
+    p.add_argument("--max-queue", type=_positive, default=d.max_queue, help="queued requests beyond which clients get 429")
+    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s, help="seconds in-flight streams get on shutdown")
+    p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+
+
+def run(args: argparse.Namespace) -> int:
+    from deploy.supervisor import Supervisor
+    from workers.model_store import ModelError, model_id_for, resolve_model
+
+    setup_logging(args.log_level, "supervisor")
+    try:
+        model_dir = resolve_model(args.model)
+    except ModelError as exc:
+        print(f"tandem: {exc}", file=sys.stderr)
+        return 2
+    settings = Settings(
+        model=args.model, model_dir=str(model_dir), model_id=model_id_for(args.model, model_dir),
+        host=args.host, port=args.port, api_key=args.api_key,
+        prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, colocate=args.colocate,
+        cache_memory_bytes=args.cache_memory, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
+        max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, log_level=args.log_level,
+    )
+    logging.getLogger(__name__).info("cache arena: %.0f MiB of shared memory", settings.cache_memory_bytes / 2**20)
+    supervisor = Supervisor(settings)
+    signal.signal(signal.SIGTERM, supervisor.request_stop)
+    signal.signal(signal.SIGINT, supervisor.request_stop)
+    return supervisor.run()

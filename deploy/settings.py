@@ -1,0 +1,51 @@
+"""The one settings object. `tandem serve` fills it from the command line and
+hands a copy to every process it spawns."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+
+def default_cache_dir() -> str:
+    """The user's cache folder: ~/Library/Caches on macOS, XDG elsewhere."""
+    if os.environ.get("TANDEM_CACHE_DIR"):
+        return os.environ["TANDEM_CACHE_DIR"]
+    if os.uname().sysname == "Darwin":
+        base = os.path.expanduser("~/Library/Caches")
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(base, "tandem")
+
+
+@dataclass
+class Settings:
+    # What is served
+    model: str | None = None  # as given: None (embedded default), folder, .gguf, or HF repo id
+    model_dir: str = ""  # the resolved local MLX model folder
+    model_id: str = ""  # the id clients see in /v1/models
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_request_bytes: int = 8 * 1024 * 1024
+    # Process layout
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    colocate: bool = False
+    run_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="tandem-"))
+    # Cache service
+    arena_name: str = ""  # shared-memory segment; the supervisor picks a fresh one per start
+    cache_memory_bytes: int = 1 << 30
+    # Scheduling and admission
+    max_batch: int = 32  # decode batch size per decode worker
+    prefill_chunk: int = 512  # tokens per prefill step (bounds how long decode waits in --colocate)
+    max_queue: int = 256  # requests admitted but not yet decoding, beyond which 429
+    # Deadlines (seconds)
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 3.0
+    cache_call_timeout_s: float = 5.0
+    request_timeout_s: float = 600.0
+    drain_timeout_s: float = 30.0
+    log_level: str = "info"

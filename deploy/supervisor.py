@@ -1,0 +1,161 @@
+"""`tandem serve`'s parent process: starts every child with `spawn`, restarts
+the ones that die, and on SIGTERM / Ctrl-C drains and stops them all.
+
+Children run in their own process group, so Ctrl-C in a terminal reaches only
+the supervisor, which then stops them in order: the router first (it drains
+in-flight streams while the workers still run), then workers and the cache
+service. Each child also watches its parent and stops itself if the
+supervisor vanishes (kill -9), so no orphan outlives it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+
+from deploy.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# A child that dies this often within the window is broken, not unlucky.
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+
+
+def _watch_parent(parent: int) -> None:
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+            os._exit(1)
+
+
+def _child_main(target: str, args: tuple) -> None:
+    """Entry of every child: own process group, parent watchdog, then the role's main."""
+    os.setpgrp()
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
+    module, func = target.rsplit(":", 1)
+    getattr(importlib.import_module(module), func)(*args)
+
+
+@dataclass
+class Child:
+    name: str  # "cache", "router", "prefill-0", "decode-1", "worker-0" (colocated)
+    target: str  # "module:function"
+    args_fn: object  # () -> args tuple; called at every (re)start so settings are current
+    process: mp.Process | None = None
+    restarts: list = field(default_factory=list)
+
+
+class Supervisor:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.ctx = mp.get_context("spawn")
+        self.children: list[Child] = []
+        self.stopping = threading.Event()
+        self.failed: str | None = None
+        self._new_arena_name()
+
+    def _new_arena_name(self) -> None:
+        # A fresh name per cache-service start: stale handles can never read new data.
+        self.settings = replace(self.settings, arena_name=f"tandem-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+    def _plan(self) -> None:
+        s = self.settings
+        self.children.append(Child("cache", "cache_service.service:run", lambda: (self.settings,)))
+        if s.colocate:
+            for i in range(s.prefill_workers):
+                self._worker(f"worker-{i}", ["prefill", "decode"])
+        else:
+            for i in range(s.prefill_workers):
+                self._worker(f"prefill-{i}", ["prefill"])
+            for i in range(s.decode_workers):
+                self._worker(f"decode-{i}", ["decode"])
+        self.children.append(Child("router", "router.server:run", lambda: (self.settings,)))
+
+    def _worker(self, name: str, roles: list[str]) -> None:
+        self.children.append(Child(name, "workers.runtime:run", lambda: (self.settings, roles, name)))
+
+    def _spawn(self, child: Child) -> None:
+        if child.name == "cache":
+            self._cleanup_arena()
+            self._new_arena_name()
+        child.process = self.ctx.Process(target=_child_main, args=(child.target, child.args_fn()),
+                                         name=f"tandem-{child.name}", daemon=False)
+        child.process.start()
+        log.info("started %s (pid %d)", child.name, child.process.pid)
+
+    def _cleanup_arena(self) -> None:
+        if self.settings.arena_name:
+            from cache_service.arena import unlink_arena
+
+            unlink_arena(self.settings.arena_name)
+
+    # -------------------------------------------------------------- run --
+    def run(self) -> int:
+        """Start everything, keep it alive until asked to stop. Returns an exit code."""
+        os.makedirs(self.settings.run_dir, exist_ok=True)
+        self._plan()
+        for child in self.children:
+            self._spawn(child)
+        log.info("tandem serving %s on http://%s:%d (run dir %s)", self.settings.model_id, self.settings.host,
+                 self.settings.port, self.settings.run_dir)
+        try:
+            while not self.stopping.is_set():
+                sentinels = {c.process.sentinel: c for c in self.children if c.process is not None}
+                ready = mp.connection.wait(list(sentinels), timeout=0.5)
+                for sentinel in ready:
+                    if self.stopping.is_set():
+                        break
+                    self._on_exit(sentinels[sentinel])
+        finally:
+            self.shutdown()
+        return 1 if self.failed else 0
+
+    def _on_exit(self, child: Child) -> None:
+        code = child.process.exitcode
+        child.process.join(timeout=1)
+        now = time.monotonic()
+        child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW_S] + [now]
+        if len(child.restarts) > MAX_RESTARTS:
+            self.failed = f"{child.name} died {len(child.restarts)} times in {RESTART_WINDOW_S:.0f}s (last exit code {code})"
+            log.error("%s; stopping", self.failed)
+            self.stopping.set()
+            return
+        log.warning("%s (pid %d) exited with code %s; restarting", child.name, child.process.pid, code)
+        time.sleep(min(0.2 * 2 ** (len(child.restarts) - 1), 5.0))
+        self._spawn(child)
+
+    def request_stop(self, *_args) -> None:
+        self.stopping.set()
+
+    def shutdown(self) -> None:
+        """Router first (drains streams), then the rest. Every wait is bounded."""
+        self.stopping.set()
+        drain = self.settings.drain_timeout_s
+        router = [c for c in self.children if c.name == "router"]
+        rest = [c for c in self.children if c.name != "router"]
+        for group, grace in ((router, drain + 5.0), (rest, 5.0)):
+            procs = [c.process for c in group if c.process is not None and c.process.is_alive()]
+            for p in procs:
+                p.terminate()
+            deadline = time.monotonic() + grace
+            for p in procs:
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
+                if p.is_alive():
+                    log.warning("%s (pid %d) did not stop in %.0fs; killing", p.name, p.pid, grace)
+                    p.kill()
+                    p.join(timeout=2)
+        self._cleanup_arena()
+        shutil.rmtree(self.settings.run_dir, ignore_errors=True)
+        log.info("tandem stopped")

@@ -1,0 +1,247 @@
+"""Every message that crosses a process boundary, one dataclass each.
+
+The codec (`protos.codec`) turns these into ZeroMQ frames: a msgpack header
+`{"v": VERSION, "t": <class name>, "b": <fields>}` followed by one frame per
+numpy array (out of band, zero-copy). Nothing here is ever pickled.
+
+Keep fields to msgpack-native types (int, float, str, bytes, bool, None, lists,
+dicts with str keys), other message dataclasses, or numpy arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+VERSION = 1
+
+
+# --------------------------------------------------------------------------- #
+# Shared pieces
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class SamplingParams:
+    """Everything a worker needs to pick tokens the way the client asked."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    repetition_penalty: float = 1.0  # 1.0: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict = field(default_factory=dict)  # {str(token_id): bias}
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stop_token_ids: list = field(default_factory=list)  # end of sequence ids
+
+
+@dataclass
+class ArenaSlice:
+    """Where one array lives in the cache service's shared-memory arena."""
+
+    offset: int
+    nbytes: int
+    dtype: str  # numpy dtype name, e.g. "float32", "float16", "bfloat16" as "uint16"+tag
+    shape: list
+
+
+@dataclass
+class KVHandoff:
+    """What decode needs to rebuild a prompt's KV cache.
+
+    `arena` names the shared-memory segment; `allocation` is the id the cache
+    service gave the reservation (decode frees it once loaded). `layers` holds,
+    per model layer, the keys slice then the values slice. When prefill and
+    decode share a process (`--colocate`), `local` is True and the KV never
+    leaves that process: `layers` is empty.
+    """
+
+    request_id: str
+    num_tokens: int  # tokens covered by the KV (the prompt)
+    rope_offset: int  # position of the next token (differs from num_tokens for M-RoPE)
+    local: bool = False
+    arena: str = ""
+    allocation: int = -1
+    layers: list = field(default_factory=list)  # [[keys ArenaSlice, values ArenaSlice], ...]
+    kv_dtype: str = ""
+    bytes_moved: int = 0
+    write_ms: float = 0.0
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list = field(default_factory=list)  # [[token_id, logprob], ...]
+
+
+# --------------------------------------------------------------------------- #
+# Worker <-> router (router binds ROUTER, workers connect DEALER)
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class WorkerHello:
+    """Sent by a worker when it connects and then as its heartbeat."""
+
+    worker_id: str
+    roles: list  # ["prefill"], ["decode"], ["prefill", "decode"]
+    pid: int
+    state: str  # "loading" | "ready" | "stopping"
+    model_id: str = ""
+    running: int = 0  # requests in the decode batch or being prefilled
+    waiting: int = 0  # requests queued inside the worker
+    kv_bytes: int = 0  # bytes of KV the worker holds for live requests
+    max_context: int = 0
+
+
+@dataclass
+class PrefillRequest:
+    """Router -> prefill worker: run the prompt, sample the first token."""
+
+    request_id: str
+    prompt_tokens: list
+    sampling: SamplingParams
+    decode_worker: str  # worker id that will decode; equal to self: keep KV local
+
+
+@dataclass
+class PrefillDone:
+    """Prefill worker -> router: the first token and where the KV is."""
+
+    request_id: str
+    first_token: int
+    handoff: KVHandoff
+    logprob: Optional[TokenLogprob] = None
+    finish_reason: Optional[str] = None  # set when the first token already ends it
+    prefill_ms: float = 0.0
+
+
+@dataclass
+class DecodeRequest:
+    """Router -> decode worker: continue a prefilled request."""
+
+    request_id: str
+    prompt_tokens: list  # context for repetition / presence / frequency penalties
+    first_token: int
+    handoff: KVHandoff
+    sampling: SamplingParams
+    generated: int = 1  # tokens already produced (counts toward max_tokens)
+
+
+@dataclass
+class TokenUpdate:
+    request_id: str
+    token: int
+    logprob: Optional[TokenLogprob] = None
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class TokenBatch:
+    """Decode worker -> router: the tokens of one decode step, all requests."""
+
+    updates: list  # [TokenUpdate, ...]
+
+
+@dataclass
+class Cancel:
+    """Router -> worker: drop a request (client gone, stop string matched)."""
+
+    request_id: str
+
+
+@dataclass
+class RequestFailed:
+    """Worker -> router: a request could not be served; tell the client."""
+
+    request_id: str
+    message: str
+    status: int = 500
+
+
+# --------------------------------------------------------------------------- #
+# Anyone <-> cache service (service binds ROUTER, clients connect DEALER)
+# Every call carries a call_id; the reply echoes it.
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class CacheAlloc:
+    """Reserve `nbytes` in the arena for `owner` (a request id).
+
+    The reservation expires after `ttl_s` unless freed first, so a holder that
+    dies never leaks arena space.
+    """
+
+    call_id: int
+    nbytes: int
+    owner: str
+    ttl_s: float = 120.0
+
+
+@dataclass
+class CacheAllocReply:
+    call_id: int
+    ok: bool
+    allocation: int = -1
+    offset: int = 0
+    nbytes: int = 0
+    arena: str = ""
+    error: str = ""
+
+
+@dataclass
+class CacheFree:
+    """Release reservations by id, or every reservation of an owner.
+
+    `arena` (when set) must name the service's current arena: ids restart when
+    the service restarts, so a free meant for the old arena is refused instead
+    of releasing someone else's new reservation.
+    """
+
+    call_id: int
+    allocations: list = field(default_factory=list)
+    owner: str = ""
+    arena: str = ""
+
+
+@dataclass
+class CacheStats:
+    call_id: int
+
+
+@dataclass
+class CacheReply:
+    """Generic reply: ok flag, an error text, and a dict of numbers."""
+
+    call_id: int
+    ok: bool
+    error: str = ""
+    stats: dict = field(default_factory=dict)
+
+
+ALL_MESSAGES = [
+    SamplingParams,
+    ArenaSlice,
+    KVHandoff,
+    TokenLogprob,
+    WorkerHello,
+    PrefillRequest,
+    PrefillDone,
+    DecodeRequest,
+    TokenUpdate,
+    TokenBatch,
+    Cancel,
+    RequestFailed,
+    CacheAlloc,
+    CacheAllocReply,
+    CacheFree,
+    CacheStats,
+    CacheReply,
+]

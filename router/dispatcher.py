@@ -1,0 +1,326 @@
+"""The router's side of the worker protocol: the `Engine` the HTTP layer calls.
+
+It owns the state of every request in flight and of every worker it has heard
+from. A request goes: PrefillRequest to the least-loaded prefill worker ->
+PrefillDone (first token; KV in the arena, or kept local with --colocate) ->
+DecodeRequest to the least-loaded decode worker -> TokenBatch updates until
+finish. Any worker silent for `heartbeat_timeout_s` is dead: its requests end
+with an error at once and it leaves the routing table until it says hello again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional
+
+import zmq
+import zmq.asyncio
+
+from cache_service.client import AsyncCacheClient, CacheUnavailable
+from deploy.settings import Settings
+from protos import transport
+from protos.messages import (
+    Cancel,
+    DecodeRequest,
+    PrefillDone,
+    PrefillRequest,
+    RequestFailed,
+    TokenBatch,
+    WorkerHello,
+)
+from router.engine_api import EngineError, EngineEvent, GenerationRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerState:
+    hello: WorkerHello
+    last_seen: float
+    assigned: set = field(default_factory=set)  # request ids this worker holds now
+
+    @property
+    def ready(self) -> bool:
+        return self.hello.state == "ready"
+
+    def load(self) -> int:
+        return len(self.assigned)
+
+
+@dataclass
+class RequestState:
+    req: GenerationRequest
+    events: asyncio.Queue
+    prefill_worker: str
+    decode_worker: str = ""
+    phase: str = "prefill"  # prefill -> decode -> done
+    started: float = field(default_factory=time.monotonic)
+
+
+class Dispatcher:
+    """Implements router.engine_api.Engine over ZeroMQ."""
+
+    def __init__(self, settings: Settings, max_context: int):
+        self.settings = settings
+        self.model_id = settings.model_id
+        self.max_context = max_context
+        self.workers: dict[str, WorkerState] = {}
+        self.requests: dict[str, RequestState] = {}
+        self.cache_ok = False
+        self.cache_stats: dict = {}
+        self._ctx: Optional[zmq.asyncio.Context] = None
+        self._sock = None
+        self._cache: Optional[AsyncCacheClient] = None
+        self._tasks: list[asyncio.Task] = []
+
+    # ---------------------------------------------------------- lifecycle --
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = transport.make_socket(self._ctx, zmq.ROUTER)
+        # A restarted worker reconnects under its old id; let it take the id over.
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._sock.bind(transport.ipc_address(self.settings.run_dir, "router"))
+        self._cache = AsyncCacheClient(self.settings, ctx=self._ctx)
+        self._tasks = [asyncio.create_task(c) for c in (self._receive_loop(), self._watch_loop(), self._cache_loop())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for st in list(self.requests.values()):
+            st.events.put_nowait(EngineError(503, "server is shutting down"))
+        if self._cache:
+            self._cache.close()
+        if self._sock is not None:
+            self._sock.close()
+        if self._ctx is not None:
+            self._ctx.term()
+
+    # ------------------------------------------------------------- health --
+    def _expected(self) -> dict[str, int]:
+        s = self.settings
+        if s.colocate:
+            return {"prefill": s.prefill_workers, "decode": s.prefill_workers}
+        return {"prefill": s.prefill_workers, "decode": s.decode_workers}
+
+    def _ready_with(self, role: str) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.ready and role in w.hello.roles]
+
+    def health(self) -> tuple[bool, dict]:
+        expected = self._expected()
+        ready = self.cache_ok and all(len(self._ready_with(r)) >= n for r, n in expected.items())
+        workers = [
+            {
+                "id": wid,
+                "role": "+".join(w.hello.roles),
+                "pid": w.hello.pid,
+                "state": w.hello.state,
+                "running": w.hello.running,
+                "waiting": w.hello.waiting,
+                "last_seen_s": round(time.monotonic() - w.last_seen, 3),
+            }
+            for wid, w in sorted(self.workers.items())
+        ]
+        cache = {"role": "cache", "state": "ready" if self.cache_ok else "unavailable", **self.cache_stats}
+        body = {
+            "status": "ok" if ready else "unavailable",
+            "model": self.model_id,
+            "workers": workers,
+            "cache_service": cache,
+            "expected": expected,
+            "requests_in_flight": len(self.requests),
+        }
+        return ready, body
+
+    async def metrics_text(self) -> str:
+        return ""
+
+    # ------------------------------------------------------------ routing --
+    def _pick(self, role: str, exclude: str = "") -> WorkerState:
+        candidates = [w for w in self._ready_with(role) if w.hello.worker_id != exclude] or self._ready_with(role)
+        if not candidates:
+            raise EngineError(503, f"no {role} worker is alive; retry shortly", retry_after=1.0)
+        return min(candidates, key=lambda w: (w.load(), w.hello.running + w.hello.waiting))
+
+    async def _send(self, worker_id: str, msg) -> bool:
+        try:
+            await transport.asend(self._sock, msg, to=worker_id.encode())
+            return True
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer is gone
+            log.warning("cannot reach worker %s: %s", worker_id, exc)
+            return False
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[EngineEvent]:
+        waiting = sum(1 for st in self.requests.values() if st.phase == "prefill")
+        if waiting >= self.settings.max_queue:
+            raise EngineError(429, f"server busy: {waiting} requests are queued for prefill; retry later",
+                              retry_after=1.0)
+        prefill = self._pick("prefill")
+        rid = req.request_id
+        st = RequestState(req, asyncio.Queue(), prefill.hello.worker_id)
+        # With both roles in one process the KV stays where it was computed.
+        local = "decode" in prefill.hello.roles and self.settings.colocate
+        self.requests[rid] = st
+        prefill.assigned.add(rid)
+        try:
+            if not await self._send(st.prefill_worker, PrefillRequest(
+                    rid, list(req.prompt_tokens), req.sampling, st.prefill_worker if local else "")):
+                raise EngineError(503, "prefill worker unreachable; retry shortly", retry_after=1.0)
+            deadline = st.started + self.settings.request_timeout_s
+            while True:
+                try:
+                    item = await asyncio.wait_for(st.events.get(), timeout=max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise EngineError(504, f"request exceeded {self.settings.request_timeout_s:.0f}s") from None
+                if isinstance(item, EngineError):
+                    raise item
+                if item.finish_reason is not None:
+                    st.phase = "done"
+                yield item
+                if st.phase == "done":
+                    return
+        finally:
+            await self._finish(st)
+
+    async def _finish(self, st: RequestState) -> None:
+        rid = st.req.request_id
+        self.requests.pop(rid, None)
+        for wid in (st.prefill_worker, st.decode_worker):
+            w = self.workers.get(wid)
+            if w is not None:
+                w.assigned.discard(rid)
+        if st.phase == "done":
+            return
+        # The client left or the request failed: stop the work wherever it is.
+        targets = {st.prefill_worker} if st.phase == "prefill" else {st.decode_worker}
+        for wid in targets:
+            if wid in self.workers:
+                await self._send(wid, Cancel(rid))
+
+    # ------------------------------------------------------------ inbound --
+    async def _receive_loop(self) -> None:
+        while True:
+            try:
+                peer, msg = await transport.arecv(self._sock, routed=True)
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as exc:
+                log.error("router socket error: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            if msg is None:
+                continue
+            try:
+                await self._on_message(peer.decode(errors="replace"), msg)
+            except Exception:  # noqa: BLE001 - one bad message must not stop the loop
+                log.exception("failed to handle %s from %s", type(msg).__name__, peer)
+
+    async def _on_message(self, wid: str, msg) -> None:
+        if isinstance(msg, WorkerHello):
+            self._on_hello(wid, msg)
+        elif isinstance(msg, TokenBatch):
+            for u in msg.updates:
+                st = self.requests.get(u.request_id)
+                if st is not None:
+                    st.events.put_nowait(EngineEvent(u.token, u.logprob, u.finish_reason))
+        elif isinstance(msg, PrefillDone):
+            await self._on_prefill_done(wid, msg)
+        elif isinstance(msg, RequestFailed):
+            st = self.requests.get(msg.request_id)
+            if st is not None:
+                st.events.put_nowait(EngineError(msg.status, msg.message))
+        else:
+            log.error("unexpected %s from worker %s", type(msg).__name__, wid)
+
+    def _on_hello(self, wid: str, hello: WorkerHello) -> None:
+        w = self.workers.get(wid)
+        if w is None:
+            if hello.state == "stopping":
+                return
+            log.info("worker %s (%s, pid %d) connected: %s", wid, "+".join(hello.roles), hello.pid, hello.state)
+            self.workers[wid] = WorkerState(hello, time.monotonic())
+            return
+        if w.hello.pid != hello.pid:  # restarted under the same id: the old one is dead
+            self._drop_worker(wid, "was replaced by a new process")
+            self._on_hello(wid, hello)
+            return
+        if w.hello.state != hello.state:
+            log.info("worker %s (pid %d): %s -> %s", wid, hello.pid, w.hello.state, hello.state)
+        w.hello, w.last_seen = hello, time.monotonic()
+        if hello.state == "stopping":
+            self._drop_worker(wid, "is stopping")
+
+    async def _on_prefill_done(self, wid: str, done: PrefillDone) -> None:
+        st = self.requests.get(done.request_id)
+        h = done.handoff
+        if st is None:  # the client left while prefill ran: release the KV it wrote
+            await self._free(h)
+            return
+        st.events.put_nowait(EngineEvent(done.first_token, done.logprob, done.finish_reason))
+        if done.finish_reason is not None:
+            return
+        if h.local:
+            decode = self.workers.get(wid)
+        else:
+            try:
+                decode = self._pick("decode", exclude="")
+            except EngineError as exc:
+                await self._free(h)
+                st.events.put_nowait(exc)
+                return
+        if decode is None:
+            st.events.put_nowait(EngineError(502, f"worker {wid} vanished after prefill"))
+            return
+        st.phase, st.decode_worker = "decode", decode.hello.worker_id
+        if st.prefill_worker in self.workers:
+            self.workers[st.prefill_worker].assigned.discard(done.request_id)
+        decode.assigned.add(done.request_id)
+        ok = await self._send(st.decode_worker, DecodeRequest(
+            done.request_id, list(st.req.prompt_tokens), done.first_token, h, st.req.sampling, generated=1))
+        if not ok:
+            await self._free(h)
+            st.events.put_nowait(EngineError(502, "decode worker unreachable"))
+
+    async def _free(self, handoff) -> None:
+        if handoff.local or handoff.allocation < 0:
+            return
+        try:
+            await self._cache.free(allocations=[handoff.allocation], arena=handoff.arena)
+        except CacheUnavailable:
+            pass  # the reservation's TTL frees it
+
+    # ---------------------------------------------------------- watchdog --
+    def _drop_worker(self, wid: str, why: str) -> None:
+        w = self.workers.pop(wid, None)
+        if w is None:
+            return
+        log.warning("worker %s (%s, pid %d) %s; failing %d request(s)", wid, "+".join(w.hello.roles),
+                    w.hello.pid, why, len(w.assigned))
+        for rid in w.assigned:
+            st = self.requests.get(rid)
+            if st is not None:
+                st.events.put_nowait(EngineError(
+                    502, f"{'+'.join(w.hello.roles)} worker (pid {w.hello.pid}) {why} during this request"))
+
+    async def _watch_loop(self) -> None:
+        while True:
+            now = time.monotonic()
+            for wid, w in list(self.workers.items()):
+                if now - w.last_seen > self.settings.heartbeat_timeout_s:
+                    self._drop_worker(wid, f"missed heartbeats for {now - w.last_seen:.1f}s")
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    async def _cache_loop(self) -> None:
+        """The cache service has no heartbeat of its own: ask it for stats."""
+        while True:
+            try:
+                self.cache_stats = await self._cache.stats()
+                self.cache_ok = True
+            except CacheUnavailable:
+                if self.cache_ok:
+                    log.warning("cache service unavailable")
+                self.cache_ok = False
+            await asyncio.sleep(self.settings.heartbeat_interval_s)

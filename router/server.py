@@ -1,0 +1,53 @@
+"""The router process: the OpenAI-compatible HTTP API under uvicorn.
+
+Owns the tokenizer (chat template, incremental detokenizer) and the
+Dispatcher that talks to the workers. SIGTERM or Ctrl-C starts uvicorn's
+graceful shutdown: no new connections, in-flight streams get up to
+`drain_timeout_s` to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import uvicorn
+
+from deploy.logs import setup_logging
+from deploy.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def run(settings: Settings) -> None:
+    """Process main for the router (a `spawn` target)."""
+    setup_logging(settings.log_level, "router")
+    from mlx_lm.utils import load_tokenizer
+
+    from router.app import create_app
+    from router.dispatcher import Dispatcher
+    from workers.loading import context_length
+
+    tokenizer = load_tokenizer(Path(settings.model_dir))
+    dispatcher = Dispatcher(settings, max_context=context_length(settings.model_dir))
+    app = create_app(dispatcher, tokenizer, settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="warning" if settings.log_level == "info" else settings.log_level,
+        timeout_graceful_shutdown=int(settings.drain_timeout_s),
+        lifespan="off",
+    )
+    server = uvicorn.Server(config)
+
+    async def main() -> None:
+        await dispatcher.start()
+        try:
+            await server.serve()
+        finally:
+            await dispatcher.stop()
+
+    asyncio.run(main())
+    log.info("router stopped")

@@ -1,0 +1,99 @@
+"""Token ids in, text out: incremental detokenization with stop strings.
+
+Two things make this more than `tokenizer.decode`:
+- One character may span several tokens (an emoji is four byte-tokens in a byte-level
+  BPE). mlx-lm's streaming detokenizer holds such bytes back until the character is
+  whole, so no chunk ever carries half a character.
+- A stop string may span several tokens ("ST" + "OP"). Text that could be the start of a
+  stop string is held back until the next token either completes the match (cut there,
+  stop) or rules it out (release it).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from mlx_lm.tokenizer_utils import _byte_decoder
+
+
+class TextStream:
+    """One request's detokenizer. `add` each generated token; `flush` at the end."""
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self._detokenizer = tokenizer.detokenizer  # a fresh copy per request
+        self._stops = [s for s in stop if s]
+        self._held = ""  # decoded text not yet released: it may begin a stop string
+        self.stopped = False  # a stop string matched; nothing more will be released
+
+    def add(self, token: int) -> str:
+        """Feed one token; return the text that is now safe to send (may be "")."""
+        if self.stopped:
+            return ""
+        self._detokenizer.add_token(token)
+        return self._release(self._detokenizer.last_segment, final=False)
+
+    def flush(self) -> str:
+        """The generation ended: return whatever text was still held back."""
+        if self.stopped:
+            return ""
+        self._detokenizer.finalize()
+        return self._release(self._detokenizer.last_segment, final=True)
+
+    def _release(self, new_text: str, final: bool) -> str:
+        text = self._held + new_text
+        cut = self._first_stop(text)
+        if cut is not None:
+            self.stopped = True
+            self._held = ""
+            return text[:cut]
+        hold = 0 if final else self._partial_stop_len(text)
+        self._held = text[len(text) - hold :]
+        return text[: len(text) - hold]
+
+    def _first_stop(self, text: str) -> int | None:
+        found = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        return min(found) if found else None
+
+    def _partial_stop_len(self, text: str) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest
+
+
+class TokenBytes:
+    """The exact bytes of single tokens, for logprobs ("bytes" and "token" fields).
+
+    `tokenizer.decode([id])` cannot tell the bytes of a partial UTF-8 character (it gives
+    U+FFFD), so read the detokenizer's token map: byte-level BPE stores tokens as
+    byte-alphabet strings, SentencePiece as raw bytes with U+2581 for spaces.
+    """
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._tokenmap = getattr(tokenizer.detokenizer, "tokenmap", None)
+        self._cache: dict[int, bytes] = {}
+
+    def __call__(self, token: int) -> bytes:
+        found = self._cache.get(token)
+        if found is None:
+            found = self._cache[token] = self._lookup(token)
+        return found
+
+    def text(self, token: int) -> str:
+        return self(token).decode("utf-8", errors="replace")
+
+    def _lookup(self, token: int) -> bytes:
+        piece = self._tokenmap[token] if self._tokenmap and token < len(self._tokenmap) else None
+        if isinstance(piece, bytes):
+            return piece.replace("\u2581".encode(), b" ")
+        if isinstance(piece, str):
+            byte_of = _byte_decoder()
+            return b"".join(
+                bytes([byte_of[c]]) if c in byte_of else c.encode("utf-8") for c in piece
+            )
+        return self._tokenizer.decode([token]).encode("utf-8")

@@ -1,0 +1,526 @@
+"""Cache service: allocator unit tests, then real processes over real ipc
+sockets and real shared memory (every child started with the spawn method)."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from cache_service import service
+from cache_service.allocator import ALIGNMENT, Allocator
+from cache_service.arena import Arena, ArenaAttachment, new_arena_name, unlink_arena
+from cache_service.client import AsyncCacheClient, CacheClient, CacheUnavailable
+from deploy.settings import Settings
+from protos.codec import encode
+from protos.messages import CacheAllocReply, CacheReply, CacheStats
+from protos.transport import ipc_address, make_socket, recv, send
+
+SPAWN = mp.get_context("spawn")
+PREFIX = f"tct{os.getpid()}"  # every arena these tests make starts with this
+MiB = 1 << 20
+
+
+# ------------------------------------------------------------------ fixtures --
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_leaked_segments():
+    yield
+    if os.path.isdir("/dev/shm"):  # Linux; macOS has no listable shm namespace
+        leaked = [n for n in os.listdir("/dev/shm") if n.startswith(PREFIX)]
+        for name in leaked:
+            unlink_arena(name)
+        assert not leaked, f"shared-memory segments left behind: {leaked}"
+
+
+@pytest.fixture
+def procs():
+    """start(target, *args) -> a spawned Process, always reaped at teardown."""
+    started = []
+
+    def start(target, *args):
+        p = SPAWN.Process(target=target, args=args, daemon=True)
+        p.start()
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        if p.is_alive():
+            p.terminate()
+    for p in started:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+@pytest.fixture
+def make_settings():
+    """make_settings(**overrides) -> Settings with a fresh arena name; every
+    arena named is unlinked at teardown whatever happened."""
+    run_dir = tempfile.mkdtemp(prefix="tc-")  # short: ipc paths are limited to ~100 bytes
+    names = []
+
+    def make(**overrides):
+        name = new_arena_name(PREFIX)
+        names.append(name)
+        fields = dict(run_dir=run_dir, arena_name=name, cache_memory_bytes=4 * MiB,
+                      cache_call_timeout_s=3.0, log_level="warning")
+        fields.update(overrides)
+        return Settings(**fields)
+
+    yield make
+    for name in names:
+        unlink_arena(name)
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def start_service(procs, settings):
+    ready = SPAWN.Event()
+    p = procs(service.run, settings, ready)
+    assert ready.wait(20), "cache service did not start"
+    return p
+
+
+def wait_for(predicate, timeout_s=5.0, interval_s=0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+# Children (module level so spawn can pickle them by name).
+
+
+def _pattern(nbytes, seed):
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def child_write(arena_name, offset, nbytes, seed):
+    arena = Arena.attach(arena_name)
+    arena.ndarray(offset, np.uint8, (nbytes,))[:] = _pattern(nbytes, seed)
+    arena.close()
+
+
+def child_check(arena_name, offset, nbytes, seed):
+    arena = Arena.attach(arena_name)
+    ok = bytes(arena.view(offset, nbytes)) == _pattern(nbytes, seed).tobytes()
+    arena.close()
+    sys.exit(0 if ok else 3)
+
+
+def child_hold(settings, ttl_s, out):
+    reply = CacheClient(settings).alloc(MiB, owner="doomed", ttl_s=ttl_s)
+    out.put(reply.allocation if reply.ok else reply.error)
+    time.sleep(60)  # killed long before this
+
+
+# ----------------------------------------------------------------- allocator --
+
+
+def _check_invariants(a: Allocator):
+    """No overlap, everything aligned and inside, free list coalesced, bytes add up."""
+    spans = [(x.offset, x.size, "used") for x in a.allocations()] + [(o, n, "free") for o, n in a.free_ranges()]
+    spans.sort()
+    pos = 0
+    for offset, size, _ in spans:
+        assert offset == pos, "a gap or an overlap between ranges"
+        assert offset % ALIGNMENT == 0 and size % ALIGNMENT == 0 and size > 0
+        pos += size
+    assert pos == a.capacity
+    free = a.free_ranges()
+    for (o1, n1), (o2, _) in zip(free, free[1:]):
+        assert o1 + n1 < o2, "two adjacent free ranges were not coalesced"
+    st = a.stats()
+    assert st["used_bytes"] + st["free_bytes"] == st["arena_bytes"] == a.capacity
+    assert st["used_bytes"] == sum(x.size for x in a.allocations())
+    assert st["largest_free"] == max((n for _, n in free), default=0)
+
+
+def test_allocator_random_sequences_never_overlap():
+    for seed in range(5):
+        rng = random.Random(seed)
+        a = Allocator(256 * 1024 + 40)  # a ragged tail is dropped, not half-used
+        assert a.capacity == 256 * 1024
+        live = []
+        for _ in range(1500):
+            if live and rng.random() < 0.45:
+                alloc = live.pop(rng.randrange(len(live)))
+                assert a.free(alloc.id) is alloc
+            else:
+                n = rng.choice([1, 63, 64, 65, rng.randint(1, 4096), rng.randint(1, 40000)])
+                alloc = a.alloc(n, owner=f"o{rng.randint(0, 5)}", ttl_s=60)
+                if alloc is None:
+                    assert a.stats()["largest_free"] < -(-n // ALIGNMENT) * ALIGNMENT
+                else:
+                    assert alloc.nbytes == n and alloc.size >= n
+                    live.append(alloc)
+            _check_invariants(a)
+        for alloc in live:
+            a.free(alloc.id)
+        assert a.free_ranges() == [(0, a.capacity)], "freeing everything must leave one range"
+        st = a.stats()
+        assert st["allocations"] == 0 and st["used_bytes"] == 0
+        assert st["allocs_total"] == st["frees_total"]
+
+
+def test_allocator_coalesces_in_any_free_order():
+    a = Allocator(64 * 10)
+    blocks = [a.alloc(64, "x", 10) for _ in range(10)]
+    assert a.alloc(1, "x", 10) is None  # full
+    for i in [3, 5, 4, 0, 9, 1, 8, 2, 7, 6]:
+        a.free(blocks[i].id)
+        _check_invariants(a)
+    assert a.free_ranges() == [(0, 640)]
+
+
+def test_allocator_best_fit_full_and_invalid():
+    a = Allocator(1024)
+    small, big = a.alloc(64, "a", 10), a.alloc(512, "a", 10)
+    rest = a.alloc(448, "a", 10)
+    a.free(small.id)
+    a.free(big.id)
+    assert a.alloc(64, "b", 10).offset == 0  # the 64-byte hole, not the 512 one
+    assert a.alloc(1025, "b", 10) is None
+    assert a.stats()["failed_total"] == 1
+    for bad in [0, -5, 1.5, True, "64"]:
+        with pytest.raises(ValueError):
+            a.alloc(bad, "b", 10)
+    for bad_ttl in [0, -1, float("inf"), float("nan")]:
+        with pytest.raises(ValueError):
+            a.alloc(64, "b", bad_ttl)
+    assert a.free(rest.id) is rest and a.free(rest.id) is None
+
+
+def test_allocator_expiry_and_owner():
+    now = [100.0]
+    a = Allocator(4096, clock=lambda: now[0])
+    short = a.alloc(100, "r1", ttl_s=1)
+    long = a.alloc(100, "r1", ttl_s=10)
+    other = a.alloc(100, "r2", ttl_s=5)
+    assert a.next_deadline() == 101.0
+    a.free(short.id)  # freed before its deadline: expire must not count it
+    now[0] = 106.0
+    assert [x.id for x in a.expire()] == [other.id]
+    assert a.next_deadline() == 110.0
+    assert [x.id for x in a.free_owner("r1")] == [long.id]
+    assert a.free_owner("r1") == [] and a.free_owner("nobody") == []
+    st = a.stats()
+    assert (st["allocs_total"], st["frees_total"], st["expired_total"], st["allocations"]) == (3, 2, 1, 0)
+    assert a.next_deadline() is None and a.free_ranges() == [(0, 4096)]
+
+
+# --------------------------------------------------------------------- arena --
+
+
+def test_arena_views_bounds_and_lifetime():
+    name = new_arena_name(PREFIX)
+    arena = Arena.create(name, MiB)
+    try:
+        arr = arena.ndarray(128, np.float32, (4, 8))
+        arr[:] = np.arange(32, dtype=np.float32).reshape(4, 8)
+        other = Arena.attach(name)
+        assert other.size >= MiB
+        assert np.array_equal(other.ndarray(128, "float32", [4, 8]), arr)  # same memory, no copy
+        other.view(0, 4)[:] = b"abcd"
+        assert bytes(arena.buf[:4]) == b"abcd"
+        with pytest.raises(ValueError):
+            arena.view(arena.size - 2, 4)
+        with pytest.raises(ValueError):
+            arena.ndarray(-64, np.uint8, (1,))
+        with pytest.raises(FileExistsError):
+            Arena.create(name, MiB)
+        with pytest.raises(ValueError):
+            Arena.attach("x" * 31)  # longer than macOS allows
+        other.close()  # `arr` still points into the arena: close must not break it
+        arena.close()
+        arena.close()
+        assert arr[3, 7] == 31.0
+        with pytest.raises(ValueError):
+            arena.buf
+        del arr
+    finally:
+        arena.unlink()
+        arena.unlink()  # idempotent
+    with pytest.raises(FileNotFoundError):
+        Arena.attach(name)
+    assert unlink_arena(name) is False
+
+
+def test_attaching_process_exit_does_not_unlink_or_warn():
+    """Python < 3.13's resource tracker unlinks a segment when a process that
+    only attached to it exits (and warns about a 'leak'); ours must not."""
+    name = new_arena_name(PREFIX)
+    arena = Arena.create(name, MiB)
+    try:
+        code = ("import sys; from cache_service.arena import Arena\n"
+                "a = Arena.attach(sys.argv[1]); a.view(0, 2)[:] = b'ok'; a.close()")
+        done = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        assert "leak" not in done.stderr and "resource_tracker" not in done.stderr, done.stderr
+        again = Arena.attach(name)  # still there
+        assert bytes(again.view(0, 2)) == b"ok"
+        again.close()
+    finally:
+        arena.close()
+        arena.unlink()
+
+
+# ------------------------------------------------------------------- service --
+
+
+def test_handoff_written_and_read_by_other_processes(procs, make_settings):
+    settings = make_settings()
+    svc = start_service(procs, settings)
+    client = CacheClient(settings)
+    nbytes = 3 * MiB + 5
+    reply = client.alloc(nbytes, owner="req-1", ttl_s=30)
+    assert reply.ok and reply.arena == settings.arena_name and reply.nbytes == nbytes
+    assert reply.offset % ALIGNMENT == 0
+
+    writer = procs(child_write, reply.arena, reply.offset, nbytes, 7)
+    writer.join(20)
+    assert writer.exitcode == 0
+    reader = procs(child_check, reply.arena, reply.offset, nbytes, 7)
+    reader.join(20)
+    assert reader.exitcode == 0, "the third process did not read what the second wrote"
+
+    attached = ArenaAttachment()
+    assert attached.get(reply.arena).view(reply.offset, 16) == _pattern(nbytes, 7)[:16].tobytes()
+    attached.close()
+
+    st = client.stats()
+    assert st["allocations"] == 1 and st["used_bytes"] >= nbytes and st["allocs_total"] == 1
+    assert st["pid"] == svc.pid
+    freed = client.free([reply.allocation], arena=reply.arena)
+    assert freed.ok and freed.stats == {"freed": 1, "unknown": 0}
+    st = client.stats()
+    assert st["allocations"] == 0 and st["used_bytes"] == 0 and st["frees_total"] == 1
+    client.close()
+
+
+def test_alloc_fails_clearly_when_full_or_invalid(procs, make_settings):
+    settings = make_settings(cache_memory_bytes=MiB)
+    start_service(procs, settings)
+    with CacheClient(settings) as client:
+        first = client.alloc(MiB // 2, owner="a")
+        assert first.ok
+        full = client.alloc(MiB // 2 + 64, owner="b")
+        assert not full.ok and full.allocation == -1
+        assert "full" in full.error and str(MiB // 2 + 64) in full.error, full.error
+        huge = client.alloc(2 * MiB, owner="b")
+        assert not huge.ok and "larger than the whole cache arena" in huge.error, huge.error
+        for bad in [0, -1]:
+            invalid = client.alloc(bad, owner="b")
+            assert not invalid.ok and "nbytes" in invalid.error, invalid.error
+        assert not client.alloc(64, owner="b", ttl_s=0).ok
+        st = client.stats()
+        assert st["failed_total"] == 2 and st["allocations"] == 1
+        assert st["arena_bytes"] == MiB and st["largest_free"] == MiB // 2
+
+
+def test_ttl_expiry_frees_reservation_of_killed_holder(procs, make_settings):
+    settings = make_settings()
+    start_service(procs, settings)
+    out = SPAWN.Queue()
+    holder = procs(child_hold, settings, 0.5, out)
+    alloc_id = out.get(timeout=20)
+    assert isinstance(alloc_id, int), alloc_id
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join(5)
+    with CacheClient(settings) as client:
+        assert client.stats()["allocations"] in (0, 1)  # may already have expired
+        assert wait_for(lambda: client.stats()["expired_total"] == 1, timeout_s=5)
+        st = client.stats()
+        assert st["allocations"] == 0 and st["used_bytes"] == 0 and st["frees_total"] == 0
+        late = client.free([alloc_id])  # the holder's late free finds nothing
+        assert late.ok and late.stats == {"freed": 0, "unknown": 1}
+        assert client.alloc(settings.cache_memory_bytes, owner="next").ok  # all space is back
+
+
+def test_free_by_owner_and_stats(procs, make_settings):
+    settings = make_settings()
+    start_service(procs, settings)
+    with CacheClient(settings) as client:
+        mine = [client.alloc(1000, owner="req-a") for _ in range(3)]
+        theirs = client.alloc(5000, owner="req-b")
+        assert all(r.ok for r in mine) and theirs.ok
+        st = client.stats()
+        assert st["allocations"] == 4 and st["used_bytes"] == 3 * 1024 + 5056
+        reply = client.free(owner="req-a")
+        assert reply.ok and reply.stats["freed"] == 3
+        st = client.stats()
+        assert st["allocations"] == 1 and st["used_bytes"] == 5056 and st["frees_total"] == 3
+        assert not client.free().ok  # names nothing
+        assert not client.free([theirs.allocation], arena="some-old-arena").ok
+        assert client.free([theirs.allocation], owner="req-b").stats == {"freed": 1, "unknown": 0}
+        st = client.stats()
+        assert st["allocations"] == 0 and st["largest_free"] == st["arena_bytes"]
+        assert (st["allocs_total"], st["frees_total"], st["expired_total"]) == (4, 4, 0)
+
+
+def test_garbage_messages_do_not_kill_the_service(procs, make_settings):
+    settings = make_settings()
+    p = start_service(procs, settings)
+    address = ipc_address(settings.run_dir, "cache")
+    ctx = zmq.Context()
+    raw = make_socket(ctx, zmq.DEALER)
+    raw.connect(address)
+    rng = random.Random(1)
+    deep = []
+    for _ in range(200):
+        deep = [deep]
+    garbage = [
+        [bytes(rng.getrandbits(8) for _ in range(64))],
+        [b""],
+        [msgpack.packb({"v": 999, "t": "CacheStats", "b": {"call_id": 1}})],  # wrong version
+        [msgpack.packb({"v": 1, "t": ["CacheStats"], "b": {}})],  # type name not a string
+        [msgpack.packb({"v": 1, "t": "CacheAlloc", "b": {"call_id": 2, "nbytes": "lots", "owner": "x"}})],
+        [msgpack.packb({"v": 1, "t": "CacheFree", "b": {"call_id": 3, "allocations": ["x", deep]}})],
+        [msgpack.packb({"v": 1, "t": "NoSuchMessage", "b": {}}), b"extra", b"frames"],
+        encode(CacheReply(call_id=4, ok=True)),  # a real message, but not a request
+    ]
+    for frames in garbage:
+        raw.send_multipart(frames)
+    # A bad CacheFree must cost only its own call: it gets an error reply.
+    send(raw, CacheStats(call_id=5))
+    assert raw.poll(5000)
+    replies = [recv(raw)]
+    while raw.poll(200):
+        replies.append(recv(raw))
+    assert [r.call_id for r in replies] == [3, 5] and not replies[0].ok and replies[1].ok
+    raw.close()
+    ctx.term()
+    # Bytes that are not ZMTP at all, straight into the socket file.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(address[len("ipc://"):])
+        s.sendall(os.urandom(4096))
+    time.sleep(0.2)
+    assert p.is_alive()
+    with CacheClient(settings) as client:
+        assert client.stats()["allocations"] == 0
+        assert client.alloc(64, owner="after").ok
+
+
+def test_client_unavailable_when_service_dead_then_recovers(procs, make_settings):
+    first = make_settings(cache_call_timeout_s=0.5)
+    p = start_service(procs, first)
+    client = CacheClient(first)
+    held = client.alloc(4096, owner="r")
+    assert held.ok
+    attached = ArenaAttachment()
+    old_arena = attached.get(held.arena)
+
+    p.kill()  # kill -9: no cleanup in the service
+    p.join(5)
+    for call in (client.stats, lambda: client.alloc(64, owner="r")):
+        t0 = time.monotonic()
+        with pytest.raises(CacheUnavailable):
+            call()
+        assert 0.45 <= time.monotonic() - t0 < 1.5
+
+    async def async_dead():
+        aclient = AsyncCacheClient(first)
+        t0 = time.monotonic()
+        with pytest.raises(CacheUnavailable):
+            await aclient.stats()
+        aclient.close()
+        return time.monotonic() - t0
+
+    assert 0.45 <= asyncio.run(async_dead()) < 1.5
+    # The killed service could not unlink its segment: the supervisor does.
+    assert unlink_arena(first.arena_name) is True
+
+    second = make_settings(cache_call_timeout_s=3.0)  # same run_dir, fresh arena
+    start_service(procs, second)
+    reply = client.alloc(4096, owner="r")  # same client object, fresh socket
+    assert reply.ok and reply.arena == second.arena_name
+    stale = client.free([held.allocation], arena=held.arena)
+    assert not stale.ok and "stale arena" in stale.error
+    assert client.stats()["allocations"] == 1
+    assert attached.get(reply.arena) is not old_arena  # the worker re-attached
+    attached.close()
+    client.close()
+
+
+def test_async_client_concurrent_calls(procs, make_settings):
+    settings = make_settings()
+    start_service(procs, settings)
+
+    async def main():
+        client = AsyncCacheClient(settings)
+        replies = await asyncio.gather(*[client.alloc(1000, owner=f"r{i % 2}") for i in range(6)],
+                                       client.stats())
+        assert all(r.ok for r in replies[:6])
+        offsets = sorted(r.offset for r in replies[:6])
+        assert all(b - a >= 1000 for a, b in zip(offsets, offsets[1:]))
+        freed = await asyncio.gather(client.free(owner="r0"), client.free(owner="r1"))
+        assert [f.stats["freed"] for f in freed] == [3, 3]
+        # A cancelled call leaves its reply behind; the next call must skip it.
+        task = asyncio.ensure_future(client.stats())
+        await asyncio.sleep(0)
+        task.cancel()
+        st = await client.stats()
+        client.close()
+        return st
+
+    st = asyncio.run(main())
+    assert st["allocations"] == 0 and st["allocs_total"] == 6 and st["frees_total"] == 6
+
+
+def test_stale_and_foreign_replies_are_dropped(make_settings):
+    """A fake service answers with a stale call id and a wrong type first."""
+    settings = make_settings(cache_call_timeout_s=3.0)
+    ctx = zmq.Context()
+    router = make_socket(ctx, zmq.ROUTER)
+    router.bind(ipc_address(settings.run_dir, "cache"))
+
+    def fake_service():
+        if not router.poll(5000):
+            return
+        peer, msg = recv(router, routed=True)
+        send(router, CacheReply(call_id=msg.call_id - 1, ok=True, stats={"wrong": 1}), to=peer)
+        send(router, CacheAllocReply(call_id=msg.call_id, ok=True), to=peer)
+        send(router, CacheReply(call_id=msg.call_id, ok=True, stats={"right": 1}), to=peer)
+
+    thread = threading.Thread(target=fake_service, daemon=True)
+    thread.start()
+    try:
+        with CacheClient(settings) as client:
+            assert client.stats() == {"right": 1}
+    finally:
+        thread.join(5)
+        router.close()
+        ctx.term()
+
+
+def test_sigterm_stops_service_and_unlinks_arena(procs, make_settings):
+    settings = make_settings()
+    p = start_service(procs, settings)
+    with CacheClient(settings) as client:
+        assert client.alloc(1000, owner="r").ok  # a live reservation does not delay stopping
+    Arena.attach(settings.arena_name).close()
+    t0 = time.monotonic()
+    p.terminate()  # SIGTERM
+    p.join(5)
+    assert p.exitcode == 0 and time.monotonic() - t0 < 2
+    with pytest.raises(FileNotFoundError):
+        Arena.attach(settings.arena_name)

@@ -1,0 +1,141 @@
+"""Faults against a real `tandem serve`: kill -9 real worker and cache-service
+PIDs mid-request, SIGTERM the server mid-stream, admission limits and auth.
+Every client call has a timeout; a hang fails the test instead of the suite."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server_harness import pid_alive
+
+QUESTION = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+
+
+def client_for(srv, **kw):
+    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key=kw.pop("api_key", "unused"), timeout=30,
+                         max_retries=0, **kw)
+
+
+def assert_recovers(srv, killed_pid: int) -> None:
+    """/health goes 503 while the role is missing, then 200, and serving works again."""
+    srv.wait_status(503, timeout=10)
+    body = srv.wait_healthy(timeout=90)
+    assert killed_pid not in [w["pid"] for w in body["workers"]]
+    resp = client_for(srv).chat.completions.create(model="default", messages=QUESTION, max_tokens=5, temperature=0)
+    assert resp.usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill+decode"])
+def test_kill_decoding_worker_mid_stream(server_factory, role):
+    srv = server_factory(*(["--colocate"] if "+" in role else []))
+    pid = srv.worker_pid(role)
+    stream = client_for(srv).chat.completions.create(model="default", messages=QUESTION, max_tokens=2000,
+                                                     temperature=0.8, stream=True)
+    first = next(iter(stream))
+    assert first.choices[0].delta is not None
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIError) as e:
+        for _ in stream:
+            pass
+    assert time.monotonic() - t0 < 8, "the client waited too long to hear of the dead worker"
+    assert "worker" in str(e.value)
+    assert_recovers(srv, pid)
+
+
+def test_kill_prefill_worker_during_prefill(server_factory):
+    srv = server_factory("--prefill-chunk", "16")
+    pid = srv.worker_pid("prefill")
+    long_prompt = [{"role": "user", "content": "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 150}]
+    result = {}
+
+    def ask():
+        try:
+            client_for(srv).chat.completions.create(model="default", messages=long_prompt, max_tokens=5)
+            result["ok"] = True
+        except openai.APIError as exc:
+            result["error"] = exc
+
+    t = threading.Thread(target=ask)
+    t.start()
+    time.sleep(1.0)  # prefill of ~1.5k tokens in 16-token chunks takes several seconds here
+    os.kill(pid, signal.SIGKILL)
+    t.join(timeout=15)
+    assert not t.is_alive(), "request hung after its prefill worker died"
+    assert "error" in result and isinstance(result["error"], openai.InternalServerError)
+    assert_recovers(srv, pid)
+
+
+def test_kill_cache_service(server_factory):
+    srv = server_factory()
+    body = srv.health()[1]
+    cache_pid = body["cache_service"]["pid"]
+    os.kill(cache_pid, signal.SIGKILL)
+    srv.wait_status(503, timeout=10)
+    body = srv.wait_healthy(timeout=60)
+    assert body["cache_service"]["pid"] != cache_pid
+    resp = client_for(srv).chat.completions.create(model="default", messages=QUESTION, max_tokens=5, temperature=0)
+    assert resp.usage.completion_tokens == 5
+    if sys.platform.startswith("linux"):
+        # Only the new arena exists: the dead service's segment was unlinked.
+        assert len([p for p in glob.glob("/dev/shm/tandem-*") if str(srv.proc.pid) in p]) == 1
+
+
+def test_sigterm_drains_streams_and_leaves_nothing_behind(server_factory):
+    srv = server_factory()
+    children = srv.pids()
+    assert len(children) == 4  # cache, prefill, decode, router
+    stream = client_for(srv).chat.completions.create(model="default", messages=QUESTION, max_tokens=40,
+                                                     temperature=0, stream=True)
+    it = iter(stream)
+    next(it)
+    srv.proc.send_signal(signal.SIGTERM)
+    rest = list(it)  # the in-flight stream runs to its end
+    finish = [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
+    assert srv.proc.wait(timeout=60) == 0
+    time.sleep(0.5)
+    assert [p for p in children if pid_alive(p)] == []
+    if sys.platform.startswith("linux"):
+        assert [p for p in glob.glob("/dev/shm/tandem-*") if str(srv.proc.pid) in p] == []
+
+
+def test_api_key_and_queue_limit(server_factory):
+    srv = server_factory("--api-key", "sekrit", "--max-queue", "1", "--prefill-chunk", "16")
+    with pytest.raises(openai.AuthenticationError):
+        client_for(srv, api_key="wrong").models.list()
+    assert httpx.get(srv.base_url + "/health", timeout=5).status_code == 200  # health stays open
+    good = client_for(srv, api_key="sekrit")
+    assert [m.id for m in good.models.list().data] == ["SmolLM2-135M-Instruct"]
+
+    long_prompt = [{"role": "user", "content": "Summarize: " + "lorem ipsum dolor sit amet. " * 120}]
+    statuses = []
+    lock = threading.Lock()
+
+    def ask():
+        r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=60,
+                       headers={"Authorization": "Bearer sekrit"},
+                       json={"model": "default", "messages": long_prompt, "max_tokens": 2})
+        with lock:
+            statuses.append((r.status_code, r.headers.get("retry-after"), r.json()))
+
+    threads = [threading.Thread(target=ask) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    codes = sorted(s[0] for s in statuses)
+    assert len(codes) == 6 and 200 in codes and 429 in codes, statuses
+    for code, retry_after, body in statuses:
+        if code == 429:
+            assert retry_after is not None and float(retry_after) > 0
+            assert "busy" in body["error"]["message"]

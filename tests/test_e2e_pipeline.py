@@ -1,0 +1,168 @@
+"""The split pipeline end to end: a real `tandem serve` (router, prefill worker,
+decode worker and cache service as separate processes) on the embedded model,
+driven through the `openai` client and checked against `mlx_lm.generate`."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import httpx
+import openai
+import pytest
+from mlx_lm.generate import stream_generate
+
+from tests.conftest import module_server
+
+LONG_SYSTEM = (
+    "You are a meticulous travel assistant. You answer in short sentences, you never invent facts, "
+    "and when you are unsure you say so. You know European capitals, rivers, mountains and the dates "
+    "of major festivals. Always mention the country when you name a city. Prefer metric units. "
+    "If the user asks for a list, give at most three items. Keep a friendly, calm tone throughout."
+)
+
+CONVERSATIONS = {
+    "short": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+    # Longer than several prefill chunks (the server runs with --prefill-chunk 32).
+    "long": [{"role": "system", "content": LONG_SYSTEM},
+             {"role": "user", "content": "Name a river in Germany and the city it flows through."}],
+    "multi_turn": [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "2 + 2 = 4."},
+        {"role": "user", "content": "And what is that number times three?"},
+    ],
+}
+
+
+@pytest.fixture(scope="module", params=["split", "colocate"])
+def server(request, tmp_path_factory, embedded_model_dir):
+    flags = ["--prefill-chunk", "32", "--log-level", "debug"]
+    if request.param == "colocate":
+        flags.append("--colocate")
+    return module_server(request, tmp_path_factory, *flags)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def reference(embedded_model, messages, max_tokens):
+    """Greedy tokens from mlx_lm itself on the same weights, and their text."""
+    model, tokenizer = embedded_model
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    tokens = []
+    for r in stream_generate(model, tokenizer, prompt=prompt, max_tokens=max_tokens):
+        if r.token in tokenizer.eos_token_ids:
+            break
+        tokens.append(r.token)
+    return tokens, tokenizer.decode(tokens), len(prompt)
+
+
+@pytest.mark.parametrize("name", list(CONVERSATIONS))
+def test_greedy_output_matches_mlx_lm(client, embedded_model, name):
+    messages = CONVERSATIONS[name]
+    ref_tokens, ref_text, n_prompt = reference(embedded_model, messages, 40)
+    resp = client.chat.completions.create(model="default", messages=messages, max_tokens=40, temperature=0)
+    assert resp.choices[0].message.content == ref_text
+    assert resp.usage.completion_tokens == len(ref_tokens)
+    assert resp.usage.prompt_tokens == n_prompt
+    assert resp.choices[0].finish_reason == ("length" if len(ref_tokens) == 40 else "stop")
+    if name == "short":
+        assert "Paris" in resp.choices[0].message.content
+
+
+def test_sixteen_at_once_match_mlx_lm(client, embedded_model):
+    questions = [f"Give one fact about the number {i}." for i in range(16)]
+    convs = [[{"role": "user", "content": q}] for q in questions]
+    refs = [reference(embedded_model, c, 24)[1] for c in convs]
+
+    def ask(c):
+        return client.chat.completions.create(model="default", messages=c, max_tokens=24, temperature=0)
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, convs))
+    assert [a.choices[0].message.content for a in answers] == refs
+
+
+def test_stream_with_usage_matches_non_stream(client):
+    messages = CONVERSATIONS["short"]
+    full = client.chat.completions.create(model="default", messages=messages, max_tokens=20, temperature=0)
+    chunks = list(client.chat.completions.create(model="default", messages=messages, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [full.choices[0].finish_reason]
+
+
+def test_completions_endpoint(client, embedded_model):
+    model, tokenizer = embedded_model
+    prompt = "The three primary colors are"
+    ref = [r.token for r in stream_generate(model, tokenizer, prompt=tokenizer.encode(prompt), max_tokens=12)]
+    resp = client.completions.create(model="default", prompt=prompt, max_tokens=12, temperature=0)
+    assert resp.choices[0].text == tokenizer.decode(ref[:resp.usage.completion_tokens])
+    assert resp.usage.completion_tokens == 12
+
+
+def test_seed_gives_same_output(client):
+    kw = dict(model="default", messages=CONVERSATIONS["short"], max_tokens=16, temperature=1.0, top_p=0.95)
+    a = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
+    b = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
+    others = {client.chat.completions.create(seed=s, **kw).choices[0].message.content for s in (1, 2, 3)}
+    assert a == b
+    assert len(others | {a}) > 1
+
+
+def test_stop_string_cuts_output(client, embedded_model):
+    _, ref_text, _ = reference(embedded_model, CONVERSATIONS["short"], 40)
+    stop = ref_text.split()[3]  # a word from the middle of the known answer
+    resp = client.chat.completions.create(model="default", messages=CONVERSATIONS["short"], max_tokens=40,
+                                          temperature=0, stop=[stop])
+    assert resp.choices[0].message.content == ref_text[:ref_text.index(stop)]
+    assert resp.choices[0].finish_reason == "stop"
+
+
+def test_models_and_health(server, client):
+    models = client.models.list()
+    ids = [m.id for m in models.data]
+    assert ids == ["SmolLM2-135M-Instruct"]
+    code, body = server.health()
+    assert code == 200 and body["model"] == ids[0]
+    roles = sorted(w["role"] for w in body["workers"])
+    assert roles in (["decode", "prefill"], ["prefill+decode"])
+    assert all(w["state"] == "ready" and w["pid"] > 0 for w in body["workers"])
+
+
+def test_unknown_model_and_too_long_prompt(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4", messages=CONVERSATIONS["short"], max_tokens=4)
+    assert "SmolLM2-135M-Instruct" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi " * 9000}],
+                                       max_tokens=4)
+    assert "context" in e.value.message
+
+
+def test_client_disconnect_stops_generation_and_frees_kv(server):
+    """Read a few chunks of a long stream, hang up, and watch the work stop."""
+    body = {"model": "default", "messages": CONVERSATIONS["short"], "max_tokens": 2000, "temperature": 0.7,
+            "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+        _, busy = server.health()
+        assert sum(w["running"] for w in busy["workers"]) >= 1
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        _, h = server.health()
+        if sum(w["running"] + w["waiting"] for w in h["workers"]) == 0 and h["requests_in_flight"] == 0:
+            break
+        time.sleep(0.05)
+    assert sum(w["running"] + w["waiting"] for w in h["workers"]) == 0, h
+    assert h["requests_in_flight"] == 0
+    assert h["cache_service"]["used_bytes"] == 0

@@ -1,0 +1,204 @@
+"""Continuous-batching decode on MLX, a thin wrapper over mlx_lm's BatchGenerator.
+
+A prefilled request arrives as (DecodeRequest, per-layer KV cache holding the
+whole prompt). It enters BatchGenerator with the one-token prompt
+[first_token] and that cache: the batch feeds first_token at the cache's
+position and samples from there, exactly what mlx_lm.generate does after its
+prompt phase. BatchGenerator handles joining at token boundaries (the cache is
+merged into the batch's left-padded BatchKVCache), per-request samplers and
+logits processors, stop tokens and max_tokens, and drops finished rows at once.
+
+Contract with the caller (workers/runtime.py):
+  * A request whose first token already finishes it (first token is a stop/EOS
+    id, or max_tokens <= generated) never reaches `add`; the caller reports it
+    finished (see workers.prefill_mlx.first_token_finishes). `add` raises
+    ValueError for such requests rather than emit a token past the end.
+  * `step()` returns one TokenUpdate per running request that produced a token
+    this step; the first token (from prefill) is never repeated. A request
+    that joins in a step is forwarded once in that step and yields its first
+    decode token in the next one.
+  * A finishing update carries the final token (the stop/EOS id itself for
+    "stop", like mlx-lm) and finish_reason "stop" or "length".
+  * All calls on the worker's MLX thread.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Dict, Iterable, List
+
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import KVCache
+
+from protos.messages import DecodeRequest, TokenUpdate
+from workers.sampling import GREEDY_SAMPLER, build_sampling, token_logprob, wants_logprobs
+
+
+@dataclass
+class _Live:
+    request_id: str
+    uid: int
+    logprobs: bool
+    top_logprobs: int
+
+
+@dataclass
+class _Queued:
+    request: DecodeRequest
+    cache: list
+    stop_ids: List[int]
+
+
+class DecodeEngine:
+    """Decode up to `max_batch` requests together, one token each per step()."""
+
+    def __init__(self, model, max_batch: int = 32, eos_token_ids: Iterable[int] = ()):
+        self.model = model
+        self.max_batch = max_batch
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        # Prompts are one token, so BatchGenerator's own prompt phase does no
+        # real work; admission (max_batch) is ours, so it never queues.
+        self._gen = BatchGenerator(
+            model,
+            sampler=GREEDY_SAMPLER,
+            completion_batch_size=max_batch,
+            prefill_batch_size=max_batch,
+        )
+        self._queue: deque[_Queued] = deque()  # admitted later, at a step boundary
+        self._live: Dict[int, _Live] = {}  # BatchGenerator uid -> request
+        self._uid_of: Dict[str, int] = {}  # request_id -> uid
+
+    # ------------------------------------------------------------------ state
+    @property
+    def running(self) -> int:
+        """Requests inside the batch."""
+        return len(self._live)
+
+    @property
+    def waiting(self) -> int:
+        """Requests added but waiting for a free batch slot."""
+        return len(self._queue)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._live or self._queue)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of KV held for live and waiting requests (allocated buffers)."""
+        queued = sum(c.nbytes for q in self._queue for c in q.cache)
+        return self._gen.prompt_cache_nbytes + queued
+
+    def request_ids(self) -> List[str]:
+        """Ids of every request held (running, then waiting); a copy, safe to
+        iterate while cancelling."""
+        return [l.request_id for l in self._live.values()] + [
+            q.request.request_id for q in self._queue
+        ]
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._uid_of or any(
+            q.request.request_id == request_id for q in self._queue
+        )
+
+    # ---------------------------------------------------------------- control
+    def add(self, request: DecodeRequest, cache: list) -> None:
+        """Queue a prefilled request; it joins the batch at the next step()."""
+        rid = request.request_id
+        if rid in self:
+            raise ValueError(f"request {rid!r} is already decoding")
+        sp = request.sampling
+        stop_ids = sorted(set(int(t) for t in sp.stop_token_ids) | set(self.eos_token_ids))
+        if request.first_token in stop_ids:
+            raise ValueError(f"request {rid!r}: first token is a stop token; "
+                             "the caller must finish it (never send it to decode)")
+        if sp.max_tokens - request.generated <= 0:
+            raise ValueError(f"request {rid!r}: max_tokens already reached; "
+                             "the caller must finish it (never send it to decode)")
+        _check_cache(cache, request)
+        self._queue.append(_Queued(request, list(cache), stop_ids))
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a request now (queued or running); frees its KV. False if unknown."""
+        uid = self._uid_of.pop(request_id, None)
+        if uid is not None:
+            del self._live[uid]
+            self._gen.remove([uid])  # filters the batch: its KV rows are gone
+            return True
+        for q in self._queue:
+            if q.request.request_id == request_id:
+                self._queue.remove(q)
+                return True
+        return False
+
+    def step(self) -> List[TokenUpdate]:
+        """Admit waiting requests, then run one decode step for the batch."""
+        self._admit()
+        if not self._live:
+            return []
+        # next_generated keeps stepping while only newcomers are being set up,
+        # so a step on a batch of newcomers alone still yields their tokens.
+        responses = self._gen.next_generated()
+        updates = []
+        for r in responses:
+            live = self._live.get(r.uid)
+            if live is None:  # cancelled between steps; nothing to report
+                continue
+            lp = None
+            if live.logprobs:
+                lp = token_logprob(r.logprobs, r.token, live.top_logprobs)
+            updates.append(TokenUpdate(live.request_id, int(r.token), lp, r.finish_reason))
+            if r.finish_reason is not None:
+                del self._live[r.uid]
+                del self._uid_of[live.request_id]
+        return updates
+
+    def close(self) -> None:
+        self._gen.close()
+
+    # --------------------------------------------------------------- internal
+    def _admit(self) -> None:
+        while self._queue and len(self._live) < self.max_batch:
+            q = self._queue.popleft()
+            req, sp = q.request, q.request.sampling
+            # draws_done: prefill already drew `generated` tokens from a seeded
+            # stream; continue it rather than replay it.
+            sampler, processors = build_sampling(sp, draws_done=request_draws(req))
+            (uid,) = self._gen.insert(
+                [[int(req.first_token)]],
+                max_tokens=[sp.max_tokens - req.generated],
+                caches=[q.cache],
+                # Context for penalties; BatchGenerator appends first_token
+                # itself when it feeds it, matching generate_step's context.
+                all_tokens=[[int(t) for t in req.prompt_tokens]],
+                samplers=[sampler],
+                logits_processors=[processors],
+                stop_sequences=[StopSequences([[t] for t in q.stop_ids])],
+            )
+            self._live[uid] = _Live(req.request_id, uid, wants_logprobs(sp),
+                                    int(sp.top_logprobs))
+            self._uid_of[req.request_id] = uid
+
+
+def request_draws(request: DecodeRequest) -> int:
+    """Random draws already taken from the request's seeded stream."""
+    return max(int(request.generated), 0)
+
+
+def _check_cache(cache: list, request: DecodeRequest) -> None:
+    if not cache:
+        raise ValueError(f"request {request.request_id!r}: empty cache")
+    for i, c in enumerate(cache):
+        if type(c) is not KVCache:
+            raise TypeError(f"decode supports only mlx_lm KVCache layers; layer {i} "
+                            f"is {type(c).__name__}")
+        if c.keys is None or c.keys.shape[0] != 1:
+            raise ValueError(f"layer {i}: expected a filled batch-1 cache")
+        if c.offset != request.handoff.num_tokens:
+            raise ValueError(f"layer {i} holds {c.offset} tokens, handoff says "
+                             f"{request.handoff.num_tokens}")
+    # Plain rope: the next position is the token count. M-RoPE models (rope
+    # offset != token count) need a cache that carries the offset separately.
+    if request.handoff.rope_offset != request.handoff.num_tokens:
+        raise NotImplementedError("rope_offset != num_tokens (M-RoPE) is not supported yet")

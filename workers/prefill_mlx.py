@@ -1,0 +1,139 @@
+"""Prefill on MLX: run a prompt into a fresh KV cache and sample its first token.
+
+Same computation as mlx_lm.generate_step's prompt phase, so the first token is
+the one mlx_lm.generate would produce: all tokens but the last go through the
+model in chunks (only the cache is evaluated, so the lm_head never runs over
+the whole chunk), then the last token runs alone and its logits go through the
+request's logits processors (context: the whole prompt) and sampler.
+
+Two ways to drive it, both on the worker's single MLX thread:
+  engine.run(tokens, sampling)           -> PrefillResult (all chunks at once)
+  job = engine.start(tokens, sampling)   -> PrefillJob; call job.step() until it
+                                            returns a PrefillResult (one chunk
+                                            per call, so a colocated worker can
+                                            run decode steps in between).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import make_prompt_cache
+
+from protos.messages import SamplingParams, TokenLogprob
+from workers.sampling import build_sampling, token_logprob, wants_logprobs
+
+
+@dataclass
+class PrefillResult:
+    first_token: int
+    logprob: Optional[TokenLogprob]  # set only when the request asked for logprobs
+    cache: list  # per-layer mlx_lm caches holding the whole prompt (batch size 1)
+    num_tokens: int  # prompt tokens covered by the cache
+    rope_offset: int  # position of the next token (== num_tokens for plain rope)
+    prefill_ms: float  # compute time spent inside step()/run(), not wall time
+
+
+class PrefillJob:
+    """One prompt being prefilled, one chunk per `step()`."""
+
+    def __init__(self, engine: "PrefillEngine", prompt_tokens: Sequence[int],
+                 sampling: SamplingParams):
+        if len(prompt_tokens) == 0:
+            raise ValueError("empty prompt")
+        self.engine = engine
+        self.sampling = sampling
+        self.prompt = mx.array(list(prompt_tokens), dtype=mx.int32)
+        self.total = len(prompt_tokens)
+        self.processed = 0  # prompt tokens already in the cache
+        self.cache = make_prompt_cache(engine.model)
+        self.result: Optional[PrefillResult] = None
+        self._compute_s = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    def step(self) -> Optional[PrefillResult]:
+        """Process the next chunk; returns the result once the prompt is done.
+
+        The last token always runs alone (as in generate_step), in the same
+        call as the final chunk so a prompt takes max(1, ceil((n-1)/chunk)) calls.
+        """
+        if self.result is not None:
+            return self.result
+        tic = time.perf_counter()
+        model, chunk = self.engine.model, self.engine.chunk_size
+        with mx.stream(generation_stream):
+            remaining = self.total - self.processed - 1  # all but the last token
+            if remaining > 0:
+                n = min(chunk, remaining)
+                model(self.prompt[None, self.processed : self.processed + n],
+                      cache=self.cache)
+                mx.eval([c.state for c in self.cache])
+                self.processed += n
+            if self.total - self.processed == 1:
+                self.result = self._finish()
+        self._compute_s += time.perf_counter() - tic
+        if self.result is not None:
+            self.result.prefill_ms = self._compute_s * 1000.0
+        return self.result
+
+    def _finish(self) -> PrefillResult:
+        sampler, processors = build_sampling(self.sampling, draws_done=0)
+        logits = self.engine.model(self.prompt[None, -1:], cache=self.cache)[:, -1, :]
+        for proc in processors:
+            logits = proc(self.prompt, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        token = sampler(logprobs)
+        mx.eval(token, logprobs, [c.state for c in self.cache])
+        first = int(token.item())
+        self.processed = self.total
+        lp = None
+        if wants_logprobs(self.sampling):
+            lp = token_logprob(logprobs, first, self.sampling.top_logprobs)
+        return PrefillResult(
+            first_token=first,
+            logprob=lp,
+            cache=self.cache,
+            num_tokens=self.total,
+            rope_offset=self.total,
+            prefill_ms=0.0,
+        )
+
+
+class PrefillEngine:
+    """Prefills prompts with `model` in chunks of `chunk_size` tokens."""
+
+    def __init__(self, model, chunk_size: int = 512):
+        if chunk_size < 1:
+            raise ValueError("chunk_size must be >= 1")
+        self.model = model
+        self.chunk_size = chunk_size
+
+    def start(self, prompt_tokens: Sequence[int], sampling: SamplingParams) -> PrefillJob:
+        return PrefillJob(self, prompt_tokens, sampling)
+
+    def run(self, prompt_tokens: Sequence[int], sampling: SamplingParams) -> PrefillResult:
+        job = self.start(prompt_tokens, sampling)
+        while (result := job.step()) is None:
+            pass
+        return result
+
+
+def first_token_finishes(result_token: int, sampling: SamplingParams,
+                         eos_token_ids: Sequence[int] = ()) -> Optional[str]:
+    """finish_reason if the first (prefill) token already ends the request.
+
+    Such requests must NOT be sent to the decode engine (DecodeEngine.add
+    rejects them): the caller reports the token with this finish_reason.
+    """
+    if result_token in set(sampling.stop_token_ids) | set(eos_token_ids):
+        return "stop"
+    if sampling.max_tokens <= 1:
+        return "length"
+    return None

@@ -1,0 +1,249 @@
+"""A worker process: one or more roles (prefill, decode) over one copy of the weights.
+
+The main thread owns every MLX call: it loads the model, runs prefill chunks
+and decode steps, and reads/writes KV in the shared-memory arena. The socket
+loop thread (workers.socket_loop) moves messages to and from the router.
+
+Scheduling inside the process is simple and bounded: between any two units of
+MLX work (one prefill chunk, one decode step) the inbox is drained, so a
+cancel lands within one step, and with both roles prefill chunks and decode
+steps alternate, so a long prompt never freezes the streams for its whole
+prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import time
+from collections import deque
+
+import zmq
+
+from cache_service.arena import ArenaAttachment
+from cache_service.client import CacheClient, CacheUnavailable
+from deploy.logs import setup_logging
+from deploy.settings import Settings
+from protos import transport
+from protos.messages import (
+    Cancel,
+    DecodeRequest,
+    KVHandoff,
+    PrefillDone,
+    PrefillRequest,
+    RequestFailed,
+    TokenBatch,
+    WorkerHello,
+)
+from workers.prefill_mlx import first_token_finishes
+from workers.socket_loop import Outbox, SocketLoop
+
+log = logging.getLogger(__name__)
+
+# Handoff reservations outlive any sane gap between prefill and decode, and
+# still free themselves when a decode worker dies holding one.
+HANDOFF_TTL_S = 120.0
+
+
+class Worker:
+    def __init__(self, settings: Settings, roles: list[str], worker_id: str, ctx: zmq.Context, loop: SocketLoop):
+        self.settings = settings
+        self.roles = roles
+        self.worker_id = worker_id
+        self.ctx = ctx
+        self.loop = loop
+        self.hello = loop.hello
+        self.outbox: Outbox | None = None
+        self.cache: CacheClient | None = None
+        self.arenas = ArenaAttachment()  # re-attaches when a restarted cache service has a new arena
+        self.prefill = None
+        self.decode = None
+        self.prefill_queue: deque[PrefillRequest] = deque()
+        self.current = None  # (PrefillRequest, incremental prefill job)
+        self.local_kv: dict[str, list] = {}  # colocated handoffs: the KV never leaves the process
+        self.stopping = False
+
+    # ------------------------------------------------------------ set-up --
+    def load(self) -> None:
+        from workers.decode import DecodeEngine
+        from workers.loading import context_length, load_model
+        from workers.prefill_mlx import PrefillEngine
+
+        t0 = time.perf_counter()
+        model, _tokenizer = load_model(self.settings.model_dir)
+        if "prefill" in self.roles:
+            self.prefill = PrefillEngine(model, chunk_size=self.settings.prefill_chunk)
+        if "decode" in self.roles:
+            self.decode = DecodeEngine(model, max_batch=self.settings.max_batch)
+        self.outbox = Outbox(self.ctx)
+        self.cache = CacheClient(self.settings)
+        self.hello.max_context = context_length(self.settings.model_dir)
+        self.hello.state = "ready"
+        log.info("worker %s %s ready in %.1fs (pid %d)", self.worker_id, "+".join(self.roles),
+                 time.perf_counter() - t0, os.getpid())
+
+    # ---------------------------------------------------------- main loop --
+    def serve(self) -> None:
+        while not self.stopping:
+            self.drain_inbox(block=not self.has_work())
+            if self.stopping:
+                break
+            if self.prefill is not None and (self.current or self.prefill_queue):
+                self.guarded(self.current[0].request_id if self.current else self.prefill_queue[0].request_id,
+                             self.prefill_chunk)
+            if self.decode is not None and self.decode.has_work:
+                self.decode_step()
+            self.update_load()
+
+    def has_work(self) -> bool:
+        return bool(self.current or self.prefill_queue or (self.decode is not None and self.decode.has_work))
+
+    def drain_inbox(self, block: bool) -> None:
+        timeout = 0.25 if block else None
+        while True:
+            try:
+                msg = self.loop.inbox.get(block=block, timeout=timeout) if block else self.loop.inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if msg is None:  # stop signal from the socket loop or SIGTERM
+                self.stopping = True
+                return
+            self.handle(msg)
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, PrefillRequest) and self.prefill is not None:
+            self.prefill_queue.append(msg)
+        elif isinstance(msg, DecodeRequest) and self.decode is not None:
+            self.guarded(msg.request_id, self.start_decode, msg)
+        elif isinstance(msg, Cancel):
+            self.cancel(msg.request_id)
+        else:
+            log.error("worker %s (%s) ignores %s", self.worker_id, "+".join(self.roles), type(msg).__name__)
+
+    def guarded(self, request_id: str, fn, *args) -> None:
+        """Run one unit of work; a failure fails that request, never the process."""
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - any failure must reach the client
+            log.exception("request %s failed in worker %s", request_id, self.worker_id)
+            self.cancel(request_id)
+            status = 503 if isinstance(exc, CacheUnavailable) else 500
+            self.outbox.send(RequestFailed(request_id, f"{type(exc).__name__}: {exc}", status))
+
+    def cancel(self, request_id: str) -> None:
+        self.prefill_queue = deque(r for r in self.prefill_queue if r.request_id != request_id)
+        if self.current and self.current[0].request_id == request_id:
+            self.current = None
+        self.local_kv.pop(request_id, None)
+        if self.decode is not None:
+            self.decode.cancel(request_id)
+
+    def update_load(self) -> None:
+        running = (1 if self.current else 0) + (self.decode.running if self.decode else 0)
+        self.hello.running = running
+        self.hello.waiting = len(self.prefill_queue) + (self.decode.waiting if self.decode else 0)
+        self.hello.kv_bytes = self.decode.kv_bytes if self.decode else 0
+
+    # ------------------------------------------------------------ prefill --
+    def prefill_chunk(self) -> None:
+        if self.current is None:
+            req = self.prefill_queue.popleft()
+            self.current = (req, self.prefill.start(req.prompt_tokens, req.sampling))
+        req, job = self.current
+        result = job.step()
+        if result is None:
+            return
+        self.current = None
+        first = result.first_token
+        finish = first_token_finishes(first, req.sampling)
+        if finish is not None:
+            handoff = KVHandoff(req.request_id, result.num_tokens, result.rope_offset, local=True)
+        else:
+            handoff = self.hand_off(req, result)
+        self.outbox.send(PrefillDone(req.request_id, first, handoff, result.logprob, finish, result.prefill_ms))
+
+    def hand_off(self, req: PrefillRequest, result) -> KVHandoff:
+        """Put the prompt's KV where the decode worker will find it."""
+        from workers.kv_transfer import kv_dtype_name, kv_nbytes, write_kv
+
+        if req.decode_worker == self.worker_id and self.decode is not None:
+            self.local_kv[req.request_id] = result.cache
+            return KVHandoff(req.request_id, result.num_tokens, result.rope_offset, local=True)
+        t0 = time.perf_counter()
+        nbytes = kv_nbytes(result.cache)
+        reply = self.cache.alloc(nbytes, owner=req.request_id, ttl_s=HANDOFF_TTL_S)
+        if not reply.ok:
+            raise CacheUnavailable(f"KV handoff of {nbytes} bytes refused: {reply.error}")
+        layers = write_kv(self.arenas.get(reply.arena).buf, reply.offset, result.cache)
+        write_ms = (time.perf_counter() - t0) * 1000
+        log.debug("handoff %s: wrote %d bytes in %.2f ms", req.request_id, nbytes, write_ms)
+        return KVHandoff(req.request_id, result.num_tokens, result.rope_offset, arena=reply.arena,
+                         allocation=reply.allocation, layers=layers, kv_dtype=kv_dtype_name(result.cache),
+                         bytes_moved=nbytes, write_ms=write_ms)
+
+    # ------------------------------------------------------------- decode --
+    def start_decode(self, req: DecodeRequest) -> None:
+        from workers.kv_transfer import read_kv
+
+        h = req.handoff
+        if h.local:
+            cache = self.local_kv.pop(req.request_id, None)
+            if cache is None:
+                raise RuntimeError("colocated KV for this request is gone (cancelled or never prefilled here)")
+        else:
+            t0 = time.perf_counter()
+            cache = read_kv(self.arenas.get(h.arena).buf, h.layers)
+            # The arena slot is free to reuse once the KV is ours.
+            self.cache.free(allocations=[h.allocation], arena=h.arena)
+            log.debug("handoff %s: read %d bytes in %.2f ms (write took %.2f ms)", req.request_id,
+                      h.bytes_moved, (time.perf_counter() - t0) * 1000, h.write_ms)
+        self.decode.add(req, cache)
+
+    def decode_step(self) -> None:
+        try:
+            updates = self.decode.step()
+        except Exception as exc:  # noqa: BLE001 - a broken batch fails its requests, not the worker
+            log.exception("decode step failed in worker %s", self.worker_id)
+            for rid in self.decode.request_ids():
+                self.decode.cancel(rid)
+                self.outbox.send(RequestFailed(rid, f"decode failed: {type(exc).__name__}: {exc}", 500))
+            return
+        if updates:
+            self.outbox.send(TokenBatch(updates))
+
+    def close(self) -> None:
+        if self.outbox:
+            self.outbox.close()
+        if self.cache:
+            self.cache.close()
+        self.arenas.close()
+
+
+def run(settings: Settings, roles: list[str], worker_id: str) -> None:
+    """Process main for a worker (a `spawn` target)."""
+    setup_logging(settings.log_level, f"worker:{worker_id}")
+    ctx = zmq.Context()
+    hello = WorkerHello(worker_id=worker_id, roles=list(roles), pid=os.getpid(), state="loading",
+                        model_id=settings.model_id)
+    loop = SocketLoop(ctx, transport.ipc_address(settings.run_dir, "router"), hello, settings.heartbeat_interval_s)
+    worker = Worker(settings, roles, worker_id, ctx, loop)
+
+    def on_signal(signum, _frame):
+        worker.stopping = True
+        loop.inbox.put(None)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    loop.start()
+    try:
+        worker.load()
+        worker.serve()
+    finally:
+        loop.stopping.set()
+        loop.join(timeout=2)
+        worker.close()
+        ctx.term() if not loop.is_alive() else None
+        log.info("worker %s stopped", worker_id)

@@ -1,0 +1,147 @@
+"""Turn a request's SamplingParams into mlx-lm samplers and logits processors.
+
+Everything here reuses mlx-lm's pieces (greedy_sampler, the top-p / min-p /
+top-k filters, make_logits_processors) so that our tokens match mlx_lm.generate.
+The one thing mlx-lm does not give us is a *per-request* random stream: its
+categorical sampler draws from MLX's global PRNG, so a request's output would
+depend on what else shares the batch. `SeededSampler` owns its own PRNG key.
+
+Runs on the worker's MLX thread only (like all MLX work).
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Callable, List, Tuple
+
+import mlx.core as mx
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    greedy_sampler,
+    make_logits_processors,
+)
+
+from protos.messages import SamplingParams, TokenLogprob
+
+Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+# One object for every greedy request: BatchGenerator samples the whole batch
+# in one call when all rows share the same sampler object.
+GREEDY_SAMPLER: Sampler = greedy_sampler
+
+
+class SeededSampler:
+    """Temperature sampling with top-p / min-p / top-k and its own PRNG stream.
+
+    Draw i uses the i-th subkey of the chain `key_{i+1}, sub_i = split(key_i)`
+    starting from `mx.random.key(seed)`. `skip` draws can be consumed up front
+    so that a decode worker continues the exact stream prefill started (prefill
+    drew once for the first token; decode passes skip=1).
+
+    Called with log-probabilities of shape (1, vocab) — one request's row — and
+    returns shape (1,), like mlx-lm samplers.
+    """
+
+    def __init__(self, params: SamplingParams, seed: int, skip: int = 0):
+        self.seed = seed
+        self.temperature = float(params.temperature)
+        self._filters = []
+        # Same filter order and conditions as mlx_lm.sample_utils.make_sampler.
+        if 0 < params.top_p < 1.0:
+            self._filters.append(lambda x, p=float(params.top_p): apply_top_p(x, p))
+        if params.min_p != 0.0:
+            self._filters.append(lambda x, p=float(params.min_p): apply_min_p(x, p, 1))
+        if params.top_k > 0:
+            # mlx-lm rejects top_k >= vocab; clients send that meaning "off".
+            self._filters.append(
+                lambda x, k=int(params.top_k): apply_top_k(x, k) if k < x.shape[-1] else x
+            )
+        self._key = mx.random.key(seed)
+        for _ in range(skip):
+            self._next_key()
+
+    def _next_key(self) -> mx.array:
+        self._key, sub = mx.random.split(self._key)
+        return sub
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        for f in self._filters:
+            logprobs = f(logprobs)
+        return mx.random.categorical(
+            logprobs * (1.0 / self.temperature), key=self._next_key()
+        )
+
+
+def random_seed() -> int:
+    """A fresh 63-bit seed for requests that did not give one."""
+    return secrets.randbits(63)
+
+
+def make_sampler(params: SamplingParams, draws_done: int = 0) -> Sampler:
+    """The sampler for one request.
+
+    draws_done: tokens already sampled for this request elsewhere (prefill), so
+    a seeded request continues its random stream instead of repeating it.
+    """
+    if params.temperature == 0:
+        return GREEDY_SAMPLER
+    if params.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+    seed = params.seed if params.seed is not None else random_seed()
+    return SeededSampler(params, seed, skip=draws_done)
+
+
+def make_processors(params: SamplingParams) -> List[LogitsProcessor]:
+    """mlx-lm logits processors for bias and the three penalties (may be empty)."""
+    # The wire format keys logit_bias by str (msgpack maps); mlx-lm wants ints.
+    bias = {int(k): float(v) for k, v in (params.logit_bias or {}).items()}
+    return make_logits_processors(
+        logit_bias=bias or None,
+        # mlx-lm treats 1.0 as a real (no-op) penalty; skip it to save work.
+        repetition_penalty=(
+            params.repetition_penalty if params.repetition_penalty != 1.0 else None
+        ),
+        presence_penalty=params.presence_penalty or None,
+        frequency_penalty=params.frequency_penalty or None,
+    )
+
+
+def build_sampling(
+    params: SamplingParams, draws_done: int = 0
+) -> Tuple[Sampler, List[LogitsProcessor]]:
+    """(sampler, logits_processors) for one request."""
+    return make_sampler(params, draws_done), make_processors(params)
+
+
+def wants_logprobs(params: SamplingParams) -> bool:
+    return bool(params.logprobs) or params.top_logprobs > 0
+
+
+def token_logprob(
+    logprobs: mx.array, token: int, top_n: int = 0
+) -> TokenLogprob:
+    """TokenLogprob for `token` from one row of normalized log-probabilities.
+
+    `logprobs` is the (vocab,) or (1, vocab) vector mlx-lm yields (after the
+    logits processors, before temperature and filters: the same vector
+    mlx_lm.generate reports). top is [[id, logprob], ...], best first.
+    Only call it for requests that asked: it forces a sync and a partition.
+    """
+    row = logprobs.reshape(-1)
+    chosen = row[token]
+    if top_n <= 0:
+        return TokenLogprob(token=int(token), logprob=chosen.item())
+    top_n = min(int(top_n), row.shape[0])
+    # argpartition is O(vocab); only the top_n survivors get sorted.
+    idx = mx.argpartition(-row, kth=top_n - 1)[:top_n]
+    vals = row[idx]
+    mx.eval(chosen, idx, vals)
+    pairs = sorted(zip(idx.tolist(), vals.tolist()), key=lambda p: -p[1])
+    return TokenLogprob(
+        token=int(token),
+        logprob=chosen.item(),
+        top=[[int(i), float(v)] for i, v in pairs],
+    )

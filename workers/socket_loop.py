@@ -1,0 +1,99 @@
+"""A worker's I/O thread: the only thread that touches the socket to the router.
+
+MLX work lives on the worker's main thread (Metal crashes when two threads
+drive it), so this thread only moves messages: router -> `inbox` (a
+queue.Queue the MLX thread reads), and the MLX thread's `Outbox` -> router.
+It also sends the heartbeat, so a worker deep in a long prefill chunk still
+reports itself alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import replace
+
+import zmq
+
+from protos import transport
+from protos.messages import WorkerHello
+
+log = logging.getLogger(__name__)
+
+_OUTBOX_ADDR = "inproc://outbox"
+
+
+class Outbox:
+    """Owned by the MLX thread: hands messages to the I/O thread without a lock.
+
+    A PUSH over inproc wakes the I/O thread's poller at once, so a decoded token
+    waits for no polling interval before it leaves the process.
+    """
+
+    def __init__(self, ctx: zmq.Context):
+        self._sock = transport.make_socket(ctx, zmq.PUSH)
+        self._sock.connect(_OUTBOX_ADDR)
+
+    def send(self, msg) -> None:
+        transport.send(self._sock, msg)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class SocketLoop(threading.Thread):
+    """Connects to the router, forwards traffic both ways, sends heartbeats."""
+
+    def __init__(self, ctx: zmq.Context, router_addr: str, hello: WorkerHello, interval_s: float):
+        super().__init__(name="socket-loop", daemon=True)
+        self.ctx = ctx
+        self.router_addr = router_addr
+        self.hello = hello  # the MLX thread updates its load fields in place
+        self.interval_s = interval_s
+        self.inbox: queue.Queue = queue.Queue()
+        self.stopping = threading.Event()
+        # Bind before the MLX thread connects its Outbox (inproc needs bind first).
+        self._pull = transport.make_socket(ctx, zmq.PULL)
+        self._pull.bind(_OUTBOX_ADDR)
+
+    def run(self) -> None:
+        dealer = transport.make_socket(self.ctx, zmq.DEALER, identity=self.hello.worker_id)
+        dealer.connect(self.router_addr)
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        poller.register(self._pull, zmq.POLLIN)
+        next_beat = 0.0
+        try:
+            while not self.stopping.is_set():
+                now = time.monotonic()
+                if now >= next_beat:
+                    transport.send(dealer, replace(self.hello))
+                    next_beat = now + self.interval_s
+                events = dict(poller.poll(timeout=max(1, int((next_beat - now) * 1000))))
+                if dealer in events:
+                    while True:
+                        try:
+                            msg = transport.recv(dealer, flags=zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        if msg is not None:
+                            self.inbox.put(msg)
+                if self._pull in events:
+                    while True:
+                        try:
+                            frames = self._pull.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        dealer.send_multipart(frames, copy=False)
+        finally:
+            # One last heartbeat saying we are stopping lets the router fail
+            # our requests at once instead of waiting for the timeout.
+            try:
+                self.hello.state = "stopping"
+                transport.send(dealer, replace(self.hello), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            dealer.close()
+            self._pull.close()
