@@ -1,7 +1,7 @@
 """Run MLX's CPU backend on OpenBLAS instead of the wheel's bundled BLAS.
 
-The Linux `mlx[cpu]` wheel links a reference BLAS that is ~35-50x slower
-than OpenBLAS for this project's matmuls (BENCHMARKS.md). A library can only
+The Linux `mlx[cpu]` wheel links a reference BLAS that is ~35x slower
+than OpenBLAS for prefill, ~2x for decode (BENCHMARKS.md). A library can only
 be swapped in before the process starts, so the command line re-executes
 itself once with LD_PRELOAD set; processes it spawns later inherit it.
 """

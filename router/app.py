@@ -106,7 +106,7 @@ class _Api:
         generation = Generation(
             self.engine,
             GenerationRequest(request_id, parsed.prompt_tokens, parsed.sampling),
-            TextStream(self.tokenizer, parsed.stop),
+            TextStream(self.tokenizer, parsed.stop, keep_leading_space=parsed.kind == "completion"),
             self.settings.request_timeout_s + DEADLINE_BACKSTOP_S,
         )
         fmt = format_class(request_id, self.engine.model_id, parsed, self.token_bytes)

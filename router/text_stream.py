@@ -2,8 +2,8 @@
 
 Two things make this more than `tokenizer.decode`:
 - One character may span several tokens (an emoji is four byte-tokens in a byte-level
-  BPE). mlx-lm's streaming detokenizer holds such bytes back until the character is
-  whole, so no chunk ever carries half a character.
+  BPE). Token bytes go through an incremental UTF-8 decoder, which holds a partial
+  character back until it is whole, so no chunk ever carries half a character.
 - A stop string may span several tokens ("ST" + "OP"). Text that could be the start of a
   stop string is held back until the next token either completes the match (cut there,
   stop) or rules it out (release it).
@@ -11,6 +11,7 @@ Two things make this more than `tokenizer.decode`:
 
 from __future__ import annotations
 
+import codecs
 from typing import Sequence
 
 from mlx_lm.tokenizer_utils import _byte_decoder
@@ -19,8 +20,12 @@ from mlx_lm.tokenizer_utils import _byte_decoder
 class TextStream:
     """One request's detokenizer. `add` each generated token; `flush` at the end."""
 
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
-        self._detokenizer = tokenizer.detokenizer  # a fresh copy per request
+    def __init__(self, tokenizer, stop: Sequence[str] = (), keep_leading_space: bool = False):
+        self._bytes = TokenBytes(tokenizer)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # A chat answer's first token often carries the word-separating space of
+        # its tokenizer ("▁The"); a completion continues the prompt and keeps it.
+        self._trim_space = not keep_leading_space
         self._stops = [s for s in stop if s]
         self._held = ""  # decoded text not yet released: it may begin a stop string
         self.stopped = False  # a stop string matched; nothing more will be released
@@ -29,15 +34,20 @@ class TextStream:
         """Feed one token; return the text that is now safe to send (may be "")."""
         if self.stopped:
             return ""
-        self._detokenizer.add_token(token)
-        return self._release(self._detokenizer.last_segment, final=False)
+        return self._release(self._decode(self._bytes(token), final=False), final=False)
 
     def flush(self) -> str:
         """The generation ended: return whatever text was still held back."""
         if self.stopped:
             return ""
-        self._detokenizer.finalize()
-        return self._release(self._detokenizer.last_segment, final=True)
+        return self._release(self._decode(b"", final=True), final=True)
+
+    def _decode(self, data: bytes, final: bool) -> str:
+        text = self._utf8.decode(data, final)
+        if self._trim_space and text:
+            self._trim_space = False
+            text = text[1:] if text[0] == " " else text
+        return text
 
     def _release(self, new_text: str, final: bool) -> str:
         text = self._held + new_text
