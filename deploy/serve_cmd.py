@@ -36,7 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-workers", type=_positive, default=d.decode_workers)
     p.add_argument("--colocate", action="store_true", help="prefill and decode in one process (one copy of the weights)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    p.add_argument("--cache-memory", type=_bytes, default=d.cache_memory_bytes, help="shared-memory arena size, e.g. 2G")
+    p.add_argument("--cache-memory", type=_bytes, default=d.cache_memory_bytes,
+                   help=f"shared-memory KV arena, e.g. 2G (default: a tenth of RAM, here {d.cache_memory_bytes / 2**30:.1f}G)")
+    p.add_argument("--cache-dir", default=d.cache_dir, help="disk tier for KV blocks, kept across restarts")
+    p.add_argument("--no-disk-cache", action="store_true", help="keep KV blocks in memory only")
+    p.add_argument("--cache-disk-bytes", type=_bytes, default=d.cache_disk_bytes, help="disk tier size limit, e.g. 8G")
+    p.add_argument("--block-size", type=_positive, default=d.block_size, help="tokens per KV block")
     p.add_argument("--max-batch", type=_positive, default=d.max_batch, help="decode batch size per decode worker")
     p.add_argument("--prefill-chunk", type=_positive, default=d.prefill_chunk, help="tokens per prefill step")
     p.add_argument("--max-queue", type=_positive, default=d.max_queue, help="queued requests beyond which clients get 429")
@@ -58,10 +63,13 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, model_dir=str(model_dir), model_id=model_id_for(args.model, model_dir),
         host=args.host, port=args.port, api_key=args.api_key,
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, colocate=args.colocate,
-        cache_memory_bytes=args.cache_memory, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
+        cache_memory_bytes=args.cache_memory, cache_dir=None if args.no_disk_cache else args.cache_dir,
+        cache_disk_bytes=args.cache_disk_bytes, block_size=args.block_size, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
         max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, log_level=args.log_level,
     )
-    logging.getLogger(__name__).info("cache arena: %.0f MiB of shared memory", settings.cache_memory_bytes / 2**20)
+    logging.getLogger(__name__).info(
+        "KV cache: %.0f MiB of shared memory, disk tier %s", settings.cache_memory_bytes / 2**20,
+        f"{settings.cache_dir} ({settings.cache_disk_bytes / 2**30:.1f} GiB)" if settings.cache_dir else "off")
     supervisor = Supervisor(settings)
     signal.signal(signal.SIGTERM, supervisor.request_stop)
     signal.signal(signal.SIGINT, supervisor.request_stop)

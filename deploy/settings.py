@@ -19,6 +19,15 @@ def default_cache_dir() -> str:
     return os.path.join(base, "tandem")
 
 
+def default_cache_memory() -> int:
+    """A tenth of physical memory, between 256 MiB and 8 GiB: the KV arena."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = 8 << 30
+    return max(256 << 20, min(8 << 30, ram // 10))
+
+
 @dataclass
 class Settings:
     # What is served
@@ -37,7 +46,11 @@ class Settings:
     run_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="tandem-"))
     # Cache service
     arena_name: str = ""  # shared-memory segment; the supervisor picks a fresh one per start
-    cache_memory_bytes: int = 1 << 30
+    cache_memory_bytes: int = field(default_factory=default_cache_memory)
+    # Prefix cache
+    block_size: int = 32  # tokens per KV block
+    cache_dir: str | None = field(default_factory=lambda: os.path.join(default_cache_dir(), "kv"))  # None: no disk tier
+    cache_disk_bytes: int = 8 << 30
     # Scheduling and admission
     max_batch: int = 32  # decode batch size per decode worker
     prefill_chunk: int = 512  # tokens per prefill step (bounds how long decode waits in --colocate)

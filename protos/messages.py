@@ -120,6 +120,7 @@ class PrefillDone:
     logprob: Optional[TokenLogprob] = None
     finish_reason: Optional[str] = None  # set when the first token already ends it
     prefill_ms: float = 0.0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass
@@ -226,6 +227,77 @@ class CacheReply:
     stats: dict = field(default_factory=dict)
 
 
+# --------------------------------------------------------------------------- #
+# Prefix cache: KV blocks keyed by chained block hashes (same cache service socket)
+# A block holds the KV of `block_size` tokens for every layer, in the layout
+# workers.kv_transfer defines; the service only sees opaque byte ranges.
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class BlockRef:
+    hash: bytes  # 32-byte chained block hash, never truncated
+    offset: int  # in the arena named by the reply
+    nbytes: int
+
+
+@dataclass
+class KVLookup:
+    """Find the longest run of cached blocks from the start of `hashes` and
+    lease them: leased blocks are never evicted until released or expired."""
+
+    call_id: int
+    hashes: list  # [bytes, ...] chained, in prompt order
+    owner: str
+    lease_s: float = 30.0
+
+
+@dataclass
+class KVLookupReply:
+    call_id: int
+    ok: bool
+    arena: str = ""
+    lease: int = -1  # give back with KVRelease (or let it expire)
+    blocks: list = field(default_factory=list)  # [BlockRef] for hashes[0:len(blocks)]
+    error: str = ""
+
+
+@dataclass
+class KVRelease:
+    call_id: int
+    lease: int
+
+
+@dataclass
+class KVReserve:
+    """Phase one of a put: space for blocks not cached yet (evicting unleased
+    LRU blocks if needed). Reserved blocks are invisible to lookups until
+    KVCommit; a reservation not committed within `ttl_s` is dropped."""
+
+    call_id: int
+    hashes: list  # [bytes, ...]
+    nbytes: int  # per block
+    owner: str
+    ttl_s: float = 30.0
+
+
+@dataclass
+class KVReserveReply:
+    call_id: int
+    ok: bool
+    arena: str = ""
+    blocks: list = field(default_factory=list)  # [BlockRef] to write; cached or in-flight hashes are left out
+    error: str = ""
+
+
+@dataclass
+class KVCommit:
+    """Phase two: the reserved blocks are written; make them visible. Reply: CacheReply."""
+
+    call_id: int
+    hashes: list
+
+
 ALL_MESSAGES = [
     SamplingParams,
     ArenaSlice,
@@ -244,4 +316,11 @@ ALL_MESSAGES = [
     CacheFree,
     CacheStats,
     CacheReply,
+    BlockRef,
+    KVLookup,
+    KVLookupReply,
+    KVRelease,
+    KVReserve,
+    KVReserveReply,
+    KVCommit,
 ]

@@ -32,6 +32,7 @@ from protos.messages import (
     WorkerHello,
 )
 from router.engine_api import EngineError, EngineEvent, GenerationRequest
+from router.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class Dispatcher:
         self._sock = None
         self._cache: Optional[AsyncCacheClient] = None
         self._tasks: list[asyncio.Task] = []
+        self.metrics = Metrics(self)
 
     # ---------------------------------------------------------- lifecycle --
     async def start(self) -> None:
@@ -136,7 +138,7 @@ class Dispatcher:
         return ready, body
 
     async def metrics_text(self) -> str:
-        return ""
+        return self.metrics.text()
 
     # ------------------------------------------------------------ routing --
     def _pick(self, role: str, exclude: str = "") -> WorkerState:
@@ -154,17 +156,24 @@ class Dispatcher:
             return False
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[EngineEvent]:
-        waiting = sum(1 for st in self.requests.values() if st.phase == "prefill")
-        if waiting >= self.settings.max_queue:
-            raise EngineError(429, f"server busy: {waiting} requests are queued for prefill; retry later",
-                              retry_after=1.0)
-        prefill = self._pick("prefill")
+        try:
+            waiting = sum(1 for st in self.requests.values() if st.phase == "prefill")
+            if waiting >= self.settings.max_queue:
+                raise EngineError(429, f"server busy: {waiting} requests are queued for prefill; retry later",
+                                  retry_after=1.0)
+            prefill = self._pick("prefill")
+        except EngineError as exc:  # refused at admission: counted, never queued
+            self.metrics.requests.labels(status=str(exc.status)).inc()
+            raise
         rid = req.request_id
         st = RequestState(req, asyncio.Queue(), prefill.hello.worker_id)
         # With both roles in one process the KV stays where it was computed.
         local = "decode" in prefill.hello.roles and self.settings.colocate
         self.requests[rid] = st
         prefill.assigned.add(rid)
+        m = self.metrics
+        m.prompt_tokens.inc(len(req.prompt_tokens))
+        outcome, last = "cancelled", None
         try:
             if not await self._send(st.prefill_worker, PrefillRequest(
                     rid, list(req.prompt_tokens), req.sampling, st.prefill_worker if local else "")):
@@ -177,12 +186,21 @@ class Dispatcher:
                     raise EngineError(504, f"request exceeded {self.settings.request_timeout_s:.0f}s") from None
                 if isinstance(item, EngineError):
                     raise item
+                now = time.monotonic()
+                (m.ttft if last is None else m.itl).observe(now - (st.started if last is None else last))
+                last = now
+                m.generation_tokens.inc()
                 if item.finish_reason is not None:
-                    st.phase = "done"
+                    st.phase, outcome = "done", "ok"
+                    m.duration.observe(now - st.started)
                 yield item
                 if st.phase == "done":
                     return
+        except EngineError as exc:
+            outcome = str(exc.status)
+            raise
         finally:
+            m.requests.labels(status=outcome).inc()
             await self._finish(st)
 
     async def _finish(self, st: RequestState) -> None:
@@ -259,7 +277,11 @@ class Dispatcher:
         if st is None:  # the client left while prefill ran: release the KV it wrote
             await self._free(h)
             return
-        st.events.put_nowait(EngineEvent(done.first_token, done.logprob, done.finish_reason))
+        self.metrics.prefix_queries.inc()
+        self.metrics.prefix_hit_tokens.inc(done.cached_tokens)
+        if not h.local:
+            self.metrics.handoff.observe(h.write_ms / 1000)
+        st.events.put_nowait(EngineEvent(done.first_token, done.logprob, done.finish_reason, done.cached_tokens))
         if done.finish_reason is not None:
             return
         if h.local:

@@ -18,7 +18,7 @@ from protos.messages import (
 
 def _example(cls):
     """An instance of `cls` with every required field filled by its type."""
-    fillers = {"int": 7, "str": "x", "float": 0.5, "bool": True, "list": [1, 2], "dict": {"a": 1}}
+    fillers = {"int": 7, "str": "x", "float": 0.5, "bool": True, "list": [1, 2], "dict": {"a": 1}, "bytes": b"\x00" * 32}
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:

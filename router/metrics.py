@@ -1,0 +1,78 @@
+"""Prometheus metrics the router exposes at /metrics.
+
+Request-level numbers (latencies, tokens, outcomes) are observed by the
+dispatcher as events pass through it; worker and cache-service numbers are
+read at scrape time from the latest heartbeats and cache stats, so a scrape
+never waits on another process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _LiveState:
+    """Collector over the dispatcher's view of workers and the cache service."""
+
+    def __init__(self, dispatcher):
+        self.dispatcher = dispatcher
+
+    def collect(self):
+        d = self.dispatcher
+        running = GaugeMetricFamily("tandem_worker_requests_running", "Requests a worker is prefilling or decoding",
+                                    labels=["role", "pid"])
+        waiting = GaugeMetricFamily("tandem_worker_requests_waiting", "Requests queued inside a worker",
+                                    labels=["role", "pid"])
+        kv = GaugeMetricFamily("tandem_worker_kv_bytes", "KV bytes a worker holds for live requests",
+                               labels=["role", "pid"])
+        for w in d.workers.values():
+            labels = ["+".join(w.hello.roles), str(w.hello.pid)]
+            running.add_metric(labels, w.hello.running)
+            waiting.add_metric(labels, w.hello.waiting)
+            kv.add_metric(labels, w.hello.kv_bytes)
+        yield from (running, waiting, kv)
+
+        in_prefill = sum(1 for st in d.requests.values() if st.phase == "prefill")
+        yield GaugeMetricFamily("tandem_requests_running", "Requests decoding", value=len(d.requests) - in_prefill)
+        yield GaugeMetricFamily("tandem_requests_waiting", "Requests admitted and not yet decoding", value=in_prefill)
+
+        stats = d.cache_stats or {}
+        tier = GaugeMetricFamily("tandem_cache_bytes", "Bytes of cached KV blocks", labels=["tier"])
+        tier.add_metric(["memory"], stats.get("memory_bytes", 0))
+        tier.add_metric(["disk"], stats.get("disk_bytes", 0))
+        yield tier
+        yield GaugeMetricFamily("tandem_cache_arena_used_bytes", "Arena bytes in use (blocks and handoffs)",
+                                value=stats.get("used_bytes", 0))
+        evictions = CounterMetricFamily("tandem_cache_evictions", "KV blocks evicted", labels=["tier"])
+        evictions.add_metric(["memory"], stats.get("evictions_total", 0))
+        evictions.add_metric(["disk"], stats.get("disk_evictions_total", 0))
+        yield evictions
+
+
+class Metrics:
+    def __init__(self, dispatcher=None):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Time from admission to the first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between consecutive tokens of a request",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.duration = Histogram("tandem_request_duration_seconds", "Time from admission to the last token",
+                                  buckets=_LATENCY_BUCKETS, registry=r)
+        self.handoff = Histogram("tandem_kv_handoff_seconds", "Prefill-side time to hand the prompt's KV over",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("tandem_generation_tokens", "Tokens generated", registry=r)
+        self.requests = Counter("tandem_requests", "Finished requests by outcome", ["status"], registry=r)
+        self.prefix_queries = Counter("tandem_prefix_cache_queries", "Prompts looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hit_tokens = Counter("tandem_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                                         registry=r)
+        if dispatcher is not None:
+            r.register(_LiveState(dispatcher))
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()

@@ -1,0 +1,194 @@
+"""The router's dispatcher against scripted workers on real ZeroMQ sockets:
+routing prefill -> decode, garbage on the wire, dead workers, admission."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from deploy.settings import Settings
+from protos import transport
+from protos.messages import (
+    DecodeRequest, KVHandoff, PrefillDone, PrefillRequest, SamplingParams, TokenBatch, TokenUpdate, WorkerHello,
+)
+from router.dispatcher import Dispatcher
+from router.engine_api import EngineError, GenerationRequest
+
+
+class ScriptedWorker:
+    """A DEALER that speaks the worker protocol as the test tells it to."""
+
+    def __init__(self, ctx, settings, wid, roles):
+        self.hello = WorkerHello(wid, roles, pid=1000 + len(wid), state="ready")
+        self.sock = transport.make_socket(ctx, zmq.DEALER, identity=wid)
+        self.sock.connect(transport.ipc_address(settings.run_dir, "router"))
+
+    async def beat(self):
+        await transport.asend(self.sock, self.hello)
+
+    async def next(self, timeout=5.0):
+        assert await self.sock.poll(int(timeout * 1000)), "nothing arrived"
+        return await transport.arecv(self.sock)
+
+
+def run(coro_fn, **overrides):
+    async def main(tmp):
+        settings = Settings(run_dir=tmp, heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5, model_id="m",
+                            cache_call_timeout_s=0.2, **overrides)
+        disp = Dispatcher(settings, max_context=1024)
+        await disp.start()
+        ctx = zmq.asyncio.Context()
+        try:
+            await coro_fn(disp, lambda wid, roles: ScriptedWorker(ctx, settings, wid, roles))
+        finally:
+            await disp.stop()
+            ctx.destroy(linger=0)
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        asyncio.run(asyncio.wait_for(main(tmp), 30))
+
+
+async def wait_for(pred, timeout=3.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition never held"
+        await asyncio.sleep(0.02)
+
+
+def request(rid="r1", n=3):
+    return GenerationRequest(rid, [1, 2, 3], SamplingParams(max_tokens=n, temperature=0.0))
+
+
+def test_request_goes_prefill_then_decode_and_streams_tokens():
+    async def body(disp, worker):
+        pre, dec = worker("prefill-0", ["prefill"]), worker("decode-0", ["decode"])
+        await pre.beat()
+        await dec.beat()
+        await wait_for(lambda: len(disp.workers) == 2)
+
+        async def play():
+            msg = await pre.next()
+            assert isinstance(msg, PrefillRequest) and msg.decode_worker == ""  # split: any decoder
+            await transport.asend(pre.sock, PrefillDone("r1", 7, KVHandoff("r1", 3, 3)))
+            msg = await dec.next()
+            assert isinstance(msg, DecodeRequest) and msg.first_token == 7 and msg.prompt_tokens == [1, 2, 3]
+            await transport.asend(dec.sock, TokenBatch([TokenUpdate("r1", 8), TokenUpdate("other", 1)]))
+            await transport.asend(dec.sock, TokenBatch([TokenUpdate("r1", 9, finish_reason="length")]))
+
+        player = asyncio.create_task(play())
+        tokens = [(e.token, e.finish_reason) async for e in disp.generate(request())]
+        await player
+        assert tokens == [(7, None), (8, None), (9, "length")]
+        assert disp.requests == {}
+
+    run(body)
+
+
+def test_garbage_on_the_wire_is_dropped_and_the_router_keeps_serving():
+    async def body(disp, worker):
+        w = worker("prefill-0", ["prefill", "decode"])
+        await w.sock.send_multipart([b"\x00garbage"])
+        await w.sock.send_multipart([b'\x83\xa1v\x63\xa1t\xa6Cancel\xa1b\x80'])  # version 99
+        await w.beat()
+        await wait_for(lambda: "prefill-0" in disp.workers)
+
+    run(body)
+
+
+def test_silent_worker_is_dropped_and_its_request_fails_fast():
+    async def body(disp, worker):
+        pre, dec = worker("prefill-0", ["prefill"]), worker("decode-0", ["decode"])
+        await pre.beat()
+        await dec.beat()
+        await wait_for(lambda: len(disp.workers) == 2)
+
+        async def keep_decoder_alive():
+            while True:
+                await dec.beat()
+                await asyncio.sleep(0.05)
+
+        alive = asyncio.create_task(keep_decoder_alive())
+        t0 = time.monotonic()
+        with pytest.raises(EngineError) as e:
+            async for _ in disp.generate(request()):
+                pass
+        alive.cancel()
+        assert e.value.status == 502 and "missed heartbeats" in str(e.value)
+        assert time.monotonic() - t0 < 2.0
+        assert "prefill-0" not in disp.workers and "decode-0" in disp.workers
+
+    run(body)
+
+
+def test_restarted_worker_replaces_the_old_one_at_once():
+    async def body(disp, worker):
+        w = worker("decode-0", ["decode"])
+        await w.beat()
+        await wait_for(lambda: "decode-0" in disp.workers)
+        w.hello.pid += 1
+        await w.beat()
+        await wait_for(lambda: disp.workers["decode-0"].hello.pid == w.hello.pid)
+
+    run(body)
+
+
+def test_no_worker_is_503_and_full_queue_is_429():
+    async def body(disp, worker):
+        with pytest.raises(EngineError) as e:
+            async for _ in disp.generate(request()):
+                pass
+        assert e.value.status == 503 and e.value.retry_after
+
+        pre = worker("prefill-0", ["prefill"])
+        await pre.beat()
+        await wait_for(lambda: len(disp.workers) == 1)
+        first = disp.generate(request("a"))
+        pending = asyncio.create_task(first.__anext__())
+        await wait_for(lambda: "a" in disp.requests)
+        with pytest.raises(EngineError) as e:
+            async for _ in disp.generate(request("b")):
+                pass
+        assert e.value.status == 429 and e.value.retry_after
+        pending.cancel()
+        await asyncio.gather(pending, return_exceptions=True)
+        await first.aclose()
+
+    run(body, max_queue=1)
+
+
+def test_metrics_count_what_happened():
+    async def body(disp, worker):
+        with pytest.raises(EngineError):
+            async for _ in disp.generate(request("refused")):
+                pass
+        pre, dec = worker("prefill-0", ["prefill"]), worker("decode-0", ["decode"])
+        await pre.beat()
+        await dec.beat()
+        await wait_for(lambda: len(disp.workers) == 2)
+
+        async def play():
+            await pre.next()
+            await transport.asend(pre.sock, PrefillDone("r1", 7, KVHandoff("r1", 3, 3), cached_tokens=2))
+            await dec.next()
+            await transport.asend(dec.sock, TokenBatch([TokenUpdate("r1", 9, finish_reason="length")]))
+
+        player = asyncio.create_task(play())
+        events = [e async for e in disp.generate(request())]
+        await player
+        assert events[0].cached_tokens == 2
+        text = await disp.metrics_text()
+        for line in ('tandem_requests_total{status="ok"} 1.0', 'tandem_requests_total{status="503"} 1.0',
+                     "tandem_prompt_tokens_total 3.0", "tandem_generation_tokens_total 2.0",
+                     "tandem_prefix_cache_queries_total 1.0", "tandem_prefix_cache_hit_tokens_total 2.0",
+                     "tandem_time_to_first_token_seconds_count 1.0", "tandem_inter_token_latency_seconds_count 1.0",
+                     'tandem_worker_requests_running{pid="1009",role="prefill"} 0.0',
+                     'tandem_cache_bytes{tier="memory"} 0.0'):
+            assert line in text, line
+
+    run(body)

@@ -1,0 +1,92 @@
+"""The shared prefix cache end to end on the embedded model: KV blocks reused
+across requests, conversation turns, workers and a server restart, with greedy
+output identical to mlx_lm's and the reuse visible in usage and /metrics."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import re
+
+import httpx
+import openai
+import pytest
+
+from tests.test_e2e_pipeline import LONG_SYSTEM, reference
+
+BLOCK = 16
+
+
+def client_for(srv):
+    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def metric(srv, name: str, labels: str = "") -> float:
+    text = httpx.get(srv.base_url + "/metrics", timeout=10).text
+    m = re.search(rf"^{re.escape(name + labels)} ([0-9.e+]+)$", text, re.M)
+    assert m, f"{name}{labels} not in /metrics"
+    return float(m.group(1))
+
+
+def ask(client, messages, max_tokens=24):
+    r = client.chat.completions.create(model="default", messages=messages, max_tokens=max_tokens, temperature=0)
+    return r.choices[0].message.content, r.usage
+
+
+def test_reuse_across_requests_turns_and_restart(server_factory, embedded_model, tmp_path):
+    cache_dir = str(tmp_path / "kv")
+    flags = ("--block-size", str(BLOCK), "--prefill-chunk", "64", "--cache-dir", cache_dir)
+    srv = server_factory(*flags)
+    client = client_for(srv)
+    system = {"role": "system", "content": LONG_SYSTEM}
+    turn1 = [system, {"role": "user", "content": "Name a river in France."}]
+    _, ref1, n1 = reference(embedded_model, turn1, 24)
+
+    # Cold: nothing cached.
+    text, usage = ask(client, turn1)
+    assert text == ref1 and usage.prompt_tokens_details.cached_tokens == 0
+
+    # Full hit: the same prompt again reuses every full block but the last token's.
+    text, usage = ask(client, turn1)
+    assert text == ref1
+    assert usage.prompt_tokens_details.cached_tokens == (n1 - 1) // BLOCK * BLOCK
+
+    # Partial hit: same system prompt, another question.
+    other = [system, {"role": "user", "content": "Name a mountain in Italy."}]
+    _, ref_other, n_other = reference(embedded_model, other, 24)
+    text, usage = ask(client, other)
+    assert text == ref_other
+    shared = len(embedded_model[1].apply_chat_template([system], add_generation_prompt=False)) // BLOCK * BLOCK
+    assert shared <= usage.prompt_tokens_details.cached_tokens < n_other - BLOCK
+
+    # Next turn: the answer's blocks (committed by the decode worker) are reused too.
+    turn2 = turn1 + [{"role": "assistant", "content": ref1}, {"role": "user", "content": "And one in Spain?"}]
+    _, ref2, n2 = reference(embedded_model, turn2, 24)
+    text, usage = ask(client, turn2)
+    assert text == ref2
+    assert usage.prompt_tokens_details.cached_tokens >= (n1 + len(ref1) // 8) // BLOCK * BLOCK - BLOCK
+    assert metric(srv, "tandem_prefix_cache_hit_tokens_total") >= usage.prompt_tokens_details.cached_tokens
+    assert metric(srv, "tandem_prefix_cache_queries_total") == 4
+    assert metric(srv, "tandem_cache_bytes", '{tier="memory"}') > 0
+
+    # Restart: the disk tier brings the warm prefix back.
+    srv.stop()
+    srv2 = server_factory(*flags)
+    assert metric(srv2, "tandem_cache_bytes", '{tier="disk"}') > 0
+    text, usage = ask(client_for(srv2), turn1)
+    assert text == ref1
+    assert usage.prompt_tokens_details.cached_tokens == (n1 - 1) // BLOCK * BLOCK
+
+
+def test_tiny_cache_evicts_without_failing_or_changing_output(server_factory, embedded_model):
+    # 24 MiB of arena: a handoff (~9 MiB here) plus a couple of prompts' blocks, so 12 prompts force evictions.
+    srv = server_factory("--block-size", str(BLOCK), "--cache-memory", "24M", "--no-disk-cache")
+    client = client_for(srv)
+    convs = [[{"role": "system", "content": f"Persona {i}: {LONG_SYSTEM}"},
+              {"role": "user", "content": f"Give me fact number {i} about rivers."}] for i in range(12)]
+    refs = [reference(embedded_model, c, 12)[1] for c in convs]
+    with cf.ThreadPoolExecutor(6) as pool:
+        first = list(pool.map(lambda c: ask(client, c, 12)[0], convs))
+        again = list(pool.map(lambda c: ask(client, c, 12)[0], convs))
+    assert first == refs and again == refs
+    assert metric(srv, "tandem_cache_evictions_total", '{tier="memory"}') > 0
+    assert metric(srv, "tandem_requests_total", '{status="ok"}') == 24
