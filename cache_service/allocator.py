@@ -5,8 +5,9 @@ a free list kept sorted by offset, coalesced on every free, so freeing all
 allocations always gives back one free range. Every allocation has a deadline;
 `expire` frees those past it, so a holder that died never leaks space.
 
-The KV block index (content hashes, leases, LRU) will sit on top of this and
-only ever call alloc/free.
+The KV block index (`block_index.py`: content hashes, leases, LRU) sits on
+top of this: it gives a committed block no deadline (`set_deadline(id, inf)`)
+and reads `segments()` to find contiguous room to evict.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class Allocation:
     nbytes: int  # what was asked for
     size: int  # what is reserved: nbytes rounded up to ALIGNMENT
     owner: str
-    deadline: float  # clock time after which `expire` frees it
+    deadline: float  # clock time after which `expire` frees it; math.inf: never
 
 
 def _round_up(n: int, align: int) -> int:
@@ -108,6 +109,24 @@ class Allocator:
             self._free_offsets[i] = start + size
             self._free_size[start + size] = length - size
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether `alloc(nbytes, ...)` would find room now."""
+        return 0 < nbytes and self._best_fit(_round_up(nbytes, self.alignment)) is not None
+
+    def size_for(self, nbytes: int) -> int:
+        """Bytes an allocation of `nbytes` really takes."""
+        return _round_up(nbytes, self.alignment)
+
+    def set_deadline(self, alloc_id: int, deadline: float) -> bool:
+        """Move a live allocation's deadline (math.inf: never expires); False if not live."""
+        alloc = self._live.get(alloc_id)
+        if alloc is None:
+            return False
+        alloc.deadline = deadline
+        if math.isfinite(deadline):  # the old heap entry goes stale; expire skips it
+            heapq.heappush(self._deadlines, (deadline, alloc_id))
+        return True
+
     # ----------------------------------------------------------------- free --
 
     def get(self, alloc_id: int) -> Optional[Allocation]:
@@ -120,6 +139,10 @@ class Allocator:
             self._frees_total += 1
         return alloc
 
+    def owned_by(self, owner: str) -> list[int]:
+        """Ids of the live allocations of `owner`, oldest first."""
+        return sorted(self._by_owner.get(owner, ()))
+
     def free_owner(self, owner: str) -> list[Allocation]:
         """Release every allocation of `owner`."""
         freed = [self.free(i) for i in sorted(self._by_owner.get(owner, ()))]
@@ -130,18 +153,22 @@ class Allocator:
         now = self._clock() if now is None else now
         expired = []
         while self._deadlines and self._deadlines[0][0] <= now:
-            _, alloc_id = heapq.heappop(self._deadlines)
-            alloc = self._release(alloc_id)  # None: freed earlier, stale heap entry
-            if alloc is not None:
-                expired.append(alloc)
+            deadline, alloc_id = heapq.heappop(self._deadlines)
+            if not self._is_current(deadline, alloc_id):
+                continue  # freed earlier, or its deadline moved: a stale heap entry
+            expired.append(self._release(alloc_id))
         self._expired_total += len(expired)
         return expired
 
     def next_deadline(self) -> Optional[float]:
         """The earliest deadline among live allocations (None if none)."""
-        while self._deadlines and self._deadlines[0][1] not in self._live:
+        while self._deadlines and not self._is_current(*self._deadlines[0]):
             heapq.heappop(self._deadlines)
         return self._deadlines[0][0] if self._deadlines else None
+
+    def _is_current(self, deadline: float, alloc_id: int) -> bool:
+        alloc = self._live.get(alloc_id)
+        return alloc is not None and alloc.deadline == deadline
 
     def _release(self, alloc_id: int) -> Optional[Allocation]:
         alloc = self._live.pop(alloc_id, None)
@@ -177,6 +204,14 @@ class Allocator:
     def free_ranges(self) -> list[tuple[int, int]]:
         """(start, length) of every free range, by offset."""
         return [(o, self._free_size[o]) for o in self._free_offsets]
+
+    def segments(self) -> list[tuple[int, int, Optional[int]]]:
+        """The whole arena in address order: (start, length, allocation id or
+        None for a free range). Consecutive segments touch."""
+        spans = [(a.offset, a.size, a.id) for a in self._live.values()]
+        spans += [(o, n, None) for o, n in self.free_ranges()]
+        spans.sort(key=lambda s: s[0])
+        return spans
 
     def stats(self) -> dict:
         return {

@@ -146,3 +146,17 @@ def test_api_key_and_queue_limit(server_factory):
         if code == 429:
             assert retry_after is not None and float(retry_after) > 0
             assert "busy" in body["error"]["message"]
+
+
+def test_children_do_not_outlive_a_killed_supervisor(server_factory):
+    srv = server_factory()
+    children = srv.pids()
+    os.kill(srv.proc.pid, signal.SIGKILL)
+    srv.proc.wait(timeout=10)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(pid_alive(p) for p in children):
+        time.sleep(0.2)
+    assert [p for p in children if pid_alive(p)] == []
+    if sys.platform.startswith("linux"):
+        # The cache service stopped cleanly (SIGTERM from its watchdog) and unlinked its arena.
+        assert [p for p in glob.glob("/dev/shm/tandem-*") if str(srv.proc.pid) in p] == []

@@ -20,19 +20,35 @@ Contract with the caller (workers/runtime.py):
   * A finishing update carries the final token (the stop/EOS id itself for
     "stop", like mlx-lm) and finish_reason "stop" or "length".
   * All calls on the worker's MLX thread.
+
+Prefix cache (optional `prefix`, a workers.kv_transfer.PrefixCache): when a
+request ends (stop, length, or cancel) its KV goes back to the shared cache,
+block by block, so the next turn of the conversation reuses everything up to
+its new message. The KV then holds the prompt, the first token and every
+generated token including the last one: mlx-lm feeds each token through the
+model in the same step that returns it (it computes the next token's logits
+ahead), and its `all_tokens` / `GenerationBatch.tokens` list is kept equal to
+the tokens in the cache. Those tokens' full blocks are committed; the cache
+service skips the ones it has (the prompt's, stored by prefill). The writes
+happen in `commit_finished()`, which the worker calls right after sending
+the step's tokens (and `step()` calls first, so nothing waits past one step).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Tuple
 
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import KVCache
 
 from protos.messages import DecodeRequest, TokenUpdate
 from workers.sampling import GREEDY_SAMPLER, build_sampling, token_logprob, wants_logprobs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,6 +57,9 @@ class _Live:
     uid: int
     logprobs: bool
     top_logprobs: int
+    # The KV's tokens are known exactly (prompt_tokens == the handed-off KV),
+    # so its blocks may be committed to the prefix cache.
+    cacheable: bool = False
 
 
 @dataclass
@@ -53,10 +72,13 @@ class _Queued:
 class DecodeEngine:
     """Decode up to `max_batch` requests together, one token each per step()."""
 
-    def __init__(self, model, max_batch: int = 32, eos_token_ids: Iterable[int] = ()):
+    def __init__(self, model, max_batch: int = 32, eos_token_ids: Iterable[int] = (), prefix=None):
         self.model = model
         self.max_batch = max_batch
         self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self.prefix = prefix
+        # Ended requests whose KV is still to be committed: (request id, tokens, cache).
+        self._to_commit: List[Tuple[str, List[int], list]] = []
         # Prompts are one token, so BatchGenerator's own prompt phase does no
         # real work; admission (max_batch) is ours, so it never queues.
         self._gen = BatchGenerator(
@@ -82,7 +104,8 @@ class DecodeEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._live or self._queue)
+        """Requests to step, or ended requests' KV still to commit."""
+        return bool(self._live or self._queue or self._to_commit)
 
     @property
     def kv_bytes(self) -> int:
@@ -119,12 +142,20 @@ class DecodeEngine:
         _check_cache(cache, request)
         self._queue.append(_Queued(request, list(cache), stop_ids))
 
-    def cancel(self, request_id: str) -> bool:
-        """Drop a request now (queued or running); frees its KV. False if unknown."""
+    def cancel(self, request_id: str, save: bool = True) -> bool:
+        """Drop a request now (queued or running); frees its KV. False if unknown.
+        With `save` (and a prefix cache) its KV is queued for commit_finished;
+        pass save=False when the batch is suspect (after a failed step)."""
         uid = self._uid_of.pop(request_id, None)
         if uid is not None:
-            del self._live[uid]
-            self._gen.remove([uid])  # filters the batch: its KV rows are gone
+            live = self._live.pop(uid)
+            keep = save and live.cacheable and self.prefix is not None
+            # remove() filters the batch: its KV rows are gone; extracted
+            # first (lazily, a copy only if committed) when we keep them.
+            extracted = self._gen.remove([uid], return_prompt_caches=keep)
+            if keep and uid in extracted:
+                cache, tokens = extracted[uid]
+                self._to_commit.append((request_id, list(tokens), cache))
             return True
         for q in self._queue:
             if q.request.request_id == request_id:
@@ -134,6 +165,7 @@ class DecodeEngine:
 
     def step(self) -> List[TokenUpdate]:
         """Admit waiting requests, then run one decode step for the batch."""
+        self.commit_finished()  # leftovers of the last step, if the caller did not
         self._admit()
         if not self._live:
             return []
@@ -152,7 +184,27 @@ class DecodeEngine:
             if r.finish_reason is not None:
                 del self._live[r.uid]
                 del self._uid_of[live.request_id]
+                if self.prefix is not None and live.cacheable and r.prompt_cache:
+                    self._to_commit.append((live.request_id, list(r.all_tokens), r.prompt_cache))
         return updates
+
+    def commit_finished(self) -> int:
+        """Commit the KV blocks of requests that ended since the last call to
+        the prefix cache. Returns the blocks written."""
+        if not self._to_commit:
+            return 0
+        pending, self._to_commit = self._to_commit, []
+        t0, blocks = time.perf_counter(), 0
+        for rid, tokens, cache in pending:
+            held = cache[0].offset if cache else 0
+            if len(tokens) != held:  # never hash tokens the KV does not hold
+                log.warning("request %s: %d tokens for %d cached positions; not committing its KV",
+                            rid, len(tokens), held)
+                continue
+            blocks += self.prefix.store(tokens, cache, rid)
+        log.debug("decode prefix commit: %d requests, %d new blocks (%d bytes) in %.2f ms", len(pending),
+                  blocks, blocks * self.prefix.layout.block_nbytes, (time.perf_counter() - t0) * 1000)
+        return blocks
 
     def close(self) -> None:
         self._gen.close()
@@ -176,8 +228,9 @@ class DecodeEngine:
                 logits_processors=[processors],
                 stop_sequences=[StopSequences([[t] for t in q.stop_ids])],
             )
+            cacheable = len(req.prompt_tokens) == req.handoff.num_tokens
             self._live[uid] = _Live(req.request_id, uid, wants_logprobs(sp),
-                                    int(sp.top_logprobs))
+                                    int(sp.top_logprobs), cacheable)
             self._uid_of[req.request_id] = uid
 
 

@@ -17,17 +17,31 @@ Note that np.dtype("bfloat16") fails: readers must use `storage_dtype`.
 
 Only plain attention KV (mlx_lm KVCache) is supported; rotating, quantized and
 recurrent caches raise TypeError naming the type.
+
+Prefix-cache blocks (second half of this file) use another layout: one block
+is `block_size` tokens of every layer, keys then values per layer, each a
+C-contiguous (kv_heads, block_size, head_dim) array, packed with no padding.
+A block is self-contained, so the cache service can store, evict and hand
+out blocks one by one and a reader gathers any run of them into a KVCache.
+`KVLayout` describes it; `block_nbytes`, `write_blocks`, `read_blocks` use it.
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from cache_service.client import CacheUnavailable
 from protos.messages import ArenaSlice
+from workers.block_hash import BlockHasher
+
+log = logging.getLogger(__name__)
 
 ALIGN = 64  # cache-line alignment for every slice's start
 
@@ -182,3 +196,369 @@ def read_kv(buf, layers: Sequence) -> List[KVCache]:
     finally:
         _release(mv)
     return caches
+
+
+# --------------------------------------------------------------------------- #
+# Prefix-cache blocks
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of one prefix-cache block: `block_size` tokens of every layer,
+    per layer (kv_heads, key_dim, value_dim), all of one dtype."""
+
+    layers: Tuple[Tuple[int, int, int], ...]
+    dtype: str  # a name storage_dtype knows: "float32", "float16", "bfloat16"
+    block_size: int
+
+    @property
+    def token_nbytes(self) -> int:
+        item = storage_dtype(self.dtype).itemsize
+        return sum(h * (dk + dv) for h, dk, dv in self.layers) * item
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.token_nbytes * self.block_size
+
+
+def block_nbytes(layout: KVLayout) -> int:
+    """Bytes of one block (no padding inside; the service aligns blocks)."""
+    return layout.block_nbytes
+
+
+def unblockable_reason(cache: Sequence) -> Optional[str]:
+    """Why a model's cache cannot be cut into token blocks, or None if it can.
+
+    Block reuse needs every layer to hold one K/V row per token of the whole
+    prefix, so that any first n blocks are the KV of the first n*block_size
+    tokens. A sliding window drops old rows (and rotates the rest in place);
+    a recurrent state folds the whole prefix into one fixed-size array.
+    """
+    from mlx_lm.models.cache import ArraysCache, QuantizedKVCache, RotatingKVCache
+
+    for i, c in enumerate(cache):
+        if type(c) is KVCache:
+            continue
+        if isinstance(c, RotatingKVCache):
+            why = "a sliding window keeps only the last tokens' KV"
+        elif isinstance(c, ArraysCache):
+            why = "a recurrent state has no per-token KV"
+        elif isinstance(c, QuantizedKVCache):
+            why = "quantized KV is not supported by the block layout"
+        else:
+            why = "not a plain attention KV cache"
+        return f"layer {i} is {type(c).__name__}: {why}"
+    return None
+
+
+def kv_layout(cache: Sequence, block_size: int) -> KVLayout:
+    """The block layout of a filled batch-1 cache."""
+    _check_supported(cache)
+    if any(c.keys is None for c in cache):
+        raise ValueError("kv_layout needs a filled cache")
+    names = {_MX_TO_NAME.get(c.keys.dtype) for c in cache} | {_MX_TO_NAME.get(c.values.dtype) for c in cache}
+    if len(names) != 1 or None in names:
+        raise ValueError(f"KV dtypes {sorted(map(str, names))} cannot share one block layout")
+    layers = tuple((int(c.keys.shape[1]), int(c.keys.shape[3]), int(c.values.shape[3])) for c in cache)
+    return KVLayout(layers, names.pop(), int(block_size))
+
+
+def probe_kv_layout(model, block_size: int) -> KVLayout:
+    """The block layout of `model`'s cache, found by running one token (the
+    only way that works for every architecture: head counts and dims live
+    under different config names). TypeError if the cache cannot be blocked."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    reason = unblockable_reason(cache)
+    if reason is not None:
+        raise TypeError(reason)
+    model(mx.array([[0]], dtype=mx.int32), cache=cache)
+    mx.eval([c.state for c in cache])
+    return kv_layout(cache, block_size)
+
+
+def _block_view(mv: memoryview, offset: int, layout: KVLayout) -> np.ndarray:
+    dtype = storage_dtype(layout.dtype)
+    nbytes = layout.block_nbytes
+    if offset < 0 or offset + nbytes > mv.nbytes:
+        raise ValueError(f"block at {offset} (+{nbytes}) is outside the buffer of {mv.nbytes} bytes")
+    return np.frombuffer(mv, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
+
+
+def _block_parts(layout: KVLayout):
+    """(start, count, shape) of each array inside a flat block, in order:
+    layer 0 keys, layer 0 values, layer 1 keys, ..."""
+    bs, pos = layout.block_size, 0
+    for h, dk, dv in layout.layers:
+        for d in (dk, dv):
+            yield pos, h * bs * d, (h, bs, d)
+            pos += h * bs * d
+
+
+def write_blocks(buf, offsets: Sequence[int], cache: Sequence, first_block: int, layout: KVLayout) -> int:
+    """Copy blocks first_block, first_block+1, ... of `cache` (one per offset)
+    into `buf` at `offsets`. Returns the bytes written.
+
+    Only the written token range is evaluated and read; the cache stays as is.
+    """
+    if not offsets:
+        return 0
+    bs = layout.block_size
+    start, end = first_block * bs, (first_block + len(offsets)) * bs
+    if first_block < 0 or any(c.offset < end for c in cache):
+        raise ValueError(f"cache holds {min(c.offset for c in cache)} tokens; blocks need "
+                         f"tokens [{start}, {end})")
+    if kv_layout(cache, bs) != layout:
+        raise ValueError(f"cache layout {kv_layout(cache, bs)} is not the prefix cache's {layout}")
+    arrays = [a[..., start:end, :] for c in cache for a in (c.keys, c.values)]
+    mx.eval(arrays)
+    srcs = [_as_numpy(a)[0] for a in arrays]  # (heads, tokens, dim) views, no copy
+    parts = list(_block_parts(layout))
+    mv = memoryview(buf).cast("B")
+    try:
+        for j, off in enumerate(offsets):
+            block = _block_view(mv, off, layout)
+            for src, (pos, count, shape) in zip(srcs, parts):
+                # The one copy: strided MLX memory -> packed block bytes.
+                block[pos:pos + count].reshape(shape)[...] = src[:, j * bs:(j + 1) * bs, :]
+            del block
+    finally:
+        _release(mv)
+    return len(offsets) * layout.block_nbytes
+
+
+def read_blocks(buf, offsets: Sequence[int], layout: KVLayout) -> List[KVCache]:
+    """Gather the blocks at `offsets` (in token order) into fresh per-layer
+    KVCaches holding len(offsets)*block_size tokens.
+
+    The result is evaluated and owns its memory, so the blocks may be
+    released (or evicted) as soon as this returns.
+    """
+    if not offsets:
+        raise ValueError("read_blocks needs at least one block")
+    bs, n = layout.block_size, len(offsets)
+    dtype = storage_dtype(layout.dtype)
+    parts = list(_block_parts(layout))
+    # Gather into one numpy array per layer and kind, then one MLX array each:
+    # two copies, but few and large (per-block MLX arrays plus a concatenate
+    # would be two copies too, with many more small calls).
+    staging = [np.empty((1, shape[0], n * bs, shape[2]), dtype) for _, _, shape in parts]
+    mv = memoryview(buf).cast("B")
+    try:
+        for j, off in enumerate(offsets):
+            block = _block_view(mv, off, layout)
+            for dst, (pos, count, shape) in zip(staging, parts):
+                dst[0, :, j * bs:(j + 1) * bs, :] = block[pos:pos + count].reshape(shape)
+            del block
+    finally:
+        _release(mv)
+    arrays = [mx.array(a) for a in staging]
+    if layout.dtype == "bfloat16":
+        arrays = [a.view(mx.bfloat16) for a in arrays]
+    caches = []
+    for keys, values in zip(arrays[0::2], arrays[1::2]):
+        c = KVCache()
+        c.state = (keys, values, n * bs)
+        caches.append(c)
+    mx.eval([(c.keys, c.values) for c in caches])
+    return caches
+
+
+# --------------------------------------------------------------------------- #
+# The worker's side of the shared prefix cache
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class PrefixStats:
+    lookups: int = 0
+    hit_blocks: int = 0  # blocks read from the cache
+    stored_blocks: int = 0  # blocks this worker wrote and committed
+    failures: int = 0  # calls that failed or were refused (requests went on without reuse)
+
+
+class PrefixCache:
+    """Reads and writes prefix-cache blocks through the cache service.
+
+    fetch: hashes -> lookup (leased) -> read_blocks -> release at once.
+    store: hashes -> reserve (the service names the blocks it lacks) ->
+           write_blocks -> commit.
+
+    Prefix caching is an optimisation, so nothing here fails a request: every
+    failure is logged and means "nothing reused" or "nothing stored". After
+    the service misses a deadline, calls are skipped for `retry_after_s`, so
+    a dead service costs one timeout rather than one per request.
+    One per worker process, used on its MLX thread only.
+    """
+
+    def __init__(self, client, arena_buf: Callable[[str], object], hasher: BlockHasher,
+                 layout: KVLayout, *, lease_s: float = 30.0, ttl_s: float = 30.0,
+                 retry_after_s: float = 10.0):
+        if hasher.block_size != layout.block_size:
+            raise ValueError("hasher and layout disagree on the block size")
+        self.client = client  # lookup / release / reserve / commit (cache_service.client.CacheClient)
+        self.arena_buf = arena_buf  # arena name -> its writable buffer
+        self.hasher = hasher
+        self.layout = layout
+        self.lease_s = lease_s
+        self.ttl_s = ttl_s
+        self.retry_after_s = retry_after_s
+        self.stats = PrefixStats()
+        self._skip_until = 0.0
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    # ----------------------------------------------------------------- fetch
+    def fetch(self, tokens: Sequence[int], max_blocks: int, owner: str) -> Tuple[Optional[List[KVCache]], int]:
+        """KV of the longest cached run among the first `max_blocks` full
+        blocks of `tokens`: (per-layer caches, tokens they hold) or (None, 0)."""
+        hashes = self.hasher.hashes(tokens, max_blocks)
+        if not hashes or not self._available():
+            return None, 0
+        t0 = time.perf_counter()
+        self.stats.lookups += 1
+        try:
+            reply = self.client.lookup(hashes, owner, lease_s=self.lease_s)
+        except CacheUnavailable as exc:
+            self._unavailable(exc)
+            return None, 0
+        if not reply.ok:
+            self.stats.failures += 1
+            log.warning("prefix lookup for %s refused: %s", owner, reply.error)
+            return None, 0
+        try:
+            refs = self._usable(reply.blocks, hashes)
+            if not refs:
+                return None, 0
+            cache = read_blocks(self.arena_buf(reply.arena), [r.offset for r in refs], self.layout)
+        except Exception:  # noqa: BLE001 - a broken cache must not fail the request
+            self.stats.failures += 1
+            log.warning("prefix blocks for %s unreadable; computing the whole prompt", owner, exc_info=True)
+            return None, 0
+        finally:
+            # read_blocks returned evaluated copies: the blocks may go now.
+            self._release(reply.lease)
+        self.stats.hit_blocks += len(refs)
+        log.debug("prefix hit %s: %d of %d blocks (%d tokens, %d bytes) in %.2f ms", owner, len(refs),
+                  len(hashes), len(refs) * self.block_size, len(refs) * self.layout.block_nbytes,
+                  (time.perf_counter() - t0) * 1000)
+        return cache, len(refs) * self.block_size
+
+    def _usable(self, blocks: Sequence, hashes: List[bytes]) -> list:
+        """The leading blocks that answer our hashes with our block size."""
+        refs = []
+        for ref, h in zip(blocks, hashes):
+            if bytes(ref.hash) != h:
+                log.warning("prefix lookup answered block %d with another hash; using %d blocks", len(refs), len(refs))
+                break
+            if ref.nbytes != self.layout.block_nbytes:
+                log.warning("prefix block of %d bytes, expected %d; using %d blocks", ref.nbytes,
+                            self.layout.block_nbytes, len(refs))
+                break
+            refs.append(ref)
+        return refs
+
+    def _release(self, lease: int) -> None:
+        if lease is None or lease < 0:
+            return
+        try:
+            self.client.release(lease)
+        except CacheUnavailable as exc:  # the lease expires by itself
+            self._unavailable(exc)
+
+    # ----------------------------------------------------------------- store
+    def store(self, tokens: Sequence[int], cache: Sequence, owner: str) -> int:
+        """Commit every full block of `tokens` that `cache` holds and the
+        cache service lacks. `tokens` must be exactly the tokens whose KV the
+        cache holds, from position 0 (a wrong token here would poison the
+        cache for every later request). Returns the blocks written."""
+        held = min(min(c.offset for c in cache), len(tokens))
+        hashes = self.hasher.hashes(tokens, held // self.block_size)
+        if not hashes or not self._available():
+            return 0
+        t0 = time.perf_counter()
+        nbytes = self.layout.block_nbytes
+        try:
+            reply = self.client.reserve(hashes, nbytes, owner, ttl_s=self.ttl_s)
+        except CacheUnavailable as exc:
+            self._unavailable(exc)
+            return 0
+        if not reply.ok:  # e.g. the arena is full of leased blocks: skip this time
+            self.stats.failures += 1
+            log.debug("prefix reserve for %s refused: %s", owner, reply.error)
+            return 0
+        index = {h: i for i, h in enumerate(hashes)}
+        todo = sorted(((index[bytes(r.hash)], r) for r in reply.blocks if bytes(r.hash) in index),
+                      key=lambda item: item[0])
+        if not todo:
+            return 0
+        try:
+            if any(r.nbytes < nbytes for _, r in todo):
+                raise ValueError(f"reserved blocks smaller than {nbytes} bytes")
+            buf = self.arena_buf(reply.arena)
+            for run in _consecutive_runs(todo):
+                write_blocks(buf, [r.offset for _, r in run], cache, run[0][0], self.layout)
+            ack = self.client.commit([r.hash for _, r in todo])
+        except CacheUnavailable as exc:
+            self._unavailable(exc)
+            return 0
+        except Exception:  # noqa: BLE001 - the reservation expires unused
+            self.stats.failures += 1
+            log.warning("prefix store for %s failed", owner, exc_info=True)
+            return 0
+        if not getattr(ack, "ok", True):
+            self.stats.failures += 1
+            log.warning("prefix commit for %s refused: %s", owner, getattr(ack, "error", ""))
+            return 0
+        self.stats.stored_blocks += len(todo)
+        log.debug("prefix store %s: %d of %d blocks new (%d bytes) in %.2f ms", owner, len(todo), len(hashes),
+                  len(todo) * nbytes, (time.perf_counter() - t0) * 1000)
+        return len(todo)
+
+    # ------------------------------------------------------------ back-off
+    def _available(self) -> bool:
+        return time.monotonic() >= self._skip_until
+
+    def _unavailable(self, exc: Exception) -> None:
+        self.stats.failures += 1
+        self._skip_until = time.monotonic() + self.retry_after_s
+        log.warning("prefix cache skipped for %.0f s: %s", self.retry_after_s, exc)
+
+
+def _consecutive_runs(indexed: list) -> List[list]:
+    """[(block index, ref), ...] sorted -> runs of consecutive block indices."""
+    runs: List[list] = []
+    for item in indexed:
+        if runs and runs[-1][-1][0] + 1 == item[0]:
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+    return runs
+
+
+def make_prefix_cache(model, model_dir: str, block_size: int, client,
+                      arena_buf: Callable[[str], object], **kw) -> Optional[PrefixCache]:
+    """The prefix cache for this model, or None (logged once, with the reason)
+    when its cache cannot be cut into blocks. Caches of that kind (sliding
+    window, recurrent) need snapshots reused on exact prefix matches instead:
+    a later step."""
+    from workers.block_hash import block_extra, model_fingerprint
+
+    if block_size < 1:
+        log.info("prefix caching off: block size %d", block_size)
+        return None
+    if not all(hasattr(client, m) for m in ("lookup", "release", "reserve", "commit")):
+        log.warning("prefix caching off: this cache client has no prefix-cache calls")
+        return None
+    try:
+        layout = probe_kv_layout(model, block_size)
+    except TypeError as exc:
+        log.info("prefix caching off for this model: %s (no block reuse; snapshots are not built yet)", exc)
+        return None
+    hasher = BlockHasher(block_extra(model_fingerprint(model_dir), layout.dtype, block_size), block_size)
+    log.info("prefix cache: %d-token blocks of %d bytes (%s KV)", block_size, layout.block_nbytes, layout.dtype)
+    return PrefixCache(client, arena_buf, hasher, layout, **kw)

@@ -11,12 +11,21 @@ Two ways to drive it, both on the worker's single MLX thread:
   job = engine.start(tokens, sampling)   -> PrefillJob; call job.step() until it
                                             returns a PrefillResult (one chunk
                                             per call, so a colocated worker can
-                                            run decode steps in between).
+                                            run decode steps in between), then
+                                            job.save_prefix() (run() does both).
+
+With a prefix cache (workers.kv_transfer.PrefixCache) the job's first step
+loads the longest cached run of the prompt's first (n-1)//block_size full
+blocks (at least one token is always computed: its logits give the first
+token) and computes only the rest. `save_prefix` then stores the prompt's
+full blocks that the cache lacks; the worker calls it after sending
+PrefillDone, so writing new blocks never delays the first token.
 """
 
 from __future__ import annotations
 
 import time
+import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -27,6 +36,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from protos.messages import SamplingParams, TokenLogprob
 from workers.sampling import build_sampling, token_logprob, wants_logprobs
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class PrefillResult:
@@ -36,22 +47,27 @@ class PrefillResult:
     num_tokens: int  # prompt tokens covered by the cache
     rope_offset: int  # position of the next token (== num_tokens for plain rope)
     prefill_ms: float  # compute time spent inside step()/run(), not wall time
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class PrefillJob:
     """One prompt being prefilled, one chunk per `step()`."""
 
     def __init__(self, engine: "PrefillEngine", prompt_tokens: Sequence[int],
-                 sampling: SamplingParams):
+                 sampling: SamplingParams, owner: str = ""):
         if len(prompt_tokens) == 0:
             raise ValueError("empty prompt")
         self.engine = engine
         self.sampling = sampling
-        self.prompt = mx.array(list(prompt_tokens), dtype=mx.int32)
+        self.owner = owner  # request id: names leases and reservations in the cache service
+        self.tokens = [int(t) for t in prompt_tokens]
+        self.prompt = mx.array(self.tokens, dtype=mx.int32)
         self.total = len(prompt_tokens)
         self.processed = 0  # prompt tokens already in the cache
-        self.cache = make_prompt_cache(engine.model)
+        self.cached_tokens = 0  # of which loaded from the prefix cache
+        self.cache = None  # made (or loaded from the prefix cache) by the first step
         self.result: Optional[PrefillResult] = None
+        self._saved = False
         self._compute_s = 0.0
 
     @property
@@ -68,6 +84,8 @@ class PrefillJob:
             return self.result
         tic = time.perf_counter()
         model, chunk = self.engine.model, self.engine.chunk_size
+        if self.cache is None:
+            self._load_prefix()
         with mx.stream(generation_stream):
             remaining = self.total - self.processed - 1  # all but the last token
             if remaining > 0:
@@ -82,6 +100,27 @@ class PrefillJob:
         if self.result is not None:
             self.result.prefill_ms = self._compute_s * 1000.0
         return self.result
+
+    def _load_prefix(self) -> None:
+        prefix = self.engine.prefix
+        if prefix is not None:
+            # (n-1)//bs: the last prompt token is never cached here, it must
+            # run to give the first token's logits.
+            cache, hit = prefix.fetch(self.tokens, (self.total - 1) // prefix.block_size, self.owner)
+            if cache is not None:
+                self.cache, self.processed = cache, hit
+                self.cached_tokens = hit
+                return
+        self.cache = make_prompt_cache(self.engine.model)
+
+    def save_prefix(self) -> int:
+        """Store the prompt's full blocks that the prefix cache lacks (once,
+        after the result). Returns the blocks written; 0 without a cache."""
+        prefix = self.engine.prefix
+        if prefix is None or self.result is None or self._saved:
+            return 0
+        self._saved = True
+        return prefix.store(self.tokens, self.result.cache, self.owner)
 
     def _finish(self) -> PrefillResult:
         sampler, processors = build_sampling(self.sampling, draws_done=0)
@@ -103,25 +142,30 @@ class PrefillJob:
             num_tokens=self.total,
             rope_offset=self.total,
             prefill_ms=0.0,
+            cached_tokens=self.cached_tokens,
         )
 
 
 class PrefillEngine:
-    """Prefills prompts with `model` in chunks of `chunk_size` tokens."""
+    """Prefills prompts with `model` in chunks of `chunk_size` tokens, reusing
+    and filling `prefix` (a workers.kv_transfer.PrefixCache) when given."""
 
-    def __init__(self, model, chunk_size: int = 512):
+    def __init__(self, model, chunk_size: int = 512, prefix=None):
         if chunk_size < 1:
             raise ValueError("chunk_size must be >= 1")
         self.model = model
         self.chunk_size = chunk_size
+        self.prefix = prefix
 
-    def start(self, prompt_tokens: Sequence[int], sampling: SamplingParams) -> PrefillJob:
-        return PrefillJob(self, prompt_tokens, sampling)
+    def start(self, prompt_tokens: Sequence[int], sampling: SamplingParams, owner: str = "") -> PrefillJob:
+        return PrefillJob(self, prompt_tokens, sampling, owner)
 
-    def run(self, prompt_tokens: Sequence[int], sampling: SamplingParams) -> PrefillResult:
-        job = self.start(prompt_tokens, sampling)
+    def run(self, prompt_tokens: Sequence[int], sampling: SamplingParams, owner: str = "") -> PrefillResult:
+        """Prefill to the end and save the prompt's blocks (tests, simple callers)."""
+        job = self.start(prompt_tokens, sampling, owner)
         while (result := job.step()) is None:
             pass
+        job.save_prefix()
         return result
 
 

@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 # Handoff reservations outlive any sane gap between prefill and decode, and
 # still free themselves when a decode worker dies holding one.
 HANDOFF_TTL_S = 120.0
+# Prefix-cache calls get a short deadline of their own: the service answers
+# in microseconds when alive, and a request is better off computing its
+# prompt than waiting the full cache_call_timeout_s for an optimisation.
+PREFIX_CALL_TIMEOUT_S = 1.0
 
 
 class Worker:
@@ -57,6 +61,8 @@ class Worker:
         self.hello = loop.hello
         self.outbox: Outbox | None = None
         self.cache: CacheClient | None = None
+        self.prefix_client: CacheClient | None = None
+        self.prefix = None  # workers.kv_transfer.PrefixCache, None when the model's cache cannot be blocked
         self.arenas = ArenaAttachment()  # re-attaches when a restarted cache service has a new arena
         self.prefill = None
         self.decode = None
@@ -68,17 +74,22 @@ class Worker:
     # ------------------------------------------------------------ set-up --
     def load(self) -> None:
         from workers.decode import DecodeEngine
+        from workers.kv_transfer import make_prefix_cache
         from workers.loading import context_length, load_model
         from workers.prefill_mlx import PrefillEngine
 
         t0 = time.perf_counter()
         model, _tokenizer = load_model(self.settings.model_dir)
-        if "prefill" in self.roles:
-            self.prefill = PrefillEngine(model, chunk_size=self.settings.prefill_chunk)
-        if "decode" in self.roles:
-            self.decode = DecodeEngine(model, max_batch=self.settings.max_batch)
-        self.outbox = Outbox(self.ctx)
         self.cache = CacheClient(self.settings)
+        self.prefix_client = CacheClient(
+            self.settings, timeout_s=min(self.settings.cache_call_timeout_s, PREFIX_CALL_TIMEOUT_S))
+        self.prefix = make_prefix_cache(model, self.settings.model_dir, self.settings.block_size,
+                                        self.prefix_client, lambda name: self.arenas.get(name).buf)
+        if "prefill" in self.roles:
+            self.prefill = PrefillEngine(model, chunk_size=self.settings.prefill_chunk, prefix=self.prefix)
+        if "decode" in self.roles:
+            self.decode = DecodeEngine(model, max_batch=self.settings.max_batch, prefix=self.prefix)
+        self.outbox = Outbox(self.ctx)
         self.hello.max_context = context_length(self.settings.model_dir)
         self.hello.state = "ready"
         log.info("worker %s %s ready in %.1fs (pid %d)", self.worker_id, "+".join(self.roles),
@@ -129,17 +140,19 @@ class Worker:
             fn(*args)
         except Exception as exc:  # noqa: BLE001 - any failure must reach the client
             log.exception("request %s failed in worker %s", request_id, self.worker_id)
-            self.cancel(request_id)
+            self.cancel(request_id, save=False)
             status = 503 if isinstance(exc, CacheUnavailable) else 500
             self.outbox.send(RequestFailed(request_id, f"{type(exc).__name__}: {exc}", status))
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, request_id: str, save: bool = True) -> None:
+        """Drop a request wherever it is. A decoding request's KV goes to the
+        prefix cache (unless `save` is False: its batch is suspect)."""
         self.prefill_queue = deque(r for r in self.prefill_queue if r.request_id != request_id)
         if self.current and self.current[0].request_id == request_id:
             self.current = None
         self.local_kv.pop(request_id, None)
         if self.decode is not None:
-            self.decode.cancel(request_id)
+            self.decode.cancel(request_id, save=save)
 
     def update_load(self) -> None:
         running = (1 if self.current else 0) + (self.decode.running if self.decode else 0)
@@ -151,7 +164,7 @@ class Worker:
     def prefill_chunk(self) -> None:
         if self.current is None:
             req = self.prefill_queue.popleft()
-            self.current = (req, self.prefill.start(req.prompt_tokens, req.sampling))
+            self.current = (req, self.prefill.start(req.prompt_tokens, req.sampling, owner=req.request_id))
         req, job = self.current
         result = job.step()
         if result is None:
@@ -163,7 +176,18 @@ class Worker:
             handoff = KVHandoff(req.request_id, result.num_tokens, result.rope_offset, local=True)
         else:
             handoff = self.hand_off(req, result)
-        self.outbox.send(PrefillDone(req.request_id, first, handoff, result.logprob, finish, result.prefill_ms))
+        self.outbox.send(PrefillDone(req.request_id, first, handoff, result.logprob, finish, result.prefill_ms,
+                                     cached_tokens=result.cached_tokens))
+        # After PrefillDone: storing new blocks never delays the first token.
+        self.after_reply("prefix store", job.save_prefix)
+
+    def after_reply(self, what: str, fn) -> None:
+        """Work done after the client's answer is on its way: a failure is
+        logged, never reported (the request already succeeded)."""
+        try:
+            fn()
+        except Exception:  # noqa: BLE001
+            log.exception("%s failed in worker %s", what, self.worker_id)
 
     def hand_off(self, req: PrefillRequest, result) -> KVHandoff:
         """Put the prompt's KV where the decode worker will find it."""
@@ -208,17 +232,21 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - a broken batch fails its requests, not the worker
             log.exception("decode step failed in worker %s", self.worker_id)
             for rid in self.decode.request_ids():
-                self.decode.cancel(rid)
+                self.decode.cancel(rid, save=False)
                 self.outbox.send(RequestFailed(rid, f"decode failed: {type(exc).__name__}: {exc}", 500))
             return
         if updates:
             self.outbox.send(TokenBatch(updates))
+        # Ended requests' KV to the prefix cache, after their tokens are sent.
+        self.after_reply("prefix commit", self.decode.commit_finished)
 
     def close(self) -> None:
         if self.outbox:
             self.outbox.close()
         if self.cache:
             self.cache.close()
+        if self.prefix_client:
+            self.prefix_client.close()
         self.arenas.close()
 
 

@@ -1,0 +1,428 @@
+"""What lives in the arena: KV blocks by chained hash, and handoff allocations.
+
+Pure bookkeeping over one `Allocator` (no memory, no files, no sockets); only
+the service's thread calls it.
+
+A block is WRITING from KVReserve until KVCommit: invisible to lookups, and its
+allocation carries the reservation's deadline, so a writer that died never
+leaks space and its half-written block is never served. Then it is READY: no
+deadline, it lives until evicted. A READY block is evictable unless leased (a
+lookup's holder is copying it) or pinned (the disk tier is copying it).
+WRITING blocks and handoff allocations (CacheAlloc, prefill -> decode) are
+never evicted: eviction never breaks a request in flight.
+
+Eviction is least-recently-used. A lookup or commit uses a chain of blocks;
+it marks them so that a parent is never older than its children (lookups
+touch the chain tail first, commits touch their new blocks and then every
+cached ancestor), so LRU eats chains from the tail and never leaves cached
+suffixes stranded behind an evicted parent (a lookup stops at the first miss).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import secrets
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Optional
+
+from cache_service.allocator import Allocation, Allocator
+
+WRITING = "writing"
+READY = "ready"
+
+HASH_MIN_BYTES = 16  # design rule: block hashes are at least 128 bits, never truncated
+HASH_MAX_BYTES = 64
+BLOCK_OWNER = "kv-block"  # the allocator owner of every block; real owners stay in BlockEntry
+
+
+@dataclass(eq=False)
+class BlockEntry:
+    hash: bytes
+    alloc_id: int
+    offset: int
+    nbytes: int  # what the block holds
+    size: int  # what it takes in the arena (nbytes aligned up)
+    owner: str  # who reserved it
+    parent: Optional[bytes]  # the hash before it in its reserve call: its chain parent
+    state: str = WRITING
+    leases: int = 0
+    pins: int = 0
+    last_use: int = 0  # use counter value; larger is more recent
+
+    @property
+    def evictable(self) -> bool:
+        return self.state == READY and self.leases == 0 and self.pins == 0
+
+
+@dataclass(eq=False)
+class Lease:
+    id: int
+    owner: str
+    deadline: float
+    hashes: list = field(default_factory=list)
+
+
+class Expired(NamedTuple):
+    handoffs: list  # [Allocation] of CacheAlloc holders that never freed
+    reservations: list  # [BlockEntry] whose writer never committed (dropped)
+    leases: list  # [Lease] never released
+
+
+def check_hashes(hashes) -> None:
+    if not isinstance(hashes, (list, tuple)):
+        raise ValueError("hashes must be a list of bytes")
+    for h in hashes:
+        if not isinstance(h, bytes) or not HASH_MIN_BYTES <= len(h) <= HASH_MAX_BYTES:
+            raise ValueError(f"every hash must be {HASH_MIN_BYTES} to {HASH_MAX_BYTES} bytes, "
+                             f"got {type(h).__name__} of length {len(h) if isinstance(h, bytes) else '-'}")
+
+
+def check_seconds(value, name: str) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
+
+
+def check_nbytes(value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"nbytes must be a positive integer, got {value!r}")
+
+
+_COUNTERS = ("lookups_total", "lookup_blocks_total", "lookup_hit_blocks_total", "lookup_miss_total",
+             "reserved_blocks_total", "committed_blocks_total", "evictions_total",
+             "reservations_expired_total", "leases_expired_total")
+
+
+class BlockIndex:
+    def __init__(self, allocator: Allocator, *, clock: Callable[[], float] = time.monotonic,
+                 first_lease_id: Optional[int] = None):
+        self.allocator = allocator
+        self._clock = clock
+        self._entries: dict[bytes, BlockEntry] = {}
+        self._by_alloc: dict[int, bytes] = {}
+        self._lru: OrderedDict[bytes, None] = OrderedDict()  # READY blocks, least recently used first
+        self._uses = 0
+        self._ready_bytes = 0
+        self._block_bytes = 0  # arena bytes of all blocks, READY and WRITING
+        self._leases: dict[int, Lease] = {}
+        self._lease_deadlines: list[tuple[float, int]] = []  # heap; released leases skipped lazily
+        # Lease ids start at a random point: the service restarts with fresh ids,
+        # and a stale holder's release must not end someone else's new lease.
+        self._next_lease = first_lease_id if first_lease_id is not None else 1 + secrets.randbelow(1 << 40)
+        self.counters = dict.fromkeys(_COUNTERS, 0)
+
+    # -------------------------------------------------------------- queries --
+
+    def get(self, h: bytes) -> Optional[BlockEntry]:
+        return self._entries.get(h)
+
+    def __contains__(self, h: bytes) -> bool:
+        return h in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lru_order(self) -> list[bytes]:
+        """READY hashes, least recently used first (for tests and debugging)."""
+        return list(self._lru)
+
+    # --------------------------------------------------------------- lookup --
+
+    def lookup(self, hashes: list, owner: str, lease_s: float,
+               fetch: Optional[Callable[[bytes], bool]] = None) -> tuple[int, list[BlockEntry]]:
+        """Lease the longest run of READY blocks from hashes[0]. Returns
+        (lease id, entries); (-1, []) on a miss at hashes[0].
+
+        `fetch(h)`, called for a hash that is not in memory at all, may place it
+        as READY (from the disk tier) and returns whether it did. Blocks already
+        taken are leased by then, so whatever it evicts is never one of them.
+        """
+        check_hashes(hashes)
+        check_seconds(lease_s, "lease_s")
+        held: list[BlockEntry] = []
+        for h in hashes:
+            entry = self._entries.get(h)
+            if entry is None and fetch is not None and fetch(h):
+                entry = self._entries.get(h)
+            if entry is None or entry.state != READY:
+                break
+            entry.leases += 1
+            held.append(entry)
+        c = self.counters
+        c["lookups_total"] += 1
+        c["lookup_blocks_total"] += len(hashes)
+        c["lookup_hit_blocks_total"] += len(held)
+        c["lookup_miss_total"] += len(held) < len(hashes)
+        if not held:
+            return -1, []
+        for entry in reversed(held):  # the chain's head ends up the most recent
+            self._touch(entry)
+        lease = Lease(self._next_lease, owner, self._clock() + lease_s, [e.hash for e in held])
+        self._next_lease += 1
+        self._leases[lease.id] = lease
+        heapq.heappush(self._lease_deadlines, (lease.deadline, lease.id))
+        return lease.id, held
+
+    def release(self, lease_id: int) -> bool:
+        """End a lease; False if unknown (released already, or expired)."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        self._drop_lease(lease)
+        return True
+
+    def _drop_lease(self, lease: Lease) -> None:
+        for h in lease.hashes:
+            entry = self._entries.get(h)  # a leased block is never evicted, so it is there
+            if entry is not None:
+                entry.leases -= 1
+
+    # ------------------------------------------------------- reserve/commit --
+
+    def reserve(self, hashes: list, nbytes: int, owner: str, ttl_s: float) -> list[BlockEntry]:
+        """Reserve WRITING blocks for the hashes not present (READY or WRITING
+        ones are left out), in order, evicting as needed; stops at the first
+        that finds no room, so the result is a prefix of what was asked."""
+        check_hashes(hashes)
+        check_nbytes(nbytes)
+        check_seconds(ttl_s, "ttl_s")
+        if self.allocator.size_for(nbytes) > self.allocator.capacity:
+            raise ValueError(f"a block of {nbytes} bytes is larger than the whole cache arena "
+                             f"({self.allocator.capacity} bytes)")
+        # The cached part of this chain must survive making room for its new
+        # tail: a new block whose parent was just evicted could never be hit.
+        cached = [self._entries[h] for h in hashes if h in self._entries]
+        for entry in cached:
+            entry.pins += 1
+        placed: list[BlockEntry] = []
+        try:
+            parent = None
+            for h in hashes:
+                if h not in self._entries:
+                    alloc = self._alloc_evicting(nbytes, BLOCK_OWNER, ttl_s)
+                    if alloc is None:
+                        break
+                    entry = BlockEntry(h, alloc.id, alloc.offset, nbytes, alloc.size, owner, parent)
+                    self._entries[h] = entry
+                    self._by_alloc[alloc.id] = h
+                    self._block_bytes += alloc.size
+                    placed.append(entry)
+                parent = h
+        finally:
+            for entry in cached:
+                entry.pins -= 1
+        self.counters["reserved_blocks_total"] += len(placed)
+        return placed
+
+    def commit(self, hashes: list, owner: str = "") -> list[BlockEntry]:
+        """WRITING -> READY for each hash with a live reservation (of `owner`,
+        when given). Unknown, expired or READY hashes are skipped."""
+        check_hashes(hashes)
+        done = []
+        for h in hashes:
+            entry = self._entries.get(h)
+            if entry is None or entry.state != WRITING or (owner and entry.owner != owner):
+                continue
+            entry.state = READY
+            self.allocator.set_deadline(entry.alloc_id, math.inf)
+            self._ready_bytes += entry.nbytes
+            done.append(entry)
+        self._touch_chains(done)
+        self.counters["committed_blocks_total"] += len(done)
+        return done
+
+    def abort(self, h: bytes) -> bool:
+        """Drop a WRITING block whose data never arrived (a failed disk read)."""
+        entry = self._entries.get(h)
+        if entry is None or entry.state != WRITING:
+            return False
+        self._remove(entry)
+        return True
+
+    def pin(self, h: bytes) -> bool:
+        entry = self._entries.get(h)
+        if entry is not None:
+            entry.pins += 1
+        return entry is not None
+
+    def unpin(self, h: bytes) -> None:
+        entry = self._entries.get(h)
+        if entry is not None and entry.pins > 0:
+            entry.pins -= 1
+
+    def _touch(self, entry: BlockEntry) -> None:
+        self._uses += 1
+        entry.last_use = self._uses
+        self._lru[entry.hash] = None
+        self._lru.move_to_end(entry.hash)
+
+    def _touch_chains(self, committed: list[BlockEntry]) -> None:
+        # Computing a block used its ancestors: touch the new blocks (tail
+        # first), then their cached ancestors up to the root, so no parent is
+        # older than its children.
+        for entry in reversed(committed):
+            self._touch(entry)
+        seen = {e.hash for e in committed}
+        for entry in committed:
+            h = entry.parent
+            while h is not None and h not in seen:  # `seen` also breaks cycles of reused hashes
+                seen.add(h)
+                ancestor = self._entries.get(h)
+                if ancestor is None or ancestor.state != READY:
+                    break
+                self._touch(ancestor)
+                h = ancestor.parent
+
+    # ------------------------------------------------------------- handoffs --
+
+    def alloc_handoff(self, nbytes: int, owner: str, ttl_s: float) -> Optional[Allocation]:
+        """A prefill->decode handoff allocation (never evicted), evicting
+        blocks to make contiguous room; None when none can be made."""
+        check_nbytes(nbytes)
+        check_seconds(ttl_s, "ttl_s")
+        return self._alloc_evicting(nbytes, owner, ttl_s)
+
+    def free_handoff(self, alloc_id: int) -> Optional[Allocation]:
+        if alloc_id in self._by_alloc:  # a block's id: not the caller's to free
+            return None
+        return self.allocator.free(alloc_id)
+
+    def free_handoffs_of(self, owner: str) -> list[Allocation]:
+        ids = [i for i in self.allocator.owned_by(owner) if i not in self._by_alloc]
+        return [a for a in map(self.allocator.free, ids) if a is not None]
+
+    # ------------------------------------------------------------- eviction --
+
+    def _alloc_evicting(self, nbytes: int, owner: str, ttl_s: float) -> Optional[Allocation]:
+        size = self.allocator.size_for(nbytes)
+        if size <= self.allocator.capacity and not self.allocator.fits(size):
+            self._make_room(size)
+        return self.allocator.alloc(nbytes, owner, ttl_s)
+
+    def _make_room(self, size: int) -> bool:
+        """Evict blocks until a free range of `size` bytes exists; evicts
+        nothing when no such range can be made."""
+        # The usual case (blocks all of one size): the coldest evictable block
+        # is big enough, and freeing it alone makes room. Plain LRU.
+        victim = next((self._entries[h] for h in self._lru if self._entries[h].evictable), None)
+        if victim is None:
+            return False
+        if victim.size >= size:
+            self._evict(victim)
+            return True
+        return self._evict_coldest_window(size)
+
+    def _evict_coldest_window(self, size: int) -> bool:
+        """Room for something bigger than a block (a handoff): free bytes only
+        help when contiguous, so evicting in plain LRU order could empty the
+        cache without ever opening a large enough hole. Instead pick, among all
+        address ranges of free space and evictable blocks that fit `size`, the
+        one whose newest block is the oldest (fewest evicted bytes on ties), and
+        evict just that range."""
+        segs = self.allocator.segments()
+        costs = [self._eviction_cost(alloc_id) for _, _, alloc_id in segs]
+        best = None  # ((newest use, evicted bytes), first, last)
+        first = 0
+        span = evicted = 0
+        newest: deque[int] = deque()  # indexes in [first, last], their costs decreasing
+        for last, (_, length, _) in enumerate(segs):
+            cost = costs[last]
+            if cost is None:  # a barrier: nothing spans it
+                first, span, evicted = last + 1, 0, 0
+                newest.clear()
+                continue
+            span += length
+            evicted += length if cost >= 0 else 0
+            while newest and costs[newest[-1]] <= cost:
+                newest.pop()
+            newest.append(last)
+            # Shrink from the left while the window still fits.
+            while span - segs[first][1] >= size:
+                span -= segs[first][1]
+                evicted -= segs[first][1] if costs[first] >= 0 else 0
+                first += 1
+                if newest[0] < first:
+                    newest.popleft()
+            if span >= size:
+                key = (costs[newest[0]], evicted)
+                if best is None or key < best[0]:
+                    best = (key, first, last)
+        if best is None:
+            return False
+        _, first, last = best
+        for _, _, alloc_id in segs[first:last + 1]:
+            if alloc_id is not None:
+                self._evict(self._entries[self._by_alloc[alloc_id]])
+        return True
+
+    def _eviction_cost(self, alloc_id: Optional[int]) -> Optional[int]:
+        """-1 for free space, last use for an evictable block, None for what must stay."""
+        if alloc_id is None:
+            return -1
+        h = self._by_alloc.get(alloc_id)
+        if h is None:
+            return None  # a handoff
+        entry = self._entries[h]
+        return entry.last_use if entry.evictable else None
+
+    def _evict(self, entry: BlockEntry) -> None:
+        self._remove(entry)
+        self.counters["evictions_total"] += 1
+
+    def _remove(self, entry: BlockEntry) -> None:
+        self.allocator.free(entry.alloc_id)
+        del self._entries[entry.hash]
+        del self._by_alloc[entry.alloc_id]
+        self._block_bytes -= entry.size
+        if entry.state == READY:
+            del self._lru[entry.hash]
+            self._ready_bytes -= entry.nbytes
+
+    # ---------------------------------------------------------------- time --
+
+    def expire(self, now: Optional[float] = None) -> Expired:
+        """End leases and reservations past their deadline, and handoffs past theirs."""
+        now = self._clock() if now is None else now
+        leases = []
+        while self._lease_deadlines and self._lease_deadlines[0][0] <= now:
+            _, lease_id = heapq.heappop(self._lease_deadlines)
+            lease = self._leases.pop(lease_id, None)  # None: released earlier
+            if lease is not None:
+                self._drop_lease(lease)
+                leases.append(lease)
+        handoffs, reservations = [], []
+        for alloc in self.allocator.expire(now):  # frees the space already
+            h = self._by_alloc.pop(alloc.id, None)
+            if h is None:
+                handoffs.append(alloc)
+                continue
+            entry = self._entries.pop(h)  # only WRITING blocks have deadlines
+            self._block_bytes -= entry.size
+            reservations.append(entry)
+        self.counters["leases_expired_total"] += len(leases)
+        self.counters["reservations_expired_total"] += len(reservations)
+        return Expired(handoffs, reservations, leases)
+
+    def next_deadline(self) -> Optional[float]:
+        while self._lease_deadlines and self._lease_deadlines[0][1] not in self._leases:
+            heapq.heappop(self._lease_deadlines)
+        deadlines = [d for d in (self.allocator.next_deadline(),
+                                 self._lease_deadlines[0][0] if self._lease_deadlines else None) if d is not None]
+        return min(deadlines, default=None)
+
+    # --------------------------------------------------------------- stats --
+
+    def stats(self) -> dict:
+        arena = self.allocator.stats()
+        return {
+            "blocks": len(self._lru),  # READY: servable
+            "memory_bytes": self._ready_bytes,
+            "writing_blocks": len(self._entries) - len(self._lru),
+            "leases": len(self._leases),
+            "handoffs": arena["allocations"] - len(self._by_alloc),
+            "handoff_bytes": arena["used_bytes"] - self._block_bytes,
+            **self.counters,
+        }
+

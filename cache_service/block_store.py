@@ -1,0 +1,90 @@
+"""The prefix cache's data path: the index's blocks in arena memory, backed
+by the disk tier (optional).
+
+- lookup: a block missing from memory but on disk is read (verified) into a
+  fresh arena slot and served as a hit;
+- commit: every newly committed block is written through to disk in the
+  background, pinned (never evicted) until the copy is over;
+- everything else is the index's.
+
+Service thread only, like the index; the disk tier's writer thread only ever
+reads pinned arena bytes and reports back through `finished()`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from cache_service.arena import Arena
+from cache_service.block_index import BlockEntry, BlockIndex
+from cache_service.disk_tier import DiskTier, empty_stats
+
+_PROMOTE_TTL_S = 60.0  # a disk read that never finishes (it cannot, but) still frees its slot
+
+
+class BlockStore:
+    def __init__(self, arena: Arena, index: BlockIndex, disk: Optional[DiskTier] = None):
+        self.arena = arena
+        self.index = index
+        self.disk = disk
+
+    def lookup(self, hashes: list, owner: str, lease_s: float) -> tuple[int, list[BlockEntry]]:
+        self.collect_disk_writes()  # finished copies unpin blocks: more room to promote into
+        return self.index.lookup(hashes, owner, lease_s, self._promote if self.disk else None)
+
+    def release(self, lease_id: int) -> bool:
+        return self.index.release(lease_id)
+
+    def reserve(self, hashes: list, nbytes: int, owner: str, ttl_s: float) -> list[BlockEntry]:
+        self.collect_disk_writes()
+        return self.index.reserve(hashes, nbytes, owner, ttl_s)
+
+    def commit(self, hashes: list, owner: str = "") -> list[BlockEntry]:
+        done = self.index.commit(hashes, owner)
+        if self.disk is not None:
+            for entry in done:
+                self._write_through(entry)
+        return done
+
+    def collect_disk_writes(self) -> None:
+        if self.disk is not None:
+            for h in self.disk.finished():
+                self.index.unpin(h)
+
+    def stats(self) -> dict:
+        return {**self.index.stats(), **(self.disk.stats() if self.disk else empty_stats())}
+
+    def close(self, flush_timeout_s: float = 1.0) -> None:
+        if self.disk is not None:
+            self.disk.close(flush_timeout_s)
+
+    def _write_through(self, entry: BlockEntry) -> None:
+        self.index.pin(entry.hash)
+        view = self.arena.view(entry.offset, entry.nbytes)
+        if not self.disk.submit(entry.hash, view):  # queue full: this block stays memory-only
+            view.release()
+            self.index.unpin(entry.hash)
+
+    def _promote(self, h: bytes) -> bool:
+        """Disk -> a new READY block in the arena; False on a miss (absent,
+        corrupt, or no room in memory)."""
+        nbytes = self.disk.payload_size(h)
+        if nbytes is None:
+            return False
+        try:
+            placed = self.index.reserve([h], nbytes, owner="disk", ttl_s=_PROMOTE_TTL_S)
+        except ValueError:  # a block bigger than this arena (another model's, wrongly hashed)
+            return False
+        if not placed:
+            return False
+        entry = placed[0]
+        view = self.arena.view(entry.offset, nbytes)
+        try:
+            ok = self.disk.read_into(h, view)
+        finally:
+            view.release()
+        if ok:
+            self.index.commit([h])  # already on disk: no write-through
+        else:
+            self.index.abort(h)
+        return ok

@@ -1,0 +1,343 @@
+"""KV blocks on disk: one file per block, LRU-bounded, kept across restarts.
+
+A restarted service (launchd restarts it, a new `tandem serve`) rebuilds its
+index from the directory and keeps its warm prefixes. The service writes every
+committed block through on a background thread (`submit`, a bounded queue;
+dropped and counted when full) and reads a block back on a memory miss
+(`read_into`, straight into the arena).
+
+File: <root>/<first hex byte>/<hash hex>.kvb =
+    header (magic, format version, payload length, SHA-256 of the payload) + payload.
+Written to a temporary name and renamed, so a reader sees a whole file or none.
+A file that fails any check (bad magic or version, wrong length, checksum) is
+deleted, counted, and treated as a miss: never served. The length is checked
+against the file and against the space the caller gives, so blocks of other
+models (other sizes) can share the directory: their hashes differ anyway.
+
+LRU by last use: a hit or a rewrite sets the file's mtime, which orders the
+index rebuilt at start-up. Several services may share a directory: a file
+another one evicted is just a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from collections import OrderedDict, deque
+from typing import Optional
+
+from cache_service.block_index import HASH_MAX_BYTES, HASH_MIN_BYTES
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"TNDMKVB\x00"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<8sIQ32s")  # magic, version, payload length, sha256(payload)
+SUFFIX = ".kvb"
+_TMP_SUFFIX = ".tmp"
+_STALE_TMP_S = 60.0  # older temp files are a crashed writer's leftovers; younger may be another service's
+
+_COUNTERS = ("disk_hits_total", "disk_corrupt_total", "disk_evictions_total", "disk_writes_total",
+             "disk_writes_dropped_total", "disk_write_errors_total")
+
+
+class DiskTier:
+    def __init__(self, root: str, capacity_bytes: int, *, queue_blocks: int = 64):
+        self.root = root
+        self.capacity_bytes = capacity_bytes
+        os.makedirs(root, exist_ok=True)
+        self._lock = threading.Lock()  # guards _files, _bytes and the counters
+        self._files: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes, least recently used first
+        self._bytes = 0
+        self.counters = dict.fromkeys(_COUNTERS, 0)
+        self._scan()
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_blocks)
+        self._finished: deque[bytes] = deque()  # hashes whose submitted write is over
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._closing = False
+        self._stop = threading.Event()
+        self._abandon = False  # close() ran out of time: drop what is still queued
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
+        self._writer.start()
+
+    # ------------------------------------------------------------- start-up --
+
+    def _scan(self) -> None:
+        found = []
+        now = time.time()
+        for sub in _scandir(self.root):
+            if not (sub.is_dir(follow_symlinks=False) and len(sub.name) == 2):
+                continue
+            for entry in _scandir(sub.path):
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if entry.name.endswith(_TMP_SUFFIX):
+                    if now - st.st_mtime > _STALE_TMP_S:
+                        _unlink(entry.path)
+                    continue
+                h = _hash_of_name(entry.name)
+                if h is not None and entry.name[:2] == sub.name:
+                    found.append((st.st_mtime, h, st.st_size))
+        found.sort(key=lambda f: f[0])
+        for _, h, size in found:
+            self._files[h] = size
+            self._bytes += size
+        for h in self._over_capacity():  # the limit may have been lowered since
+            _unlink(self.path(h))
+
+    # --------------------------------------------------------------- reads --
+
+    def path(self, h: bytes) -> str:
+        name = h.hex()
+        return os.path.join(self.root, name[:2], name + SUFFIX)
+
+    def __contains__(self, h: bytes) -> bool:
+        with self._lock:
+            return h in self._files
+
+    def payload_size(self, h: bytes) -> Optional[int]:
+        """Bytes of the block stored for `h` (from the file size), None if
+        absent. A file too short to hold any block is deleted as corrupt."""
+        with self._lock:
+            size = self._files.get(h)
+        if size is None or size > HEADER.size:
+            return None if size is None else size - HEADER.size
+        self._discard_corrupt(h, "shorter than a header")
+        return None
+
+    def read_into(self, h: bytes, dest: memoryview) -> bool:
+        """Fill `dest` with the block's verified bytes. False on a miss; a
+        file that fails a check is deleted first."""
+        path = self.path(h)
+        try:
+            with open(path, "rb") as f:
+                problem = _read_verified(f, dest)
+        except FileNotFoundError:  # another service sharing the directory evicted it
+            self._forget(h)
+            return False
+        except OSError as exc:
+            log.warning("could not read KV block file %s: %s", path, exc)
+            return False
+        if problem:
+            self._discard_corrupt(h, problem)
+            return False
+        _touch_file(path)
+        with self._lock:
+            if h in self._files:
+                self._files.move_to_end(h)
+            self.counters["disk_hits_total"] += 1
+        return True
+
+    def _discard_corrupt(self, h: bytes, problem: str) -> None:
+        path = self.path(h)
+        log.warning("KV block file %s is corrupt (%s): deleted", path, problem)
+        self._forget(h)
+        _unlink(path)
+        with self._lock:
+            self.counters["disk_corrupt_total"] += 1
+
+    def _forget(self, h: bytes) -> None:
+        with self._lock:
+            size = self._files.pop(h, None)
+            if size is not None:
+                self._bytes -= size
+
+    # -------------------------------------------------------------- writes --
+
+    def submit(self, h: bytes, data: memoryview) -> bool:
+        """Queue a write of `data` (the caller keeps it unchanged until `h`
+        comes out of `finished()`). False, counted, when the queue is full."""
+        with self._idle:
+            if self._closing:
+                return False
+            self._pending += 1
+        try:
+            self._queue.put_nowait((h, data))
+            return True
+        except queue.Full:
+            with self._lock:
+                self.counters["disk_writes_dropped_total"] += 1
+            self._done_one()
+            return False
+
+    def finished(self) -> list[bytes]:
+        """Hashes whose submitted write is over (written, skipped or failed)."""
+        out = []
+        while self._finished:
+            out.append(self._finished.popleft())
+        return out
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until every submitted write is over; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
+
+    def write(self, h: bytes, data) -> bool:
+        """Store one block now (the writer thread's job; tests call it too)."""
+        with memoryview(data).cast("B") as view:
+            return self._write(h, view)
+
+    def _write(self, h: bytes, data: memoryview) -> bool:
+        file_bytes = HEADER.size + data.nbytes
+        path = self.path(h)
+        if file_bytes > self.capacity_bytes:
+            with self._lock:
+                self.counters["disk_writes_dropped_total"] += 1
+            return False
+        with self._lock:
+            stored = h in self._files
+        if stored and _touch_file(path):  # same hash, same bytes: only its recency changes
+            with self._lock:
+                if h in self._files:
+                    self._files.move_to_end(h)
+            return True
+        header = HEADER.pack(MAGIC, FORMAT_VERSION, data.nbytes, hashlib.sha256(data).digest())
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{_TMP_SUFFIX}"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as exc:
+            _unlink(tmp)
+            log.warning("could not write KV block file %s: %s", path, exc)
+            with self._lock:
+                self.counters["disk_write_errors_total"] += 1
+            return False
+        with self._lock:
+            self._bytes += file_bytes - self._files.pop(h, 0)
+            self._files[h] = file_bytes
+            self.counters["disk_writes_total"] += 1
+            victims = self._over_capacity()
+        for victim in victims:
+            _unlink(self.path(victim))
+        return True
+
+    def _over_capacity(self) -> list[bytes]:
+        """Drop least recently used files from the index until under the limit
+        (call with the lock held, or before the writer starts); returns them."""
+        victims = []
+        while self._bytes > self.capacity_bytes and self._files:
+            h, size = self._files.popitem(last=False)
+            self._bytes -= size
+            victims.append(h)
+        self.counters["disk_evictions_total"] += len(victims)
+        return victims
+
+    def _write_loop(self) -> None:
+        while True:
+            try:
+                h, data = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                if self._stop.is_set():
+                    return
+                continue
+            try:
+                if self._abandon:
+                    with self._lock:
+                        self.counters["disk_writes_dropped_total"] += 1
+                else:
+                    self.write(h, data)
+            except Exception:  # the writer must outlive any one bad write
+                log.exception("KV block write failed")
+            finally:
+                data.release()  # the arena can unmap once no view is left
+                self._finished.append(h)
+                self._done_one()
+
+    def _done_one(self) -> None:
+        with self._idle:
+            self._pending -= 1
+            self._idle.notify_all()
+
+    def close(self, flush_timeout_s: float = 1.0) -> None:
+        """Stop taking writes, finish the queued ones within the timeout (then
+        drop the rest), stop the writer."""
+        with self._idle:
+            self._closing = True
+        if not self.wait_idle(flush_timeout_s):
+            log.warning("dropping unwritten KV blocks at shutdown")
+            self._abandon = True
+        self._stop.set()
+        self._writer.join(2.0)
+
+    # --------------------------------------------------------------- stats --
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"disk_bytes": self._bytes, "disk_blocks": len(self._files),
+                    "disk_capacity_bytes": self.capacity_bytes, **self.counters}
+
+
+def empty_stats() -> dict:
+    """The disk keys of the stats when there is no disk tier."""
+    return {"disk_bytes": 0, "disk_blocks": 0, "disk_capacity_bytes": 0, **dict.fromkeys(_COUNTERS, 0)}
+
+
+def _read_verified(f, dest: memoryview) -> Optional[str]:
+    """Read one block file into `dest`; what is wrong with it, or None."""
+    head = f.read(HEADER.size)
+    if len(head) < HEADER.size:
+        return "truncated header"
+    magic, version, length, digest = HEADER.unpack(head)
+    if magic != MAGIC:
+        return "bad magic"
+    if version != FORMAT_VERSION:
+        return f"format version {version}, expected {FORMAT_VERSION}"
+    if length != dest.nbytes:
+        return f"payload length {length} in the header, {dest.nbytes} expected from the file size"
+    got = f.readinto(dest)
+    if got != length:
+        return f"truncated payload ({got} of {length} bytes)"
+    if f.read(1):
+        return "bytes past the payload"
+    if hashlib.sha256(dest).digest() != digest:
+        return "checksum mismatch"
+    return None
+
+
+def _hash_of_name(name: str) -> Optional[bytes]:
+    if not name.endswith(SUFFIX):
+        return None
+    stem = name[:-len(SUFFIX)]
+    try:
+        h = bytes.fromhex(stem)
+    except ValueError:
+        return None
+    if h.hex() != stem or not HASH_MIN_BYTES <= len(h) <= HASH_MAX_BYTES:
+        return None
+    return h
+
+
+def _scandir(path: str) -> list:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except OSError:
+        return []
+
+
+def _touch_file(path: str) -> bool:
+    try:
+        os.utime(path)
+        return True
+    except OSError:
+        return False
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not delete %s: %s", path, exc)

@@ -1,0 +1,521 @@
+"""The worker half of the shared prefix cache: block hashes, the block layout,
+prefill reusing cached blocks, decode committing a finished conversation.
+
+Engines run real MLX on a tiny random llama (and once on the embedded model).
+The cache service is `FakeCache` (its prefix calls over one bytearray) unless a
+test says otherwise; the real service is used where its client has the calls.
+Greedy output with cache hits must equal mlx-lm's own generation (no cache).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+from cache_service.client import CacheClient, CacheUnavailable
+from protos.messages import BlockRef, CacheReply, DecodeRequest, KVHandoff, KVLookupReply, KVReserveReply, SamplingParams
+
+try:
+    from tests.tiny_models import load_tiny_model, make_tiny_llama
+except ImportError:  # pragma: no cover
+    from tiny_models import load_tiny_model, make_tiny_llama
+from workers.block_hash import SEED, BlockHasher, block_extra, model_fingerprint
+from workers.decode import DecodeEngine
+from workers.kv_transfer import (
+    KVLayout,
+    PrefixCache,
+    block_nbytes,
+    kv_layout,
+    make_prefix_cache,
+    probe_kv_layout,
+    read_blocks,
+    unblockable_reason,
+    write_blocks,
+)
+from workers.prefill_mlx import PrefillEngine
+
+VOCAB = 512
+BS = 8  # small blocks: short prompts span several
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ------------------------------------------------------------------ helpers --
+class FakeCache:
+    """The cache service's prefix calls, in memory, over one bytearray.
+
+    Same semantics the real service promises: lookup leases the longest
+    committed run from hashes[0]; reserve hands out space only for hashes
+    neither committed nor in flight; commit makes reserved blocks visible.
+    `fail=True` makes every call time out.
+    """
+
+    arena = "fake-arena"
+
+    def __init__(self, nbytes: int = 32 << 20):
+        self.buf = bytearray(nbytes)
+        self.blocks: Dict[bytes, BlockRef] = {}
+        self.reserved: Dict[bytes, BlockRef] = {}
+        self.leases: Dict[int, int] = {}
+        self.next_offset = 0
+        self.next_lease = 1
+        self.fail = False
+        self.calls: List[str] = []
+
+    def buffer(self, arena: str):
+        assert arena == self.arena
+        return self.buf
+
+    def _maybe_fail(self, name):
+        self.calls.append(name)
+        if self.fail:
+            raise CacheUnavailable(f"fake: no reply to {name}")
+
+    def lookup(self, hashes, owner, lease_s=30.0):
+        self._maybe_fail("lookup")
+        refs = []
+        for h in hashes:
+            if h not in self.blocks:
+                break
+            refs.append(self.blocks[h])
+        lease = self.next_lease
+        self.next_lease += 1
+        self.leases[lease] = len(refs)
+        return KVLookupReply(call_id=0, ok=True, arena=self.arena, lease=lease, blocks=refs)
+
+    def release(self, lease):
+        self._maybe_fail("release")
+        self.leases.pop(lease)
+        return CacheReply(call_id=0, ok=True)
+
+    def reserve(self, hashes, nbytes, owner, ttl_s=30.0):
+        self._maybe_fail("reserve")
+        out = []
+        for h in hashes:
+            if h in self.blocks or h in self.reserved:
+                continue
+            if self.next_offset + nbytes > len(self.buf):
+                return KVReserveReply(call_id=0, ok=False, error="full")
+            ref = BlockRef(hash=h, offset=self.next_offset, nbytes=nbytes)
+            self.next_offset += (nbytes + 63) // 64 * 64
+            self.reserved[h] = ref
+            out.append(ref)
+        return KVReserveReply(call_id=0, ok=True, arena=self.arena, blocks=out)
+
+    def commit(self, hashes):
+        self._maybe_fail("commit")
+        for h in hashes:
+            self.blocks[h] = self.reserved.pop(h)
+        return CacheReply(call_id=0, ok=True)
+
+
+class Counting:
+    """The model, counting the token positions it is run over."""
+
+    def __init__(self, model):
+        self.model = model
+        self.tokens = 0
+
+    def __call__(self, inputs, *args, **kwargs):
+        self.tokens += inputs.size
+        return self.model(inputs, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir):
+    return load_tiny_model(tiny_dir)
+
+
+def prompt_of(length: int, seed: int) -> List[int]:
+    return np.random.default_rng(seed).integers(0, VOCAB, length).tolist()
+
+
+def greedy(max_tokens=12) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+
+def reference(model, prompt, max_tokens) -> List[int]:
+    out = []
+    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
+        out.append(int(tok))
+    return out
+
+
+def prefix_for(model, model_dir, client, block_size=BS) -> PrefixCache:
+    prefix = make_prefix_cache(model, str(model_dir), block_size, client, client.buffer)
+    assert prefix is not None
+    return prefix
+
+
+def run_request(model, prefix, prompt, sp, rid="r", chunk=16):
+    """Prefill (reusing/storing blocks) then decode to the end with the same
+    prefix cache. Returns (all tokens, prefill result)."""
+    res = PrefillEngine(model, chunk_size=chunk, prefix=prefix).run(prompt, sp, owner=rid)
+    decode = DecodeEngine(model, max_batch=4, prefix=prefix)
+    decode.add(DecodeRequest(rid, prompt, res.first_token, KVHandoff(rid, res.num_tokens, res.rope_offset), sp),
+               res.cache)
+    tokens = [res.first_token]
+    while decode.has_work:
+        tokens += [u.token for u in decode.step()]
+        decode.commit_finished()
+    return tokens, res
+
+
+# ------------------------------------------------------------- block hashes --
+def test_block_hashes_chain():
+    hasher = BlockHasher(block_extra(b"f" * 32, "float32", 4), 4)
+    toks = list(range(100, 118))  # 4 full blocks + 2 tokens
+    hs = hasher.hashes(toks)
+    assert len(hs) == 4 and all(len(h) == 32 for h in hs) and len(set(hs)) == 4
+    assert hasher.hashes(toks[:16]) == hs  # the partial block never gets a key
+    assert hasher.hashes(toks, 2) == hs[:2]
+    other = toks[:5] + [999] + toks[6:]  # one token changed in block 1
+    ho = hasher.hashes(other)
+    assert ho[0] == hs[0] and all(a != b for a, b in zip(ho[1:], hs[1:]))  # chained
+    # Every extra key matters: weights, dtype, block size.
+    for extra in (block_extra(b"g" * 32, "float32", 4), block_extra(b"f" * 32, "float16", 4),
+                  block_extra(b"f" * 32, "float32", 4, adapter="lora")):
+        assert BlockHasher(extra, 4).hashes(toks)[0] != hs[0]
+    assert BlockHasher(block_extra(b"f" * 32, "float32", 2), 4).hashes(toks)[0] != hs[0]
+    # Per-block extra (image hashes later): changes that block and all after.
+    hi = hasher.hashes(toks, per_block=lambda i: b"img" if i == 2 else b"")
+    assert hi[:2] == hs[:2] and hi[2] != hs[2] and hi[3] != hs[3]
+    with pytest.raises(ValueError):
+        hasher.hashes([-1] * 4)
+    assert SEED != hs[0]
+
+
+def test_block_hashes_same_in_another_process(tiny_dir):
+    """No per-process salt: a fresh interpreter (other PYTHONHASHSEED) and a
+    restart compute the very same keys and fingerprint."""
+    toks = prompt_of(70, 1)
+    fp = model_fingerprint(tiny_dir)
+    mine = [h.hex() for h in BlockHasher(block_extra(fp, "float32", 16), 16).hashes(toks)]
+    code = ("import json,sys; from workers.block_hash import *; "
+            "a=json.loads(sys.argv[1]); fp=model_fingerprint(a['dir']); "
+            "print(json.dumps([h.hex() for h in BlockHasher(block_extra(fp,'float32',16),16).hashes(a['toks'])]))")
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    env.pop("LD_PRELOAD", None)
+    out = subprocess.run([sys.executable, "-c", code, json.dumps({"dir": str(tiny_dir), "toks": toks})],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(out.stdout) == mine and len(mine) == 4
+
+
+def test_model_fingerprint(tmp_path):
+    a = tmp_path / "a"
+    a.mkdir()
+    (a / "config.json").write_text('{"x": 1}')
+    (a / "model.safetensors").write_bytes(b"\0" * (3 << 20))
+    fp = model_fingerprint(a)
+    assert len(fp) == 32 and model_fingerprint(a) == fp
+    b = tmp_path / "b"  # same files, another folder name (GGUF folders are named by its hash)
+    b.mkdir()
+    for f in a.iterdir():
+        (b / f.name).write_bytes(f.read_bytes())
+    assert model_fingerprint(b) != fp
+    data = bytearray((a / "model.safetensors").read_bytes())
+    data[-10] = 1  # a change in the last MiB
+    (a / "model.safetensors").write_bytes(bytes(data))
+    fp2 = model_fingerprint(a)
+    assert fp2 != fp
+    (a / "config.json").write_text('{"x": 2}')
+    assert model_fingerprint(a) != fp2
+
+
+# ------------------------------------------------------------- block layout --
+def _filled(dtype, tokens, seed, layers=3, heads=2, dk=16, dv=8):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(layers):
+        c = KVCache()
+        for n in (tokens - 5, 5):  # grown through update_and_fetch: strided live part
+            k = mx.array(rng.standard_normal((1, heads, n, dk)).astype(np.float32)).astype(dtype)
+            v = mx.array(rng.standard_normal((1, heads, n, dv)).astype(np.float32)).astype(dtype)
+            c.update_and_fetch(k, v)
+        out.append(c)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_blocks_roundtrip_exact(dtype):
+    cache = _filled(dtype, 45, 0)
+    layout = kv_layout(cache, BS)
+    item = {mx.float32: 4, mx.float16: 2, mx.bfloat16: 2}[dtype]
+    assert block_nbytes(layout) == 3 * 2 * (16 + 8) * BS * item
+    assert layout.dtype == str(dtype).split(".")[-1]
+    nb = block_nbytes(layout)
+    buf = bytearray(20 * nb)
+    # Blocks 0..4 land out of order and apart, as an arena hands them out.
+    offsets = [7 * nb, 1 * nb, 12 * nb, 3 * nb, 9 * nb]
+    assert write_blocks(buf, offsets[:2], cache, 0, layout) == 2 * nb
+    write_blocks(buf, offsets[2:], cache, 2, layout)
+    back = read_blocks(buf, offsets[:4], layout)  # the first 4 blocks
+    buf[:] = bytes(len(buf))  # the rebuilt cache owns its memory
+    for a, b in zip(cache, back):
+        assert b.offset == 4 * BS and b.keys.dtype == dtype
+        assert mx.array_equal(a.keys[..., :32, :], b.keys)
+        assert mx.array_equal(a.values[..., :32, :], b.values)
+    with pytest.raises(ValueError, match="tokens"):
+        write_blocks(bytearray(10 * nb), [0, nb, 2 * nb, 3 * nb, 4 * nb, 5 * nb], cache, 0, layout)  # 48 > 45
+    with pytest.raises(ValueError, match="outside"):
+        read_blocks(bytearray(nb), [1], layout)
+    with pytest.raises(ValueError, match="layout"):
+        write_blocks(buf, [0], cache, 0, KVLayout(layout.layers, "float32" if item == 2 else "float16", BS))
+
+
+def test_caches_that_cannot_be_blocked(caplog):
+    assert unblockable_reason([KVCache(), KVCache()]) is None
+    assert "sliding window" in unblockable_reason([KVCache(), RotatingKVCache(max_size=8)])
+    assert "recurrent" in unblockable_reason([ArraysCache(2)])
+
+    class SlidingModel:  # what make_prompt_cache sees of a sliding-window model
+        def make_cache(self):
+            return [KVCache(), RotatingKVCache(max_size=64)]
+
+    with pytest.raises(TypeError, match="RotatingKVCache"):
+        probe_kv_layout(SlidingModel(), BS)
+    with caplog.at_level(logging.INFO, logger="workers.kv_transfer"):
+        assert make_prefix_cache(SlidingModel(), ".", BS, FakeCache(), None) is None
+    assert "prefix caching off" in caplog.text and "layer 1 is RotatingKVCache" in caplog.text
+
+
+# ---------------------------------------------------------- prefill and decode --
+def test_cold_partial_and_full_hits_match_mlx_lm(model, tiny_dir):
+    fake = FakeCache()
+    counted = Counting(model)
+    prefix = prefix_for(counted, tiny_dir, fake)
+    shared = prompt_of(40, 2)  # 5 full blocks
+    a = shared + prompt_of(9, 3)  # 49 tokens: 6 full blocks, (49-1)/8 = 6 looked up
+    b = shared + prompt_of(13, 4)  # same first 5 blocks, another tail
+    expect = {name: reference(model, p, 10) for name, p in (("a", a), ("b", b))}
+    counted.tokens = 0
+
+    # Cold: everything computed, the prompt's 6 full blocks stored.
+    res = PrefillEngine(counted, chunk_size=16, prefix=prefix).run(a, greedy(), owner="a1")
+    assert res.cached_tokens == 0 and counted.tokens == 49 and len(fake.blocks) == 6
+    # Full hit: the same prompt again; only its last token runs.
+    counted.tokens = 0
+    res = PrefillEngine(counted, chunk_size=16, prefix=prefix).run(a, greedy(), owner="a2")
+    assert res.cached_tokens == 48 and counted.tokens == 1
+    assert res.first_token == expect["a"][0] and res.num_tokens == 49
+    assert not fake.leases  # released at once
+    # Partial hit: 5 shared blocks reused, the new tail computed.
+    counted.tokens = 0
+    res = PrefillEngine(counted, chunk_size=16, prefix=prefix).run(b, greedy(), owner="b")
+    assert res.cached_tokens == 40 and counted.tokens == 13
+    assert len(fake.blocks) == 6 + 1  # b's 6th block (53 // 8 = 6) is new
+    # Whole generations through prefill (hits) + decode equal mlx-lm's.
+    for name, p in (("a", a), ("b", b)):
+        tokens, res = run_request(model, prefix, p, greedy(10), rid=name)
+        assert res.cached_tokens == (len(p) - 1) // BS * BS
+        assert tokens == expect[name], name
+    assert prefix.stats.failures == 0
+
+
+def test_second_turn_reuses_prompt_and_answer(model, tiny_dir):
+    fake = FakeCache()
+    counted = Counting(model)
+    prefix = prefix_for(counted, tiny_dir, fake)
+    turn1 = prompt_of(30, 5)
+    answer, res = run_request(counted, prefix, turn1, greedy(20), rid="t1")
+    assert res.cached_tokens == 0 and answer == reference(model, turn1, 20)
+    # The decode worker committed prompt + all 20 answer tokens: 50 // 8 blocks.
+    held = turn1 + answer
+    assert len(fake.blocks) == 6
+    assert all(h in fake.blocks for h in prefix.hasher.hashes(held))
+    # Turn two: the conversation so far plus a new message.
+    turn2 = held + prompt_of(7, 6)
+    counted.tokens = 0
+    res = PrefillEngine(counted, chunk_size=16, prefix=prefix).run(turn2, greedy(), owner="t2")
+    assert res.cached_tokens == 48 and counted.tokens == len(turn2) - 48
+    tokens, res = run_request(model, prefix, turn2, greedy(12), rid="t2b")
+    assert tokens == reference(model, turn2, 12)
+
+
+def test_cancel_commits_what_the_kv_holds(model, tiny_dir):
+    fake = FakeCache()
+    prefix = prefix_for(model, tiny_dir, fake)
+    prompt = prompt_of(21, 7)
+    res = PrefillEngine(model, 16, prefix=prefix).run(prompt, greedy(40), owner="c")
+    assert len(fake.blocks) == 2
+    decode = DecodeEngine(model, 4, prefix=prefix)
+    decode.add(DecodeRequest("c", prompt, res.first_token, KVHandoff("c", 21, 21), greedy(40)), res.cache)
+    seen = [res.first_token]
+    for _ in range(13):
+        seen += [u.token for u in decode.step()]
+    assert decode.cancel("c") and decode.has_work  # the commit is pending
+    assert decode.commit_finished() == (21 + len(seen)) // BS - 2
+    assert not decode.has_work
+    assert all(h in fake.blocks for h in prefix.hasher.hashes(prompt + seen))
+    # save=False (a failed batch) commits nothing.
+    decode.add(DecodeRequest("d", prompt, res.first_token, KVHandoff("d", 21, 21), greedy(40)),
+               _copy(res.cache))
+    for _ in range(20):
+        decode.step()
+    before = len(fake.blocks)
+    decode.cancel("d", save=False)
+    assert decode.commit_finished() == 0 and len(fake.blocks) == before
+
+
+def _copy(cache):
+    out = []
+    for c in cache:
+        n = KVCache()
+        n.state = (mx.array(c.keys[..., : c.offset, :]), mx.array(c.values[..., : c.offset, :]), c.offset)
+        out.append(n)
+    return out
+
+
+def test_unavailable_cache_service_does_not_fail_the_request(model, tiny_dir):
+    fake = FakeCache()
+    prefix = prefix_for(model, tiny_dir, fake)
+    fake.fail = True
+    prompt = prompt_of(33, 8)
+    tokens, res = run_request(model, prefix, prompt, greedy(10), rid="x")
+    assert tokens == reference(model, prompt, 10) and res.cached_tokens == 0
+    assert fake.calls == ["lookup"]  # then skipped: one timeout, not one per call
+    assert prefix.stats.failures == 1
+    fake.fail = False
+    prefix._skip_until = 0.0  # the back-off elapsed
+    tokens, res = run_request(model, prefix, prompt, greedy(10), rid="y")
+    assert res.cached_tokens == 0 and len(fake.blocks) == (33 + 10) // BS
+
+
+def test_refused_and_broken_replies_fall_back(model, tiny_dir):
+    fake = FakeCache()
+    prefix = prefix_for(model, tiny_dir, fake)
+    prompt = prompt_of(26, 9)
+    want = reference(model, prompt, 6)
+    PrefillEngine(model, 16, prefix=prefix).run(prompt, greedy(), owner="w")
+    # A block of the wrong size (another layout) is never read.
+    h0 = prefix.hasher.hashes(prompt)[0]
+    fake.blocks[h0] = BlockRef(hash=h0, offset=fake.blocks[h0].offset, nbytes=prefix.layout.block_nbytes - 4)
+    res = PrefillEngine(model, 16, prefix=prefix).run(prompt, greedy(), owner="w2")
+    assert res.cached_tokens == 0 and res.first_token == want[0]
+    # An arena that cannot be mapped: computed, not failed.
+    prefix2 = PrefixCache(fake, lambda name: (_ for _ in ()).throw(FileNotFoundError(name)),
+                          prefix.hasher, prefix.layout)
+    fake.blocks[h0] = BlockRef(hash=h0, offset=fake.blocks[h0].offset, nbytes=prefix.layout.block_nbytes)
+    tokens, res = run_request(model, prefix2, prompt, greedy(6), rid="z")
+    assert tokens == want and res.cached_tokens == 0 and prefix2.stats.failures >= 1
+
+
+def test_embedded_model_hit_matches_cold(embedded_model, embedded_model_dir):
+    model, tokenizer = embedded_model
+    fake = FakeCache(64 << 20)
+    prefix = make_prefix_cache(model, str(embedded_model_dir), 32, fake, fake.buffer)
+    assert prefix is not None and prefix.layout.dtype == "float32"
+    text = "You are a helpful assistant. Answer briefly and precisely. " * 6
+    prompt = tokenizer.encode(text + "What is the capital of France?")
+    cold = PrefillEngine(model, 64).run(prompt, greedy())
+    counted = Counting(model)
+    engine = PrefillEngine(counted, 64, prefix=prefix)
+    first = engine.run(prompt, greedy(), owner="e1")
+    assert first.cached_tokens == 0 and len(fake.blocks) == len(prompt) // 32
+    counted.tokens = 0
+    hit = engine.run(prompt, greedy(), owner="e2")
+    assert hit.cached_tokens == (len(prompt) - 1) // 32 * 32
+    assert counted.tokens == len(prompt) - hit.cached_tokens
+    assert hit.first_token == cold.first_token
+    # The KV after the hit equals the KV computed cold (to float noise).
+    for a, b in zip(cold.cache, hit.cache):
+        assert mx.allclose(a.keys[..., : len(prompt), :], b.keys[..., : len(prompt), :], atol=1e-4)
+
+
+# ----------------------------------------------------- the real cache service --
+def _real_client_ready() -> bool:
+    return all(hasattr(CacheClient, m) for m in ("lookup", "release", "reserve", "commit"))
+
+
+def _lookup_in_fresh_process(run_dir: str, hashes_hex: List[str], q) -> None:
+    from cache_service.client import CacheClient
+    from deploy.settings import Settings
+
+    client = CacheClient(Settings(run_dir=run_dir, cache_dir=None))
+    reply = client.lookup([bytes.fromhex(h) for h in hashes_hex], owner="fresh")
+    q.put(len(reply.blocks))
+    client.release(reply.lease)
+    client.close()
+
+
+@pytest.mark.skipif(not _real_client_ready(), reason="CacheClient has no prefix-cache calls yet")
+def test_real_cache_service_roundtrip(model, tiny_dir, tmp_path):
+    from cache_service import service
+    from cache_service.arena import ArenaAttachment, new_arena_name, unlink_arena
+    from deploy.settings import Settings
+
+    ctx = mp.get_context("spawn")
+    settings = Settings(run_dir=str(tmp_path), cache_dir=None, arena_name=new_arena_name("tpw"),
+                        cache_memory_bytes=64 << 20, block_size=BS, cache_call_timeout_s=5.0)
+    ready = ctx.Event()
+    proc = ctx.Process(target=service.run, args=(settings, ready), daemon=True)
+    proc.start()
+    arenas = ArenaAttachment()
+    client = CacheClient(settings)
+    try:
+        assert ready.wait(30)
+        prefix = make_prefix_cache(model, str(tiny_dir), BS, client, lambda name: arenas.get(name).buf)
+        prompt = prompt_of(41, 10)
+        want = reference(model, prompt, 8)
+        tokens, res = run_request(model, prefix, prompt, greedy(8), rid="p1")
+        assert tokens == want and res.cached_tokens == 0
+        # Another process (fresh interpreter: its own hashing) finds the blocks.
+        hashes = prefix.hasher.hashes(prompt)
+        q = ctx.Queue()
+        p = ctx.Process(target=_lookup_in_fresh_process, args=(str(tmp_path), [h.hex() for h in hashes], q))
+        p.start()
+        assert q.get(timeout=30) == len(hashes) == 5
+        p.join(10)
+        tokens, res = run_request(model, prefix, prompt, greedy(8), rid="p2")
+        assert tokens == want and res.cached_tokens == 40 and prefix.stats.failures == 0
+    finally:
+        client.close()
+        arenas.close()
+        proc.terminate()
+        proc.join(10)
+        unlink_arena(settings.arena_name)
+
+
+@pytest.mark.skipif(not _real_client_ready(), reason="CacheClient has no prefix-cache calls yet")
+def test_silent_cache_service_times_out_without_failing(model, tiny_dir, tmp_path):
+    """A socket that takes requests and never answers: the real client's
+    deadline fires, the request is computed in full."""
+    import zmq
+
+    from deploy.settings import Settings
+    from protos.transport import ipc_address
+
+    settings = Settings(run_dir=str(tmp_path), cache_dir=None, cache_call_timeout_s=0.3)
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.bind(ipc_address(str(tmp_path), "cache"))
+    client = CacheClient(settings, ctx=ctx)
+    try:
+        prefix = make_prefix_cache(model, str(tiny_dir), BS, client, lambda name: None)
+        prompt = prompt_of(30, 11)
+        tokens, res = run_request(model, prefix, prompt, greedy(6), rid="s")
+        assert tokens == reference(model, prompt, 6) and res.cached_tokens == 0
+        assert prefix.stats.failures == 1
+    finally:
+        client.close()
+        silent.close(linger=0)
+        ctx.term()

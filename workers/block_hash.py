@@ -1,0 +1,125 @@
+"""Chained block hashes: the keys of the shared prefix cache.
+
+A prompt is cut into full blocks of `block_size` tokens; block i's key is
+
+    h_i = SHA-256(h_{i-1} || extra || block_extra_i || tokens of block i as uint32 LE)
+
+with h_{-1} = SEED. Chaining makes a key name the whole prefix up to the end
+of its block, so a hit on block i implies blocks 0..i-1 match too, and the
+cache service can answer "longest cached run from the start" by walking keys.
+
+`extra` pins everything besides token ids that changes the KV: the model's
+weights (`model_fingerprint`), the KV dtype, the block size, the layout
+version, an adapter name. `block_extra_i` is the hook for things that enter
+one block only (an image's content hash and offset: DESIGN.md forbids keying
+KV by placeholder token ids alone); it is empty for text.
+
+Every variable-length field is length-prefixed, so no two different inputs
+concatenate to the same bytes. Keys are the full 32 bytes, never truncated.
+Pure Python + hashlib + numpy (no MLX), so the router can compute the same
+keys for cache-aware routing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence
+
+import numpy as np
+
+HASH_BYTES = 32
+# h_{-1}: a fixed constant, so the same prompt hashes alike in every process
+# and after every restart (no per-process salt, unlike Python's hash()).
+SEED = hashlib.sha256(b"tandem kv block chain seed v1").digest()
+# Bump when workers.kv_transfer changes the byte layout of a block: old
+# blocks (in a disk tier) then simply stop matching.
+LAYOUT_VERSION = b"tandem-kv-layout-1"
+
+_EDGE_BYTES = 1 << 20  # fingerprint reads this much from each end of a weights file
+_WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf", ".bin")
+
+BlockExtra = Callable[[int], bytes]  # block index -> bytes that enter that block only
+
+
+def _field(b: bytes) -> bytes:
+    return len(b).to_bytes(4, "little") + b
+
+
+def model_fingerprint(model_dir: str | os.PathLike) -> bytes:
+    """32 bytes naming the weights in `model_dir`, cheap to compute.
+
+    Reads config.json in full and, for each weights file, its name, size and
+    the first and last MiB (so a re-quantized or re-trained file of the same
+    name and size still differs: the header and the last tensors change).
+    The folder's own name goes in too: folders converted from a GGUF are
+    named by the GGUF's SHA-256, which makes this exact for them. A full hash
+    of gigabytes of weights at every start would cost seconds for no gain.
+    """
+    folder = Path(model_dir).resolve()
+    h = hashlib.sha256(b"tandem model fingerprint v1")
+    h.update(_field(folder.name.encode()))
+    config = folder / "config.json"
+    h.update(_field(config.read_bytes() if config.is_file() else b""))
+    weights = sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
+    for p in weights:
+        size = p.stat().st_size
+        h.update(_field(p.name.encode()) + size.to_bytes(8, "little"))
+        with open(p, "rb") as f:
+            head = f.read(_EDGE_BYTES)
+            if size > _EDGE_BYTES:
+                f.seek(max(size - _EDGE_BYTES, _EDGE_BYTES))
+                tail = f.read(_EDGE_BYTES)
+            else:
+                tail = b""
+        h.update(hashlib.sha256(head).digest() + hashlib.sha256(tail).digest())
+    return h.digest()
+
+
+def block_extra(fingerprint: bytes, kv_dtype: str, block_size: int, adapter: str = "") -> bytes:
+    """The `extra` bytes shared by every block of one model configuration."""
+    if block_size < 1:
+        raise ValueError("block_size must be >= 1")
+    return b"".join(_field(f) for f in (
+        LAYOUT_VERSION, fingerprint, kv_dtype.encode(), str(int(block_size)).encode(), adapter.encode()))
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    arr = np.asarray(tokens, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must fit in uint32")
+    return arr.astype("<u4").tobytes()
+
+
+class BlockHasher:
+    """Hashes prompts for one model configuration (one `extra`, one block size)."""
+
+    def __init__(self, extra: bytes, block_size: int):
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self.extra = bytes(extra)
+        self.block_size = int(block_size)
+
+    def full_blocks(self, n_tokens: int) -> int:
+        return n_tokens // self.block_size
+
+    def hashes(self, tokens: Sequence[int], n_blocks: Optional[int] = None,
+               per_block: Optional[BlockExtra] = None) -> List[bytes]:
+        """Keys of the first `n_blocks` full blocks of `tokens` (default: all
+        full blocks; a partial last block never gets a key)."""
+        bs = self.block_size
+        full = len(tokens) // bs
+        n = full if n_blocks is None else min(int(n_blocks), full)
+        data = _token_bytes(tokens[: n * bs])
+        width = 4 * bs
+        out: List[bytes] = []
+        prev = SEED
+        for i in range(n):
+            h = hashlib.sha256(prev)
+            h.update(self.extra)
+            h.update(_field(per_block(i) if per_block is not None else b""))
+            h.update(data[i * width:(i + 1) * width])
+            prev = h.digest()
+            out.append(prev)
+        return out
