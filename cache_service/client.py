@@ -24,7 +24,8 @@ import zmq
 import zmq.asyncio
 
 from deploy.settings import Settings
-from protos.messages import CacheAlloc, CacheAllocReply, CacheFree, CacheReply, CacheStats
+from protos.messages import (CacheAlloc, CacheAllocReply, CacheFree, CacheReply, CacheStats, KVCommit, KVLookup,
+                             KVLookupReply, KVRelease, KVReserve, KVReserveReply)
 from protos.transport import ipc_address, make_socket, recv, send
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,27 @@ class _CallFactory:
     def stats(self) -> _Call:
         return _Call(CacheStats(call_id=next(self._ids)), CacheReply, self.timeout_s, finish=_stats_or_raise)
 
+    def lookup(self, hashes, owner: str, lease_s: float) -> _Call:
+        req = KVLookup(call_id=next(self._ids), hashes=_hash_list(hashes), owner=owner, lease_s=float(lease_s))
+        return _Call(req, KVLookupReply, self.timeout_s)
+
+    def release(self, lease: int) -> _Call:
+        return _Call(KVRelease(call_id=next(self._ids), lease=int(lease)), CacheReply, self.timeout_s,
+                     finish=_none_or_raise)
+
+    def reserve(self, hashes, nbytes: int, owner: str, ttl_s: float) -> _Call:
+        req = KVReserve(call_id=next(self._ids), hashes=_hash_list(hashes), nbytes=int(nbytes), owner=owner,
+                        ttl_s=float(ttl_s))
+        return _Call(req, KVReserveReply, self.timeout_s)
+
+    def commit(self, hashes, owner: str) -> _Call:
+        req = KVCommit(call_id=next(self._ids), hashes=_hash_list(hashes), owner=owner or "")
+        return _Call(req, CacheReply, self.timeout_s)
+
+
+def _hash_list(hashes) -> list:
+    return [bytes(h) for h in hashes]
+
 
 def _stats_or_raise(reply: CacheReply) -> dict:
     if not reply.ok:
@@ -98,7 +120,14 @@ def _stats_or_raise(reply: CacheReply) -> dict:
     return reply.stats
 
 
+def _none_or_raise(reply: CacheReply) -> None:
+    if not reply.ok:
+        raise CacheError(reply.error)
+
+
 DEFAULT_TTL_S = 120.0
+DEFAULT_LEASE_S = 30.0  # a prefill copies its cached blocks well within this
+DEFAULT_BLOCK_TTL_S = 30.0
 
 
 class CacheClient:
@@ -123,6 +152,35 @@ class CacheClient:
 
     def stats(self) -> dict:
         return self._call(self._calls.stats())
+
+    # Prefix cache. Block hashes are bytes, chained, in prompt order.
+
+    def lookup(self, hashes, owner: str, lease_s: float = DEFAULT_LEASE_S) -> KVLookupReply:
+        """Lease the longest run of cached blocks from hashes[0]: `.blocks`
+        covers hashes[:len(blocks)] (read them in `.arena`), then `release`
+        `.lease` (-1 when nothing was found). An unreleased lease ends by itself
+        after `lease_s`."""
+        return self._call(self._calls.lookup(hashes, owner, lease_s))
+
+    def release(self, lease: int) -> None:
+        """Give a lookup's lease back. A lease that already expired is fine;
+        -1 (nothing leased) costs no call."""
+        if lease < 0:
+            return None
+        return self._call(self._calls.release(lease))
+
+    def reserve(self, hashes, nbytes: int, owner: str, ttl_s: float = DEFAULT_BLOCK_TTL_S) -> KVReserveReply:
+        """Phase one of a put: `.blocks` are the slots to write (`nbytes` each),
+        for the hashes not already cached or being written, in order; fewer
+        than asked when the arena has no more room. Pass the whole chain: its
+        cached head is kept while room is made for the tail."""
+        return self._call(self._calls.reserve(hashes, nbytes, owner, ttl_s))
+
+    def commit(self, hashes, owner: str = "") -> CacheReply:
+        """Phase two: publish written blocks (those not committed within the
+        reservation's ttl are gone). `.stats`: committed, unknown. Pass the
+        reserving `owner` so a late commit cannot publish another writer's slot."""
+        return self._call(self._calls.commit(hashes, owner))
 
     def close(self) -> None:
         if self._sock is not None:

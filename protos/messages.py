@@ -292,10 +292,14 @@ class KVReserveReply:
 
 @dataclass
 class KVCommit:
-    """Phase two: the reserved blocks are written; make them visible. Reply: CacheReply."""
+    """Phase two: the reserved blocks are written; make them visible. Reply: CacheReply
+    (stats: committed, unknown). With `owner` set, only that owner's reservations
+    are committed: a writer whose reservation expired cannot publish the block
+    another writer has since reserved and not yet written."""
 
     call_id: int
     hashes: list
+    owner: str = ""
 
 
 ALL_MESSAGES = [

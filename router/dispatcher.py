@@ -33,8 +33,13 @@ from protos.messages import (
 )
 from router.engine_api import EngineError, EngineEvent, GenerationRequest
 from router.metrics import Metrics
+from router.prefix_affinity import PrefixAffinity, prefix_keys
 
 log = logging.getLogger(__name__)
+
+# How many more in-flight requests the affine prefill worker may have than the
+# least-loaded one before routing ignores affinity.
+AFFINITY_SLACK = 2
 
 
 @dataclass
@@ -77,6 +82,7 @@ class Dispatcher:
         self._cache: Optional[AsyncCacheClient] = None
         self._tasks: list[asyncio.Task] = []
         self.metrics = Metrics(self)
+        self.affinity = PrefixAffinity()
 
     # ---------------------------------------------------------- lifecycle --
     async def start(self) -> None:
@@ -141,11 +147,24 @@ class Dispatcher:
         return self.metrics.text()
 
     # ------------------------------------------------------------ routing --
-    def _pick(self, role: str, exclude: str = "") -> WorkerState:
-        candidates = [w for w in self._ready_with(role) if w.hello.worker_id != exclude] or self._ready_with(role)
+    def _pick(self, role: str) -> WorkerState:
+        """The least-loaded ready worker of a role."""
+        candidates = self._ready_with(role)
         if not candidates:
             raise EngineError(503, f"no {role} worker is alive; retry shortly", retry_after=1.0)
         return min(candidates, key=lambda w: (w.load(), w.hello.running + w.hello.waiting))
+
+    def _pick_prefill(self, keys: list[bytes]) -> WorkerState:
+        """Cache-aware: the worker that last prefilled the longest part of this
+        prompt, unless it is busier than the least-loaded one by more than
+        AFFINITY_SLACK requests (then reuse is not worth the wait)."""
+        least = self._pick("prefill")
+        matched = self.affinity.matched_blocks(keys)
+        ready = {w.hello.worker_id: w for w in self._ready_with("prefill")}
+        best = max((wid for wid in matched if wid in ready), key=lambda wid: matched[wid], default=None)
+        if best is not None and ready[best].load() - least.load() <= AFFINITY_SLACK:
+            return ready[best]
+        return least
 
     async def _send(self, worker_id: str, msg) -> bool:
         try:
@@ -161,7 +180,8 @@ class Dispatcher:
             if waiting >= self.settings.max_queue:
                 raise EngineError(429, f"server busy: {waiting} requests are queued for prefill; retry later",
                                   retry_after=1.0)
-            prefill = self._pick("prefill")
+            keys = prefix_keys(req.prompt_tokens, self.settings.block_size)
+            prefill = self._pick_prefill(keys)
         except EngineError as exc:  # refused at admission: counted, never queued
             self.metrics.requests.labels(status=str(exc.status)).inc()
             raise
@@ -171,6 +191,7 @@ class Dispatcher:
         local = "decode" in prefill.hello.roles and self.settings.colocate
         self.requests[rid] = st
         prefill.assigned.add(rid)
+        self.affinity.record(keys, prefill.hello.worker_id)
         m = self.metrics
         m.prompt_tokens.inc(len(req.prompt_tokens))
         outcome, last = "cancelled", None
@@ -288,7 +309,7 @@ class Dispatcher:
             decode = self.workers.get(wid)
         else:
             try:
-                decode = self._pick("decode", exclude="")
+                decode = self._pick("decode")
             except EngineError as exc:
                 await self._free(h)
                 st.events.put_nowait(exc)
@@ -319,6 +340,7 @@ class Dispatcher:
         w = self.workers.pop(wid, None)
         if w is None:
             return
+        self.affinity.forget(wid)
         log.warning("worker %s (%s, pid %d) %s; failing %d request(s)", wid, "+".join(w.hello.roles),
                     w.hello.pid, why, len(w.assigned))
         for rid in w.assigned:

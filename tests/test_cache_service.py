@@ -80,7 +80,9 @@ def make_settings():
     def make(**overrides):
         name = new_arena_name(PREFIX)
         names.append(name)
-        fields = dict(run_dir=run_dir, arena_name=name, cache_memory_bytes=4 * MiB,
+        # cache_dir=None: no disk tier unless a test passes its own temp folder
+        # (never the user's cache folder, the Settings default).
+        fields = dict(run_dir=run_dir, arena_name=name, cache_memory_bytes=4 * MiB, cache_dir=None,
                       cache_call_timeout_s=3.0, log_level="warning")
         fields.update(overrides)
         return Settings(**fields)

@@ -192,3 +192,38 @@ def test_metrics_count_what_happened():
             assert line in text, line
 
     run(body)
+
+
+def test_prefill_routing_follows_the_prefix_unless_that_worker_is_swamped():
+    async def body(disp, worker):
+        a, b = worker("prefill-a", ["prefill"]), worker("prefill-b", ["prefill"])
+        await a.beat()
+        await b.beat()
+        await wait_for(lambda: len(disp.workers) == 2)
+        bs = disp.settings.block_size
+        shared = list(range(1, 4 * bs + 1))
+
+        def req(rid, tail):
+            return GenerationRequest(rid, shared + tail, SamplingParams(max_tokens=4, temperature=0.0))
+
+        gens = []
+
+        async def start(r):
+            g = disp.generate(r)
+            gens.append((g, asyncio.create_task(g.__anext__())))
+            await wait_for(lambda: r.request_id in disp.requests)
+            return disp.requests[r.request_id].prefill_worker
+
+        first = await start(req("r0", [7]))
+        # Same system prompt, different questions: all follow the first one...
+        assert [await start(req(f"r{i}", [8 + i])) for i in range(1, 3)] == [first, first]
+        # ...until that worker is AFFINITY_SLACK requests busier than the other.
+        assert await start(req("r3", [20])) != first
+        # An unrelated prompt goes to the least-loaded worker.
+        assert await start(GenerationRequest("x", [9] * (2 * bs), SamplingParams())) != first
+        for g, t in gens:
+            t.cancel()
+            await asyncio.gather(t, return_exceptions=True)
+            await g.aclose()
+
+    run(body)

@@ -38,8 +38,8 @@ CONVERSATIONS = {
 @pytest.fixture(scope="module", params=["split", "colocate"])
 def server(request, tmp_path_factory, embedded_model_dir):
     flags = ["--prefill-chunk", "32", "--log-level", "debug"]
-    if request.param == "colocate":
-        flags.append("--colocate")
+    # Split: two decode workers, so concurrent requests spread over both.
+    flags += ["--colocate"] if request.param == "colocate" else ["--decode-workers", "2"]
     return module_server(request, tmp_path_factory, *flags)
 
 
@@ -130,7 +130,7 @@ def test_models_and_health(server, client):
     code, body = server.health()
     assert code == 200 and body["model"] == ids[0]
     roles = sorted(w["role"] for w in body["workers"])
-    assert roles in (["decode", "prefill"], ["prefill+decode"])
+    assert roles in (["decode", "decode", "prefill"], ["prefill+decode"])
     assert all(w["state"] == "ready" and w["pid"] > 0 for w in body["workers"])
 
 
