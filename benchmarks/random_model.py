@@ -68,6 +68,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # (with tied embeddings that would make the model repeat its input forever),
 # yet large enough that the logits are peaked over the real vocabulary.
 EMBED_STD = 0.1
+# Queries and keys are scaled up so attention logits have std ~4: random
+# attention that is sharp (each position looks at a few others) keeps the
+# output varied; flat attention averages the context into a slowly changing
+# vector and the model repeats one token (seen with SmolLM2's shape).
+ATTN_SHARPNESS = 2.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -131,18 +136,23 @@ def random_weights(model, config: dict, dtype: str, seed: int) -> dict:
     """Scaled-normal init for every parameter: linear weights N(0, 1/fan_in)
     (unit-scale activations), norms 1, biases 0, embeddings N(0, EMBED_STD^2)
     with the rows past the tokenizer's ids zeroed, so greedy decoding never
-    picks a token that cannot be detokenized. Each tensor's key comes from the
+    picks a token that cannot be detokenized; queries and keys scaled by
+    ATTN_SHARPNESS (through q_norm/k_norm where the model has them). Each tensor's key comes from the
     seed and its name, so the result does not depend on traversal order."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     n_tok = config["tandem_random_model"]["tokenizer_size"]
     target = getattr(mx, dtype)
+    params = tree_flatten(model.parameters())
+    has_qk_norm = any("q_norm" in name for name, _ in params)
     weights = {}
-    for name, p in tree_flatten(model.parameters()):
+    for name, p in params:
         key = mx.random.key((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**32)
         leaf = name.rsplit(".", 1)[-1]
-        if "norm" in name:
+        if "q_norm" in name or "k_norm" in name:
+            w = mx.full(p.shape, ATTN_SHARPNESS)
+        elif "norm" in name:
             w = mx.ones(p.shape)
         elif leaf == "bias":
             w = mx.zeros(p.shape)
@@ -152,6 +162,8 @@ def random_weights(model, config: dict, dtype: str, seed: int) -> dict:
                 w = mx.concatenate([w[:n_tok], mx.zeros((p.shape[0] - n_tok, *p.shape[1:]))])
         else:
             w = mx.random.normal(p.shape, key=key) * (p.shape[-1] ** -0.5)
+            if name.endswith(("q_proj.weight", "k_proj.weight")) and not has_qk_norm:
+                w = w * ATTN_SHARPNESS
         weights[name] = w.astype(target)
     return weights
 

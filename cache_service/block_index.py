@@ -229,7 +229,8 @@ class BlockIndex:
             self.allocator.set_deadline(entry.alloc_id, math.inf)
             self._ready_bytes += entry.nbytes
             done.append(entry)
-        self._touch_chains(done)
+        for entry in self.use_order(done):
+            self._touch(entry)
         self.counters["committed_blocks_total"] += len(done)
         return done
 
@@ -258,12 +259,12 @@ class BlockIndex:
         self._lru[entry.hash] = None
         self._lru.move_to_end(entry.hash)
 
-    def _touch_chains(self, committed: list[BlockEntry]) -> None:
-        # Computing a block used its ancestors: touch the new blocks (tail
-        # first), then their cached ancestors up to the root, so no parent is
-        # older than its children.
-        for entry in reversed(committed):
-            self._touch(entry)
+    def use_order(self, committed: list[BlockEntry]) -> list[BlockEntry]:
+        """What committing these blocks used, least recent first: the new
+        blocks from the chain's tail, then their cached ancestors up to the
+        root. Computing a block used its ancestors; touching in this order
+        keeps every parent at least as recent as its children."""
+        order = list(reversed(committed))
         seen = {e.hash for e in committed}
         for entry in committed:
             h = entry.parent
@@ -272,8 +273,9 @@ class BlockIndex:
                 ancestor = self._entries.get(h)
                 if ancestor is None or ancestor.state != READY:
                     break
-                self._touch(ancestor)
+                order.append(ancestor)
                 h = ancestor.parent
+        return order
 
     # ------------------------------------------------------------- handoffs --
 

@@ -30,7 +30,12 @@ class BlockStore:
 
     def lookup(self, hashes: list, owner: str, lease_s: float) -> tuple[int, list[BlockEntry]]:
         self.collect_disk_writes()  # finished copies unpin blocks: more room to promote into
-        return self.index.lookup(hashes, owner, lease_s, self._promote if self.disk else None)
+        lease, entries = self.index.lookup(hashes, owner, lease_s, self._promote if self.disk else None)
+        if self.disk is not None and entries:
+            # Memory hits are uses too: the disk copies of hot prefixes must not
+            # age out. Head last: the most recent, like in memory.
+            self.disk.touch([e.hash for e in reversed(entries)])
+        return lease, entries
 
     def release(self, lease_id: int) -> bool:
         return self.index.release(lease_id)
@@ -41,9 +46,12 @@ class BlockStore:
 
     def commit(self, hashes: list, owner: str = "") -> list[BlockEntry]:
         done = self.index.commit(hashes, owner)
-        if self.disk is not None:
-            for entry in done:
+        if self.disk is not None and done:
+            # Same order as in memory: tail written first, cached ancestors touched last.
+            order = self.index.use_order(done)
+            for entry in order[:len(done)]:
                 self._write_through(entry)
+            self.disk.touch([e.hash for e in order[len(done):]])
         return done
 
     def collect_disk_writes(self) -> None:

@@ -14,9 +14,13 @@ deleted, counted, and treated as a miss: never served. The length is checked
 against the file and against the space the caller gives, so blocks of other
 models (other sizes) can share the directory: their hashes differ anyway.
 
-LRU by last use: a hit or a rewrite sets the file's mtime, which orders the
-index rebuilt at start-up. Several services may share a directory: a file
-another one evicted is just a miss.
+LRU by last use in any tier: the service reports every lookup hit, memory
+hits too (`touch`), or the hottest prefixes, never read back from disk, would
+be the first files evicted. The writer thread carries recency over to the
+files' mtimes, which order the index rebuilt at start-up. Several services may
+share a directory: a file another one evicted is just a miss. Touches go
+through the writer's queue, so they land in order with the writes: the cached
+head of a chain touched after its new tail was queued ends up the more recent.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class DiskTier:
         self._idle = threading.Condition()
         self._pending = 0
         self._closing = False
+        self._last_touch_ns = 0
         self._stop = threading.Event()
         self._abandon = False  # close() ran out of time: drop what is still queued
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
@@ -85,7 +90,7 @@ class DiskTier:
                     continue
                 h = _hash_of_name(entry.name)
                 if h is not None and entry.name[:2] == sub.name:
-                    found.append((st.st_mtime, h, st.st_size))
+                    found.append((st.st_mtime_ns, h, st.st_size))
         found.sort(key=lambda f: f[0])
         for _, h, size in found:
             self._files[h] = size
@@ -129,12 +134,28 @@ class DiskTier:
         if problem:
             self._discard_corrupt(h, problem)
             return False
-        _touch_file(path)
         with self._lock:
-            if h in self._files:
-                self._files.move_to_end(h)
             self.counters["disk_hits_total"] += 1
+        self.touch([h])
         return True
+
+    def touch(self, hashes: list) -> None:
+        """Mark blocks used, in order (the last is the most recent). Queued
+        behind the pending writes; dropped when the queue is full."""
+        self._enqueue(("touch", list(hashes)))
+
+    def _touch_now(self, hashes: list) -> None:
+        with self._lock:
+            hashes = [h for h in hashes if h in self._files]
+            for h in hashes:
+                self._files.move_to_end(h)
+        for h in hashes:
+            # Strictly increasing times: the rebuilt order must not depend on clock granularity.
+            self._last_touch_ns = max(time.time_ns(), self._last_touch_ns + 1)
+            try:
+                os.utime(self.path(h), ns=(self._last_touch_ns, self._last_touch_ns))
+            except OSError:
+                pass  # evicted meanwhile (maybe by another service): nothing to mark
 
     def _discard_corrupt(self, h: bytes, problem: str) -> None:
         path = self.path(h)
@@ -155,16 +176,21 @@ class DiskTier:
     def submit(self, h: bytes, data: memoryview) -> bool:
         """Queue a write of `data` (the caller keeps it unchanged until `h`
         comes out of `finished()`). False, counted, when the queue is full."""
+        if self._enqueue(("write", h, data)):
+            return True
+        with self._lock:
+            self.counters["disk_writes_dropped_total"] += 1
+        return False
+
+    def _enqueue(self, item: tuple) -> bool:
         with self._idle:
             if self._closing:
                 return False
             self._pending += 1
         try:
-            self._queue.put_nowait((h, data))
+            self._queue.put_nowait(item)
             return True
         except queue.Full:
-            with self._lock:
-                self.counters["disk_writes_dropped_total"] += 1
             self._done_one()
             return False
 
@@ -194,10 +220,8 @@ class DiskTier:
             return False
         with self._lock:
             stored = h in self._files
-        if stored and _touch_file(path):  # same hash, same bytes: only its recency changes
-            with self._lock:
-                if h in self._files:
-                    self._files.move_to_end(h)
+        if stored and os.path.exists(path):  # same hash, same bytes: only its recency changes
+            self._touch_now([h])
             return True
         header = HEADER.pack(MAGIC, FORMAT_VERSION, data.nbytes, hashlib.sha256(data).digest())
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{_TMP_SUFFIX}"
@@ -209,9 +233,11 @@ class DiskTier:
             os.replace(tmp, path)
         except OSError as exc:
             _unlink(tmp)
-            log.warning("could not write KV block file %s: %s", path, exc)
             with self._lock:
                 self.counters["disk_write_errors_total"] += 1
+                errors = self.counters["disk_write_errors_total"]
+            if errors % 100 == 1:  # a full or read-only disk fails every write: say so, not every time
+                log.warning("could not write KV block file %s: %s (%d failed writes so far)", path, exc, errors)
             return False
         with self._lock:
             self._bytes += file_bytes - self._files.pop(h, 0)
@@ -236,22 +262,25 @@ class DiskTier:
     def _write_loop(self) -> None:
         while True:
             try:
-                h, data = self._queue.get(timeout=0.1)
+                item = self._queue.get(timeout=0.1)
             except queue.Empty:
                 if self._stop.is_set():
                     return
                 continue
             try:
-                if self._abandon:
+                if item[0] == "touch":
+                    self._touch_now(item[1])
+                elif self._abandon:
                     with self._lock:
                         self.counters["disk_writes_dropped_total"] += 1
                 else:
-                    self.write(h, data)
+                    self.write(item[1], item[2])
             except Exception:  # the writer must outlive any one bad write
-                log.exception("KV block write failed")
+                log.exception("KV disk tier: %s failed", item[0])
             finally:
-                data.release()  # the arena can unmap once no view is left
-                self._finished.append(h)
+                if item[0] == "write":
+                    item[2].release()  # the arena can unmap once no view is left
+                    self._finished.append(item[1])
                 self._done_one()
 
     def _done_one(self) -> None:
@@ -324,14 +353,6 @@ def _scandir(path: str) -> list:
             return list(it)
     except OSError:
         return []
-
-
-def _touch_file(path: str) -> bool:
-    try:
-        os.utime(path)
-        return True
-    except OSError:
-        return False
 
 
 def _unlink(path: str) -> None:

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,6 +41,9 @@ class TandemServer:
     def __init__(self, *args: str, log_path: Path | None = None, env: dict | None = None):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
+        if "--cache-dir" not in args and "--no-disk-cache" not in args:
+            # Never touch the user's KV disk tier from a test.
+            args = (*args, "--cache-dir", tempfile.mkdtemp(prefix="tandem-kv-"))
         self.args = ["--port", str(self.port), *args]
         self.log_path = log_path
         self.env = {**os.environ, **(env or {})}

@@ -4,6 +4,7 @@ sockets and real shared memory (every child started with the spawn method)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import multiprocessing as mp
 import os
 import random
@@ -127,6 +128,52 @@ def child_check(arena_name, offset, nbytes, seed):
     ok = bytes(arena.view(offset, nbytes)) == _pattern(nbytes, seed).tobytes()
     arena.close()
     sys.exit(0 if ok else 3)
+
+
+BLK = 64 * 1024  # bytes per KV block in the prefix cache tests
+STATS_KEYS = {  # what /metrics and health checks read
+    "pid", "arena_bytes", "used_bytes", "free_bytes", "allocations", "largest_free", "allocs_total", "frees_total",
+    "expired_total", "failed_total", "memory_bytes", "blocks", "disk_bytes", "disk_blocks", "lookups_total",
+    "lookup_hit_blocks_total", "lookup_miss_total", "evictions_total", "disk_evictions_total", "disk_hits_total",
+    "disk_corrupt_total", "reservations_expired_total", "leases_expired_total", "handoffs", "handoff_bytes"}
+
+
+def H(*parts) -> bytes:
+    """A 32-byte block hash named by `parts`."""
+    return hashlib.sha256(repr(parts).encode()).digest()
+
+
+def chain(name, n):
+    return [H(name, i) for i in range(n)]
+
+
+def child_put_blocks(settings, hashes, seed, out):
+    """A worker's put: reserve, write each block's pattern, commit."""
+    with CacheClient(settings) as client:
+        reply = client.reserve(hashes, BLK, owner="writer")
+        arena = Arena.attach(reply.arena)
+        for ref in reply.blocks:
+            arena.ndarray(ref.offset, np.uint8, (BLK,))[:] = _pattern(BLK, (seed, hashes.index(ref.hash)))
+        arena.close()
+        out.put((len(reply.blocks), client.commit([r.hash for r in reply.blocks], owner="writer").stats))
+
+
+def child_lookup_check(settings, hashes, seed, out):
+    """A worker's read: lookup, compare every leased block, release."""
+    with CacheClient(settings) as client:
+        reply = client.lookup(hashes, owner="reader")
+        arena = Arena.attach(reply.arena)
+        same = [bytes(arena.view(r.offset, r.nbytes)) == _pattern(BLK, (seed, i)).tobytes()
+                for i, r in enumerate(reply.blocks)]
+        arena.close()
+        client.release(reply.lease)
+        out.put(([r.hash for r in reply.blocks] == hashes[:len(reply.blocks)], same))
+
+
+def child_reserve_and_hang(settings, hashes, ttl_s, out):
+    reply = CacheClient(settings).reserve(hashes, BLK, owner="doomed", ttl_s=ttl_s)
+    out.put([r.offset for r in reply.blocks])
+    time.sleep(60)  # killed long before this, never commits
 
 
 def child_hold(settings, ttl_s, out):
@@ -399,6 +446,15 @@ def test_garbage_messages_do_not_kill_the_service(procs, make_settings):
         [msgpack.packb({"v": 1, "t": "CacheFree", "b": {"call_id": 3, "allocations": ["x", deep]}})],
         [msgpack.packb({"v": 1, "t": "NoSuchMessage", "b": {}}), b"extra", b"frames"],
         encode(CacheReply(call_id=4, ok=True)),  # a real message, but not a request
+        # The prefix cache's calls: a bad field type is dropped by the codec,
+        # a bad value costs its own call an error reply.
+        [msgpack.packb({"v": 1, "t": "KVLookup", "b": {"call_id": 6, "hashes": [1, "x"], "owner": "o"}})],
+        [msgpack.packb({"v": 1, "t": "KVReserve", "b": {"call_id": 60, "hashes": [], "nbytes": "big", "owner": "o"}})],
+        [msgpack.packb({"v": 1, "t": "KVReserve", "b": {"call_id": 7, "hashes": [b"h" * 32], "nbytes": -5,
+                                                         "owner": "o"}})],
+        [msgpack.packb({"v": 1, "t": "KVCommit", "b": {"call_id": 61, "hashes": "not a list"}})],
+        [msgpack.packb({"v": 1, "t": "KVRelease", "b": {"call_id": 62, "lease": "x"}})],
+        [msgpack.packb({"v": 1, "t": "KVCommit", "b": {"call_id": 8, "hashes": [deep]}})],
     ]
     for frames in garbage:
         raw.send_multipart(frames)
@@ -408,7 +464,9 @@ def test_garbage_messages_do_not_kill_the_service(procs, make_settings):
     replies = [recv(raw)]
     while raw.poll(200):
         replies.append(recv(raw))
-    assert [r.call_id for r in replies] == [3, 5] and not replies[0].ok and replies[1].ok
+    assert [r.call_id for r in replies] == [3, 6, 7, 8, 5]
+    assert not any(r.ok for r in replies[:4]) and replies[4].ok
+    assert "hash" in replies[1].error and "nbytes" in replies[2].error, replies
     raw.close()
     ctx.term()
     # Bytes that are not ZMTP at all, straight into the socket file.
@@ -526,3 +584,173 @@ def test_sigterm_stops_service_and_unlinks_arena(procs, make_settings):
     assert p.exitcode == 0 and time.monotonic() - t0 < 2
     with pytest.raises(FileNotFoundError):
         Arena.attach(settings.arena_name)
+
+
+# -------------------------------------------------------------- prefix cache --
+
+
+def put_blocks(client, hashes, owner="w", arena=None, seed=None):
+    """Reserve and commit from this process; write patterns when given an arena."""
+    reply = client.reserve(hashes, BLK, owner=owner)
+    assert reply.ok, reply.error
+    for ref in reply.blocks:
+        if arena is not None:
+            arena.get(reply.arena).view(ref.offset, BLK)[:] = _pattern(BLK, (seed, hashes.index(ref.hash)))
+    client.commit([r.hash for r in reply.blocks], owner=owner)
+    return reply.blocks
+
+
+def looked_up(client, hashes, lease_s=30.0):
+    """Hashes a lookup returns (its lease released at once)."""
+    reply = client.lookup(hashes, owner="probe", lease_s=lease_s)
+    assert reply.ok, reply.error
+    client.release(reply.lease)
+    return [r.hash for r in reply.blocks]
+
+
+def test_prefix_lookup_reserve_commit_across_processes(procs, make_settings):
+    settings = make_settings(cache_memory_bytes=16 * BLK)
+    start_service(procs, settings)
+    client = CacheClient(settings)
+    out = SPAWN.Queue()
+    a = chain("a", 4)
+    writer = procs(child_put_blocks, settings, a[:3], 7, out)
+    assert out.get(timeout=20) == (3, {"committed": 3, "unknown": 0})
+    writer.join(10)
+    # Reserved but not committed: never returned, and not reserved twice.
+    mine = client.reserve(a, BLK, owner="me")
+    assert mine.ok and mine.arena == settings.arena_name and [r.hash for r in mine.blocks] == [a[3]]
+    assert mine.blocks[0].nbytes == BLK and mine.blocks[0].offset % ALIGNMENT == 0
+    assert client.reserve(a, BLK, owner="other").blocks == []
+    reader = procs(child_lookup_check, settings, a, 7, out)
+    assert out.get(timeout=20) == (True, [True, True, True]), "another process read other bytes"
+    reader.join(10)
+    assert looked_up(client, [a[0], H("miss"), a[1], a[2]]) == [a[0]]  # nothing past a miss
+    assert looked_up(client, [H("miss")] + a) == []
+    assert client.lookup([H("miss")], owner="r").lease == -1
+    client.release(-1)  # nothing to release: no call
+    assert client.commit([a[3]], owner="not-me").stats == {"committed": 0, "unknown": 1}
+    assert client.commit([a[3]], owner="me").stats == {"committed": 1, "unknown": 0}
+    assert looked_up(client, a) == a
+
+    # A writer killed before committing: its reservation expires, the block is
+    # never served, and the space is reused.
+    doomed = H("doomed")
+    hung = procs(child_reserve_and_hang, settings, [doomed], 0.5, out)
+    (offset,) = out.get(timeout=20)
+    os.kill(hung.pid, signal.SIGKILL)
+    hung.join(5)
+    assert looked_up(client, [doomed]) == []
+    assert wait_for(lambda: client.stats()["reservations_expired_total"] == 1, timeout_s=5)
+    assert client.commit([doomed]).stats == {"committed": 0, "unknown": 1}  # too late
+    assert looked_up(client, [doomed]) == []
+    again = client.reserve([doomed], BLK, owner="next")
+    assert [r.offset for r in again.blocks] == [offset]
+    st = client.stats()
+    assert (st["blocks"], st["memory_bytes"], st["writing_blocks"], st["leases"]) == (4, 4 * BLK, 1, 0)
+    assert (st["lookups_total"], st["lookup_hit_blocks_total"], st["lookup_miss_total"]) == (7, 3 + 1 + 4, 6)
+    assert st["evictions_total"] == 0 and st["leases_expired_total"] == 0 and st["disk_blocks"] == 0
+    assert STATS_KEYS <= set(st), STATS_KEYS - set(st)
+    for bad in (lambda: client.lookup([b"short"], owner="x"), lambda: client.reserve(a, 0, owner="x"),
+                lambda: client.reserve(a, 17 * BLK, owner="x")):
+        assert not bad().ok
+    client.close()
+
+
+def test_eviction_spares_leased_blocks_and_handoffs(procs, make_settings):
+    settings = make_settings(cache_memory_bytes=6 * BLK)
+    start_service(procs, settings)
+    client = CacheClient(settings)
+    handoff = client.alloc(BLK, owner="req-1")
+    assert handoff.ok
+    old = [H("old", i) for i in range(4)]
+    for h in old:
+        put_blocks(client, [h])
+    held = client.lookup([old[0]], owner="slow-reader", lease_s=30)
+    lapsing = client.lookup([old[1]], owner="dead-reader", lease_s=0.3)  # never released
+    assert len(held.blocks) == len(lapsing.blocks) == 1
+    new = [H("new", i) for i in range(5)]
+    put_blocks(client, new[:1])  # the last free slot
+    put_blocks(client, new[1:3])  # evicts old[2], old[3]: LRU, unleased
+    st = client.stats()
+    assert st["evictions_total"] == 2 and st["blocks"] == 5
+    put_blocks(client, new[3:4])  # old[0], old[1] are leased: new[0] goes
+    assert wait_for(lambda: client.stats()["leases_expired_total"] == 1, timeout_s=5)
+    put_blocks(client, new[4:5])  # old[1]'s lease lapsed: now it can go
+    assert [looked_up(client, [h]) != [] for h in old] == [True, False, False, False]
+    assert [looked_up(client, [h]) != [] for h in new] == [False, True, True, True, True]
+    # A handoff that needs more than is evictable fails without evicting anything.
+    before = client.stats()["evictions_total"]
+    assert not client.alloc(6 * BLK, owner="req-2").ok
+    assert client.stats()["evictions_total"] == before == 4
+    # One that fits after evicting does; the first handoff was never touched.
+    big = client.alloc(2 * BLK, owner="req-2")
+    assert big.ok and client.stats()["handoffs"] == 2
+    assert client.free([handoff.allocation], arena=handoff.arena).stats == {"freed": 1, "unknown": 0}
+    client.release(held.lease)
+    st = client.stats()
+    assert st["evictions_total"] == 6 and st["leases"] == 0 and st["handoff_bytes"] == 2 * BLK
+    assert st["used_bytes"] == st["handoff_bytes"] + st["memory_bytes"] == (2 + st["blocks"]) * BLK
+    client.close()
+
+
+def test_restart_keeps_warm_prefixes_on_disk_and_drops_corrupt_files(procs, make_settings, tmp_path):
+    cache_dir = str(tmp_path / "kv")
+    file_bytes = BLK + 52  # header: magic, version, length, sha256
+    first = make_settings(cache_dir=cache_dir, cache_memory_bytes=8 * BLK)
+    p = start_service(procs, first)
+    arenas = ArenaAttachment()
+    a = chain("a", 4)
+    with CacheClient(first) as client:
+        put_blocks(client, a, arena=arenas, seed=1)
+        put_blocks(client, [H("flipped")], arena=arenas, seed=2)
+        put_blocks(client, [H("truncated")], arena=arenas, seed=3)
+        assert wait_for(lambda: client.stats()["disk_blocks"] == 6, timeout_s=5)
+        assert client.stats()["disk_bytes"] == 6 * file_bytes
+    arenas.close()
+    p.terminate()  # SIGTERM, as launchd or the supervisor stops it
+    p.join(5)
+    assert p.exitcode == 0
+
+    def path_of(h):
+        return os.path.join(cache_dir, h.hex()[:2], h.hex() + ".kvb")
+
+    with open(path_of(H("flipped")), "r+b") as f:
+        f.seek(52 + 1000)
+        byte = f.read(1)
+        f.seek(52 + 1000)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with open(path_of(H("truncated")), "r+b") as f:
+        f.truncate(52 + BLK // 2)
+
+    # A new service on the same folder, with a fresh arena, and room on disk
+    # for five files only.
+    second = make_settings(cache_dir=cache_dir, cache_memory_bytes=8 * BLK, cache_disk_bytes=5 * file_bytes)
+    assert second.arena_name != first.arena_name
+    start_service(procs, second)
+    client = CacheClient(second)
+    st = client.stats()
+    # The oldest file went at start-up: the chain's tail (written first, so
+    # that the head, which every longer prompt needs, outlives it).
+    assert st["disk_blocks"] == 5 and st["blocks"] == 0
+    assert st["disk_evictions_total"] == 1 and not os.path.exists(path_of(a[3]))
+    arenas = ArenaAttachment()
+    reply = client.lookup(a, owner="r")
+    assert [r.hash for r in reply.blocks] == a[:3] and reply.arena == second.arena_name
+    for i, ref in enumerate(reply.blocks):
+        assert bytes(arenas.get(reply.arena).view(ref.offset, ref.nbytes)) == _pattern(BLK, (1, i)).tobytes()
+    client.release(reply.lease)
+    assert looked_up(client, [H("flipped")]) == [] and looked_up(client, [H("truncated")]) == []
+    assert not os.path.exists(path_of(H("flipped"))) and not os.path.exists(path_of(H("truncated")))
+    st = client.stats()
+    assert (st["disk_hits_total"], st["disk_corrupt_total"], st["disk_blocks"]) == (3, 2, 3)
+    assert st["blocks"] == 3 and st["lookup_hit_blocks_total"] == 3
+    # Writing past the limit evicts the least recently used file: of a[0..2],
+    # just used, the tail a[2] is the least recent.
+    put_blocks(client, [H("n", i) for i in range(3)], arena=arenas, seed=4)
+    assert wait_for(lambda: client.stats()["disk_writes_total"] == 3, timeout_s=5)
+    st = client.stats()
+    assert st["disk_blocks"] == 5 and st["disk_evictions_total"] == 2 and st["disk_bytes"] == 5 * file_bytes
+    assert not os.path.exists(path_of(a[2])) and all(os.path.exists(path_of(h)) for h in a[:2])
+    arenas.close()
+    client.close()

@@ -15,7 +15,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
-import tempfile
+from dataclasses import dataclass
 from typing import Dict, List
 
 import mlx.core as mx
@@ -109,15 +109,25 @@ class FakeCache:
                 return KVReserveReply(call_id=0, ok=False, error="full")
             ref = BlockRef(hash=h, offset=self.next_offset, nbytes=nbytes)
             self.next_offset += (nbytes + 63) // 64 * 64
-            self.reserved[h] = ref
+            self.reserved[h] = _Reserved(h, ref.offset, nbytes, owner)
             out.append(ref)
         return KVReserveReply(call_id=0, ok=True, arena=self.arena, blocks=out)
 
-    def commit(self, hashes):
+    def commit(self, hashes, owner=""):
         self._maybe_fail("commit")
         for h in hashes:
-            self.blocks[h] = self.reserved.pop(h)
+            assert owner and self.reserved[h].owner == owner  # workers always commit as the reserving owner
+            ref = self.reserved.pop(h)
+            self.blocks[h] = BlockRef(hash=ref.hash, offset=ref.offset, nbytes=ref.nbytes)
         return CacheReply(call_id=0, ok=True)
+
+
+@dataclass
+class _Reserved:
+    hash: bytes
+    offset: int
+    nbytes: int
+    owner: str
 
 
 class Counting:
@@ -282,6 +292,19 @@ def test_blocks_roundtrip_exact(dtype):
         write_blocks(buf, [0], cache, 0, KVLayout(layout.layers, "float32" if item == 2 else "float16", BS))
 
 
+def test_blocks_roundtrip_layers_of_different_shapes():
+    cache = _filled(mx.float16, 20, 1, layers=1) + _filled(mx.float16, 20, 2, layers=1, heads=4, dk=8, dv=32)
+    layout = kv_layout(cache, BS)
+    assert len(set(layout.layers)) == 2
+    nb = block_nbytes(layout)
+    buf = bytearray(3 * nb)
+    write_blocks(buf, [2 * nb, 0], cache, 0, layout)
+    back = read_blocks(buf, [2 * nb, 0], layout)
+    for a, b in zip(cache, back):
+        assert b.offset == 16 and b.keys.shape == a.keys[..., :16, :].shape
+        assert mx.array_equal(a.keys[..., :16, :], b.keys) and mx.array_equal(a.values[..., :16, :], b.values)
+
+
 def test_caches_that_cannot_be_blocked(caplog):
     assert unblockable_reason([KVCache(), KVCache()]) is None
     assert "sliding window" in unblockable_reason([KVCache(), RotatingKVCache(max_size=8)])
@@ -349,6 +372,26 @@ def test_second_turn_reuses_prompt_and_answer(model, tiny_dir):
     assert res.cached_tokens == 48 and counted.tokens == len(turn2) - 48
     tokens, res = run_request(model, prefix, turn2, greedy(12), rid="t2b")
     assert tokens == reference(model, turn2, 12)
+
+
+def test_stop_commits_the_stop_token_too(model, tiny_dir):
+    """mlx-lm feeds every token it returns (it computes one step ahead), so the
+    KV of a stopped request holds the stop token: the next turn's prompt
+    (which repeats it) reuses it as well."""
+    fake = FakeCache()
+    prefix = prefix_for(model, tiny_dir, fake)
+    prompt = prompt_of(19, 12)
+    ref = reference(model, prompt, 30)
+    # A stop whose KV completes a block: that block exists only if the stop
+    # token's KV was committed.
+    k = next(k for k in range(len(ref)) if (len(prompt) + k + 1) % BS == 0 and ref[k] not in ref[:k])
+    stop = ref[k]
+    sp = SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[stop])
+    tokens, _ = run_request(model, prefix, prompt, sp, rid="s")
+    assert tokens == ref[: ref.index(stop) + 1] and tokens[-1] == stop
+    held = prompt + tokens
+    assert len(fake.blocks) == len(held) // BS
+    assert all(h in fake.blocks for h in prefix.hasher.hashes(held))
 
 
 def test_cancel_commits_what_the_kv_holds(model, tiny_dir):

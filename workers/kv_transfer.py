@@ -168,10 +168,14 @@ def _read_slice(mv: memoryview, s) -> mx.array:
     if count * dtype.itemsize != s.nbytes:
         raise ValueError(f"slice nbytes {s.nbytes} does not match {s.dtype}{s.shape}")
     view = np.frombuffer(mv, dtype=dtype, count=count, offset=s.offset).reshape(s.shape)
-    arr = mx.array(view)  # the one copy: buffer -> MLX memory
-    if s.dtype == "bfloat16":
-        arr = arr.view(mx.bfloat16)
-    return arr
+    return _to_mlx(view, s.dtype)  # the one copy: buffer -> MLX memory
+
+
+def _to_mlx(a: np.ndarray, name: str) -> mx.array:
+    """Copy stored bytes into an MLX array of dtype `name` (bfloat16 comes
+    back from its uint16 storage as a view, no second copy)."""
+    arr = mx.array(a)
+    return arr.view(mx.bfloat16) if name == "bfloat16" else arr
 
 
 def read_kv(buf, layers: Sequence) -> List[KVCache]:
@@ -338,32 +342,59 @@ def read_blocks(buf, offsets: Sequence[int], layout: KVLayout) -> List[KVCache]:
     """
     if not offsets:
         raise ValueError("read_blocks needs at least one block")
-    bs, n = layout.block_size, len(offsets)
-    dtype = storage_dtype(layout.dtype)
-    parts = list(_block_parts(layout))
-    # Gather into one numpy array per layer and kind, then one MLX array each:
-    # two copies, but few and large (per-block MLX arrays plus a concatenate
-    # would be two copies too, with many more small calls).
-    staging = [np.empty((1, shape[0], n * bs, shape[2]), dtype) for _, _, shape in parts]
     mv = memoryview(buf).cast("B")
     try:
-        for j, off in enumerate(offsets):
-            block = _block_view(mv, off, layout)
-            for dst, (pos, count, shape) in zip(staging, parts):
-                dst[0, :, j * bs:(j + 1) * bs, :] = block[pos:pos + count].reshape(shape)
-            del block
+        # Two copies (arena -> numpy staging -> MLX; MLX cannot wrap foreign
+        # memory), few numpy calls: per-call overhead, not bandwidth, is what
+        # makes small blocks slow.
+        if len(set(layout.layers)) == 1:
+            pairs = _gather_uniform(mv, offsets, layout)
+        else:
+            pairs = _gather_per_layer(mv, offsets, layout)
     finally:
         _release(mv)
-    arrays = [mx.array(a) for a in staging]
-    if layout.dtype == "bfloat16":
-        arrays = [a.view(mx.bfloat16) for a in arrays]
+    tokens = len(offsets) * layout.block_size
     caches = []
-    for keys, values in zip(arrays[0::2], arrays[1::2]):
+    for keys, values in pairs:
         c = KVCache()
-        c.state = (keys, values, n * bs)
+        c.state = (keys, values, tokens)
         caches.append(c)
     mx.eval([(c.keys, c.values) for c in caches])
     return caches
+
+
+def _gather_uniform(mv, offsets, layout: KVLayout):
+    """Every layer alike (the usual case): two numpy copies per block into
+    all layers' keys (L, heads, tokens, key_dim) and values at once; each
+    layer's cache is then a slice of one MLX array (no further copy)."""
+    (h, dk, dv), n_layers = layout.layers[0], len(layout.layers)
+    bs, n = layout.block_size, len(offsets)
+    dtype = storage_dtype(layout.dtype)
+    keys = np.empty((n_layers, h, n * bs, dk), dtype)
+    values = np.empty((n_layers, h, n * bs, dv), dtype)
+    split = h * bs * dk
+    for j, off in enumerate(offsets):
+        block = _block_view(mv, off, layout).reshape(n_layers, -1)
+        keys[:, :, j * bs:(j + 1) * bs, :] = block[:, :split].reshape(n_layers, h, bs, dk)
+        values[:, :, j * bs:(j + 1) * bs, :] = block[:, split:].reshape(n_layers, h, bs, dv)
+        del block
+    k, v = _to_mlx(keys, layout.dtype), _to_mlx(values, layout.dtype)
+    return [(k[i:i + 1], v[i:i + 1]) for i in range(n_layers)]
+
+
+def _gather_per_layer(mv, offsets, layout: KVLayout):
+    """Layers of different shapes: one staging array per layer and kind."""
+    bs, n = layout.block_size, len(offsets)
+    dtype = storage_dtype(layout.dtype)
+    parts = list(_block_parts(layout))
+    staging = [np.empty((1, shape[0], n * bs, shape[2]), dtype) for _, _, shape in parts]
+    for j, off in enumerate(offsets):
+        block = _block_view(mv, off, layout)
+        for dst, (pos, count, shape) in zip(staging, parts):
+            dst[0, :, j * bs:(j + 1) * bs, :] = block[pos:pos + count].reshape(shape)
+        del block
+    arrays = [_to_mlx(a, layout.dtype) for a in staging]
+    return list(zip(arrays[0::2], arrays[1::2]))
 
 
 # --------------------------------------------------------------------------- #
@@ -502,7 +533,9 @@ class PrefixCache:
             buf = self.arena_buf(reply.arena)
             for run in _consecutive_runs(todo):
                 write_blocks(buf, [r.offset for _, r in run], cache, run[0][0], self.layout)
-            ack = self.client.commit([r.hash for _, r in todo])
+            # With our owner: a reservation of ours that expired meanwhile (and
+            # was re-reserved by another writer) is not published by us.
+            ack = self.client.commit([r.hash for _, r in todo], owner=owner)
         except CacheUnavailable as exc:
             self._unavailable(exc)
             return 0

@@ -25,7 +25,6 @@ PrefillDone, so writing new blocks never delays the first token.
 from __future__ import annotations
 
 import time
-import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -35,8 +34,6 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from protos.messages import SamplingParams, TokenLogprob
 from workers.sampling import build_sampling, token_logprob, wants_logprobs
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
