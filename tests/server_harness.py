@@ -7,6 +7,7 @@ own process group, on a free loopback port. Every wait has a deadline.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -41,9 +42,11 @@ class TandemServer:
     def __init__(self, *args: str, log_path: Path | None = None, env: dict | None = None):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
+        self.own_cache_dir = None
         if "--cache-dir" not in args and "--no-disk-cache" not in args:
             # Never touch the user's KV disk tier from a test.
-            args = (*args, "--cache-dir", tempfile.mkdtemp(prefix="tandem-kv-"))
+            self.own_cache_dir = tempfile.mkdtemp(prefix="tandem-kv-")
+            args = (*args, "--cache-dir", self.own_cache_dir)
         self.args = ["--port", str(self.port), *args]
         self.log_path = log_path
         self.env = {**os.environ, **(env or {})}
@@ -101,6 +104,13 @@ class TandemServer:
 
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM the supervisor; wait for it and every child to be gone."""
+        try:
+            return self._stop(timeout)
+        finally:
+            if self.own_cache_dir:
+                shutil.rmtree(self.own_cache_dir, ignore_errors=True)
+
+    def _stop(self, timeout: float) -> int:
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else 0
         pids = self.pids()
