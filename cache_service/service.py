@@ -24,12 +24,13 @@ from cache_service.arena import Arena, new_arena_name
 from cache_service.block_index import BlockEntry, BlockIndex
 from cache_service.block_store import BlockStore
 from cache_service.disk_tier import DiskTier
+from deploy.logs import setup_logging
 from deploy.settings import Settings
 from protos.messages import (BlockRef, CacheAlloc, CacheAllocReply, CacheFree, CacheReply, CacheStats, KVCommit,
                              KVLookup, KVLookupReply, KVRelease, KVReserve, KVReserveReply)
 from protos.transport import ipc_address, make_socket, recv, send
 
-log = logging.getLogger("tandem.cache_service")
+log = logging.getLogger(__name__)
 
 _TICK_S = 0.25  # longest sleep between expiry checks and stop-flag checks
 _BURST = 1000  # most messages served between two expiry passes
@@ -167,16 +168,10 @@ def _open_disk_tier(settings: Settings) -> Optional[DiskTier]:
         return None
 
 
-def _setup_logging(settings: Settings) -> None:
-    if not logging.getLogger().handlers:  # a spawned child starts unconfigured
-        logging.basicConfig(level=settings.log_level.upper(),
-                            format="%(asctime)s %(levelname)s cache[%(process)d] %(message)s")
-
-
 def run(settings: Settings, ready=None) -> None:
     """Process main. `ready` (a multiprocessing Event, optional) is set once
     the socket is bound. Returns (exit 0) after SIGTERM/SIGINT."""
-    _setup_logging(settings)
+    setup_logging(settings.log_level, "cache")
     stop = []
     if threading.current_thread() is threading.main_thread():  # only there can Python take signals
         handler = lambda signum, frame: stop.append(signum)
