@@ -35,15 +35,14 @@ from workers.block_hash import SEED, BlockHasher, block_extra, model_fingerprint
 from workers.decode import DecodeEngine
 from workers.kv_transfer import (
     KVLayout,
-    PrefixCache,
     block_nbytes,
     kv_layout,
-    make_prefix_cache,
     probe_kv_layout,
     read_blocks,
     unblockable_reason,
     write_blocks,
 )
+from workers.prefix_cache import PrefixCache, make_prefix_cache
 from workers.prefill_mlx import PrefillEngine
 
 VOCAB = 512
@@ -119,7 +118,7 @@ class FakeCache:
             assert owner and self.reserved[h].owner == owner  # workers always commit as the reserving owner
             ref = self.reserved.pop(h)
             self.blocks[h] = BlockRef(hash=ref.hash, offset=ref.offset, nbytes=ref.nbytes)
-        return CacheReply(call_id=0, ok=True)
+        return CacheReply(call_id=0, ok=True, stats={"committed": len(hashes), "unknown": 0})
 
 
 @dataclass
@@ -316,7 +315,7 @@ def test_caches_that_cannot_be_blocked(caplog):
 
     with pytest.raises(TypeError, match="RotatingKVCache"):
         probe_kv_layout(SlidingModel(), BS)
-    with caplog.at_level(logging.INFO, logger="workers.kv_transfer"):
+    with caplog.at_level(logging.INFO, logger="workers.prefix_cache"):
         assert make_prefix_cache(SlidingModel(), ".", BS, FakeCache(), None) is None
     assert "prefix caching off" in caplog.text and "layer 1 is RotatingKVCache" in caplog.text
 
@@ -489,12 +488,16 @@ def _real_client_ready() -> bool:
     return all(hasattr(CacheClient, m) for m in ("lookup", "release", "reserve", "commit"))
 
 
-def _lookup_in_fresh_process(run_dir: str, hashes_hex: List[str], q) -> None:
+def _lookup_in_fresh_process(run_dir: str, model_dir: str, prompt: List[int], q) -> None:
+    """A fresh interpreter hashes the prompt itself (its own fingerprint of
+    the model folder) and asks the service: hash stability across processes."""
     from cache_service.client import CacheClient
     from deploy.settings import Settings
+    from workers.block_hash import BlockHasher, block_extra, model_fingerprint
 
+    hasher = BlockHasher(block_extra(model_fingerprint(model_dir), "float32", BS), BS)
     client = CacheClient(Settings(run_dir=run_dir, cache_dir=None))
-    reply = client.lookup([bytes.fromhex(h) for h in hashes_hex], owner="fresh")
+    reply = client.lookup(hasher.hashes(prompt), owner="fresh")
     q.put(len(reply.blocks))
     client.release(reply.lease)
     client.close()
@@ -522,11 +525,10 @@ def test_real_cache_service_roundtrip(model, tiny_dir, tmp_path):
         tokens, res = run_request(model, prefix, prompt, greedy(8), rid="p1")
         assert tokens == want and res.cached_tokens == 0
         # Another process (fresh interpreter: its own hashing) finds the blocks.
-        hashes = prefix.hasher.hashes(prompt)
         q = ctx.Queue()
-        p = ctx.Process(target=_lookup_in_fresh_process, args=(str(tmp_path), [h.hex() for h in hashes], q))
+        p = ctx.Process(target=_lookup_in_fresh_process, args=(str(tmp_path), str(tiny_dir), prompt, q))
         p.start()
-        assert q.get(timeout=30) == len(hashes) == 5
+        assert q.get(timeout=30) == 41 // BS == 5
         p.join(10)
         tokens, res = run_request(model, prefix, prompt, greedy(8), rid="p2")
         assert tokens == want and res.cached_tokens == 40 and prefix.stats.failures == 0

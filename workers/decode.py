@@ -21,7 +21,7 @@ Contract with the caller (workers/runtime.py):
     "stop", like mlx-lm) and finish_reason "stop" or "length".
   * All calls on the worker's MLX thread.
 
-Prefix cache (optional `prefix`, a workers.kv_transfer.PrefixCache): when a
+Prefix cache (optional `prefix`, a workers.prefix_cache.PrefixCache): when a
 request ends (stop, length, or cancel) its KV goes back to the shared cache,
 block by block, so the next turn of the conversation reuses everything up to
 its new message. The KV then holds the prompt, the first token and every
@@ -201,7 +201,7 @@ class DecodeEngine:
                 log.warning("request %s: %d tokens for %d cached positions; not committing its KV",
                             rid, len(tokens), held)
                 continue
-            blocks += self.prefix.store(tokens, cache, rid)
+            blocks += self.prefix.store(tokens, cache, rid)  # never raises: failures are logged
         log.debug("decode prefix commit: %d requests, %d new blocks (%d bytes) in %.2f ms", len(pending),
                   blocks, blocks * self.prefix.layout.block_nbytes, (time.perf_counter() - t0) * 1000)
         return blocks

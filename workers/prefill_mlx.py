@@ -14,7 +14,7 @@ Two ways to drive it, both on the worker's single MLX thread:
                                             run decode steps in between), then
                                             job.save_prefix() (run() does both).
 
-With a prefix cache (workers.kv_transfer.PrefixCache) the job's first step
+With a prefix cache (workers.prefix_cache.PrefixCache) the job's first step
 loads the longest cached run of the prompt's first (n-1)//block_size full
 blocks (at least one token is always computed: its logits give the first
 token) and computes only the rest. `save_prefix` then stores the prompt's
@@ -145,7 +145,7 @@ class PrefillJob:
 
 class PrefillEngine:
     """Prefills prompts with `model` in chunks of `chunk_size` tokens, reusing
-    and filling `prefix` (a workers.kv_transfer.PrefixCache) when given."""
+    and filling `prefix` (a workers.prefix_cache.PrefixCache) when given."""
 
     def __init__(self, model, chunk_size: int = 512, prefix=None):
         if chunk_size < 1:

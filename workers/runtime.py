@@ -62,7 +62,7 @@ class Worker:
         self.outbox: Outbox | None = None
         self.cache: CacheClient | None = None
         self.prefix_client: CacheClient | None = None
-        self.prefix = None  # workers.kv_transfer.PrefixCache, None when the model's cache cannot be blocked
+        self.prefix = None  # workers.prefix_cache.PrefixCache, None when the model's cache cannot be blocked
         self.arenas = ArenaAttachment()  # re-attaches when a restarted cache service has a new arena
         self.prefill = None
         self.decode = None
@@ -74,7 +74,7 @@ class Worker:
     # ------------------------------------------------------------ set-up --
     def load(self) -> None:
         from workers.decode import DecodeEngine
-        from workers.kv_transfer import make_prefix_cache
+        from workers.prefix_cache import make_prefix_cache
         from workers.loading import context_length, load_model
         from workers.prefill_mlx import PrefillEngine
 

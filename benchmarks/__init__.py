@@ -1,0 +1,1 @@
+"""Benchmarks: `tandem bench` (load generator, systems side by side) and `tandem random-model`."""

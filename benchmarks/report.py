@@ -1,0 +1,250 @@
+"""The results of a `tandem bench` run: text tables, ratios, JSON and a PNG plot.
+
+JSON (--json PATH), schema "tandem-bench/1":
+
+    {
+      "schema": "tandem-bench/1",
+      "created": "2026-11-22T10:00:00+00:00",
+      "machine": {"platform", "machine", "cpus", "python"},
+      "command": "tandem bench ...",
+      "config": {...the workload settings...},
+      "systems": [{
+          "name": "tandem", "url": "http://127.0.0.1:18100", "command": "..." | null,
+          "model_dir": "..." | null, "log": "path" | null,
+          "error": null | "why the system could not run",
+          "warmup_failed": 0,
+          "memory": null | {"processes": [{"pid", "name", "peak_rss_bytes"}],
+                            "sum_of_peaks_bytes", "peak_total_rss_bytes", "method"},
+          "results": {
+            "sweep": [{"concurrency", "requests", "ok", "errors": {status: n}, "error_count",
+                       "rejected_429", "wall_s", "output_tokens", "output_tok_s", "requests_s",
+                       "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "itl_max_s",
+                       "latency_p50_s", "goodput", "goodput_requests_s", "prompt_tokens",
+                       "cached_tokens", "first_error"}],
+            "interference": {"streams", "stream_tokens", "quiet": {...}, "loud": {...}, "itl_p99_ratio"},
+            "prefix": {"cold_ttft_s", "warm_ttft_s", "next_turn_ttft_s", "suffix_alone_ttft_s",
+                       "*_prompt_tokens", "*_cached_tokens", "warm_speedup", "errors", "repeats": [...]},
+            "swarm": {"agents", "turns", "wall_s", "turns_ok", "turns_failed", "rejected_429",
+                      "prompt_tokens", "cached_tokens", "computed_prompt_tokens", "computed_source",
+                      "output_tokens", "ttft_p50_s", "ttft_p99_s", ...}
+          }}],
+      "ratios": [{"tandem": "tandem", "peer": "mlx_lm", ...metric: tandem value / peer value}]
+    }
+
+Ratios are always Tandem / peer: above 1 is better for throughput, below 1
+is better for latencies, times, computed tokens and memory.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+SCHEMA = "tandem-bench/1"
+
+
+def is_tandem(name: str) -> bool:
+    return name.startswith("tandem")
+
+
+def build_report(systems: list[dict], config: dict, command: str) -> dict:
+    return {
+        "schema": SCHEMA,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "machine": platform.machine(), "cpus": os.cpu_count(),
+                    "python": platform.python_version()},
+        "command": command,
+        "config": config,
+        "systems": systems,
+        "ratios": ratios(systems),
+    }
+
+
+def _ratio(a, b):
+    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+def ratios(systems: list[dict]) -> list[dict]:
+    """Every Tandem system against every peer that ran."""
+    out = []
+    ran = [s for s in systems if not s.get("error")]
+    for t in (s for s in ran if is_tandem(s["name"])):
+        for p in (s for s in ran if not is_tandem(s["name"])):
+            tr, pr = t.get("results", {}), p.get("results", {})
+            row: dict = {"tandem": t["name"], "peer": p["name"]}
+            if "sweep" in tr and "sweep" in pr:
+                peer_levels = {lv["concurrency"]: lv for lv in pr["sweep"]}
+                row["sweep"] = {
+                    str(lv["concurrency"]): {k: _ratio(lv[k], peer_levels[lv["concurrency"]][k])
+                                             for k in ("output_tok_s", "ttft_p99_s", "itl_p99_s", "goodput")}
+                    for lv in tr["sweep"] if lv["concurrency"] in peer_levels}
+            if "interference" in tr and "interference" in pr:
+                row["interference_loud_itl_p99"] = _ratio(tr["interference"]["loud"]["itl_p99_s"],
+                                                          pr["interference"]["loud"]["itl_p99_s"])
+            if "prefix" in tr and "prefix" in pr:
+                row["prefix_cold_ttft"] = _ratio(tr["prefix"]["cold_ttft_s"], pr["prefix"]["cold_ttft_s"])
+                row["prefix_warm_ttft"] = _ratio(tr["prefix"]["warm_ttft_s"], pr["prefix"]["warm_ttft_s"])
+            if "swarm" in tr and "swarm" in pr:
+                row["swarm_wall"] = _ratio(tr["swarm"]["wall_s"], pr["swarm"]["wall_s"])
+                row["swarm_computed_prompt_tokens"] = _ratio(tr["swarm"]["computed_prompt_tokens"],
+                                                             pr["swarm"]["computed_prompt_tokens"])
+            if t.get("memory") and p.get("memory"):
+                row["memory_peak_total"] = _ratio(t["memory"]["peak_total_rss_bytes"],
+                                                  p["memory"]["peak_total_rss_bytes"])
+            out.append(row)
+    return out
+
+
+def write_json(report: dict, path: str | os.PathLike) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+
+
+# ------------------------------------------------------------------ text
+
+def _f(v, fmt: str = "{:.3f}", none: str = "-") -> str:
+    return none if v is None else fmt.format(v)
+
+
+def _x(v) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _mib(v) -> str:
+    return "-" if v is None else f"{v / 2**20:,.0f} MiB"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    fmt = lambda r: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *map(fmt, rows)])
+
+
+def render(report: dict) -> str:
+    systems = report["systems"]
+    parts = []
+    failed = [s for s in systems if s.get("error")]
+    for s in failed:
+        parts.append(f"{s['name']}: did not run: {s['error'].splitlines()[0]}")
+    sweep_rows = [[s["name"], lv["concurrency"], lv["requests"], lv["ok"], lv["error_count"], lv["rejected_429"],
+                   _f(lv["output_tok_s"], "{:.1f}"), _f(lv["requests_s"], "{:.2f}"), _f(lv["ttft_p50_s"]),
+                   _f(lv["ttft_p99_s"]), _f(lv["itl_p50_s"]), _f(lv["itl_p99_s"]), f"{lv['goodput'] * 100:.0f}%"]
+                  for s in systems for lv in s.get("results", {}).get("sweep", [])]
+    if sweep_rows:
+        parts.append("Sweep (closed loop; seconds)\n" + _table(
+            ["system", "clients", "reqs", "ok", "errors", "429", "tok/s", "req/s", "TTFT p50", "TTFT p99",
+             "ITL p50", "ITL p99", "goodput"], sweep_rows))
+        errs = [f"  {s['name']} c={lv['concurrency']}: {lv['errors']} first: {lv['first_error']}"
+                for s in systems for lv in s.get("results", {}).get("sweep", []) if lv["error_count"]]
+        if errs:
+            parts.append("Errors by status\n" + "\n".join(errs))
+    rows = []
+    for s in systems:
+        it = s.get("results", {}).get("interference")
+        if it:
+            q, l = it["quiet"], it["loud"]
+            rows.append([s["name"], it["streams"], _f(q["itl_p99_s"]), _f(l["itl_p99_s"]), _x(it["itl_p99_ratio"]),
+                         _f(l["itl_max_s"]), f"{l.get('long_prompts_ok', 0)}/{l.get('long_prompts_sent', 0)}",
+                         _f(l.get("long_prompt_tokens"), "{:.0f}"), q["error_count"] + l["error_count"]])
+    if rows:
+        parts.append("Interference: decode streams' inter-token latency (s), quiet vs while long prompts arrive\n"
+                     + _table(["system", "streams", "quiet p99", "loud p99", "loud/quiet", "loud max",
+                               "long ok", "long tokens", "errors"], rows))
+    rows = []
+    for s in systems:
+        p = s.get("results", {}).get("prefix")
+        if p:
+            rows.append([s["name"], _f(p["cold_prompt_tokens"], "{:.0f}"), _f(p["cold_ttft_s"]), _f(p["warm_ttft_s"]),
+                         _x(p["warm_speedup"]), _f(p["warm_cached_tokens"], "{:.0f}", "not reported"),
+                         _f(p["next_turn_ttft_s"]), _f(p["next_turn_cached_tokens"], "{:.0f}", "not reported"),
+                         _f(p["suffix_alone_ttft_s"]), p["errors"]])
+    if rows:
+        parts.append("Prefix: long system prompt, time to first token (s), median of repeats\n" + _table(
+            ["system", "prompt", "cold", "warm", "cold/warm", "warm cached", "next turn", "next cached",
+             "suffix alone", "errors"], rows))
+    rows = []
+    for s in systems:
+        w = s.get("results", {}).get("swarm")
+        if w:
+            computed = w["computed_prompt_tokens"]
+            rows.append([s["name"], f"{w['agents']}x{w['turns']}", _f(w["wall_s"], "{:.1f}"), w["turns_ok"],
+                         w["turns_failed"], w["rejected_429"], w["prompt_tokens"],
+                         "not reported" if computed is None else f"{computed:.0f} ({w['computed_source']})",
+                         _f(w["ttft_p99_s"])])
+    if rows:
+        parts.append("Swarm: agents x turns, shared system prompt + own history\n" + _table(
+            ["system", "agents", "wall s", "ok", "failed", "429", "prompt tok", "computed prompt tok",
+             "TTFT p99"], rows))
+    rows = []
+    for s in systems:
+        m = s.get("memory")
+        if m:
+            procs = ", ".join(f"{p['name']} {_mib(p['peak_rss_bytes'])}" for p in m["processes"])
+            rows.append([s["name"], _mib(m["peak_total_rss_bytes"]), _mib(m["sum_of_peaks_bytes"]), procs])
+    if rows:
+        parts.append("Peak resident memory (peak of the summed RSS; sum of per-process peaks; each process)\n"
+                     + _table(["system", "peak total", "sum of peaks", "processes"], rows))
+    rows = []
+    for r in report["ratios"]:
+        for c, m in (r.get("sweep") or {}).items():
+            rows.append([f"{r['tandem']} / {r['peer']}", f"sweep c={c}", _x(m["output_tok_s"]), _x(m["ttft_p99_s"]),
+                         _x(m["itl_p99_s"])])
+        for key, label in (("interference_loud_itl_p99", "interference loud ITL p99"),
+                           ("prefix_cold_ttft", "prefix cold TTFT"), ("prefix_warm_ttft", "prefix warm TTFT"),
+                           ("swarm_wall", "swarm wall time"),
+                           ("swarm_computed_prompt_tokens", "swarm computed prompt tokens"),
+                           ("memory_peak_total", "peak memory")):
+            if key in r:
+                rows.append([f"{r['tandem']} / {r['peer']}", label, _x(r[key]), "", ""])
+    if rows:
+        parts.append("Ratios, Tandem / peer (throughput: higher is better; times, tokens, memory: lower)\n"
+                     + _table(["pair", "measure", "value / tok/s", "TTFT p99", "ITL p99"], rows))
+    return "\n\n".join(parts)
+
+
+# ------------------------------------------------------------------ plot
+
+def plot(report: dict, path: str | os.PathLike) -> str | None:
+    """Write a PNG of the sweep: output tok/s, TTFT p99 and ITL p99 against
+    concurrency, one line per system. Returns a message when it cannot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot (pip install matplotlib)"
+    series = [(s["name"], s["results"]["sweep"]) for s in report["systems"] if s.get("results", {}).get("sweep")]
+    if not series:
+        return "no sweep results to plot"
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    panels = (("output_tok_s", "output tokens/s"), ("ttft_p99_s", "time to first token p99 (s)"),
+              ("itl_p99_s", "inter-token latency p99 (s)"))
+    for ax, (key, label) in zip(axes, panels):
+        for name, levels in series:
+            pts = [(lv["concurrency"], lv[key]) for lv in levels if lv[key] is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"tandem bench ({report['machine']['machine']}, {report['machine']['cpus']} CPUs, "
+                 f"{report['config'].get('max_tokens')}-token answers)")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+if __name__ == "__main__":  # re-render a saved JSON: python -m benchmarks.report result.json
+    with open(sys.argv[1]) as f:
+        print(render(json.load(f)))
