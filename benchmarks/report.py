@@ -232,6 +232,9 @@ def plot(report: dict, path: str | os.PathLike) -> str | None:
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=name)
         ax.set_xscale("log", base=2)
+        levels_seen = sorted({lv["concurrency"] for _, levels in series for lv in levels})
+        ax.set_xticks(levels_seen, [str(c) for c in levels_seen])
+        ax.minorticks_off()
         ax.set_xlabel("concurrent clients")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
