@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
     except Exception as e:  # model resolution and the like: one line
         print(f"tandem bench: {e}", file=sys.stderr)
         return 2
+    _add_single_stream(results, args)
     config = {**dataclasses.asdict(cfg), "workloads": list(workloads), "model": args.model,
               "peer_weights": args.peer_weights}
     rep = report_mod.build_report(results, config, shlex.join(["tandem", "bench", *sys.argv[2:]])
@@ -250,6 +251,28 @@ async def _measure(target: wl.Target, cfg: wl.WorkloadConfig, workloads, ready_d
         elif name == "swarm":
             out["swarm"] = await wl.swarm(target, cfg, metrics_url)
     return out, warmup_failed
+
+
+def _add_single_stream(results: list[dict], args: argparse.Namespace) -> None:
+    """Single-stream decode against the memory-bandwidth limit, for systems
+    whose sweep has a one-client level. Measured after the servers stopped,
+    so the copy does not compete with them."""
+    from benchmarks import bandwidth
+
+    with_c1 = [r for r in results if any(lv["concurrency"] == 1 for lv in r.get("results", {}).get("sweep", []))]
+    if not with_c1:
+        return
+    weight_bytes = None
+    if args.model or args.systems:
+        try:
+            from workers.model_store import resolve_model
+
+            weight_bytes = bandwidth.computed_weight_bytes(resolve_model(args.model))
+        except Exception as e:  # an unknown architecture: report tokens/s without the share
+            print(f"tandem bench: weight bytes unknown ({e})", file=sys.stderr)
+    bw = bandwidth.copy_bandwidth()
+    for r in with_c1:
+        r["results"]["single_stream"] = bandwidth.single_stream(r["results"]["sweep"], weight_bytes, bw)
 
 
 def _first_model(url: str, headers: dict | None) -> str | None:

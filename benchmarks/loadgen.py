@@ -25,6 +25,7 @@ class RequestResult:
 
     status: int | str  # HTTP status, or "timeout", "connect", "stream-error", "protocol"
     ok: bool = False
+    sent_at: float = 0.0  # time.perf_counter() when sent, to line requests up against each other
     ttft: float | None = None
     chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk carrying text
     latency: float = 0.0
@@ -53,7 +54,7 @@ async def stream_chat(client: httpx.AsyncClient, base_url: str, body: dict, time
     """POST /v1/chat/completions and read the SSE stream to its end (or the
     deadline). `first_token` is set when the first text arrives."""
     t0 = time.perf_counter()
-    res = RequestResult(status=0)
+    res = RequestResult(status=0, sent_at=t0)
     try:
         async with asyncio.timeout(timeout):
             async with client.stream("POST", base_url.rstrip("/") + "/v1/chat/completions", json=body,
@@ -185,6 +186,8 @@ def summarize(results: list[RequestResult], wall: float, *, ttft_budget: float, 
         "errors": errors,
         "error_count": sum(errors.values()),
         "rejected_429": sum(1 for r in results if r.status == 429),
+        # How promptly a full server says no: a 429 should take milliseconds, not a timeout.
+        "rejected_latency_p99_s": percentile([r.latency for r in results if r.status == 429], 99),
         "wall_s": wall,
         "output_tokens": out_tokens,
         "output_tok_s": out_tokens / wall if wall > 0 else 0.0,

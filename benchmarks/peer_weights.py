@@ -38,6 +38,17 @@ def safetensors_dtypes(folder: Path) -> set[str]:
     return dtypes
 
 
+def safetensors_bytes(folder: Path) -> int:
+    """Total tensor bytes in a folder's safetensors files (headers only)."""
+    total = 0
+    for f in folder.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+    return total
+
+
 def needs_float32_copy(folder: Path) -> bool:
     config = json.loads((folder / "config.json").read_text())
     return "quantization" in config or bool(safetensors_dtypes(folder) - {"F32"})

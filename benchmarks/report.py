@@ -17,16 +17,21 @@ JSON (--json PATH), schema "tandem-bench/1":
                             "sum_of_peaks_bytes", "peak_total_rss_bytes", "method"},
           "results": {
             "sweep": [{"concurrency", "requests", "ok", "errors": {status: n}, "error_count",
-                       "rejected_429", "wall_s", "output_tokens", "output_tok_s", "requests_s",
-                       "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "itl_max_s",
+                       "rejected_429", "rejected_latency_p99_s", "wall_s", "output_tokens", "output_tok_s",
+                       "requests_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "itl_max_s",
                        "latency_p50_s", "goodput", "goodput_requests_s", "prompt_tokens",
                        "cached_tokens", "first_error"}],
-            "interference": {"streams", "stream_tokens", "quiet": {...}, "loud": {...}, "itl_p99_ratio"},
+            "interference": {"streams", "stream_tokens", "quiet": {...},
+                             "loud": {... "itl_p99_during_long_s", "gaps_during_long", "long_prompts_sent",
+                                      "long_prompts_ok", "long_prompt_tokens"},
+                             "itl_p99_ratio", "itl_p99_during_long_ratio"},
             "prefix": {"cold_ttft_s", "warm_ttft_s", "next_turn_ttft_s", "suffix_alone_ttft_s",
                        "*_prompt_tokens", "*_cached_tokens", "warm_speedup", "errors", "repeats": [...]},
             "swarm": {"agents", "turns", "wall_s", "turns_ok", "turns_failed", "rejected_429",
                       "prompt_tokens", "cached_tokens", "computed_prompt_tokens", "computed_source",
-                      "output_tokens", "ttft_p50_s", "ttft_p99_s", ...}
+                      "output_tokens", "ttft_p50_s", "ttft_p99_s", ...},
+            "single_stream": {"decode_tok_s", "weight_bytes", "copy_bandwidth_bytes_s", "limit_tok_s",
+                              "bandwidth_share"}   (with a one-client sweep level)
           }}],
       "ratios": [{"tandem": "tandem", "peer": "mlx_lm", ...metric: tandem value / peer value}]
     }
@@ -83,8 +88,10 @@ def ratios(systems: list[dict]) -> list[dict]:
                                              for k in ("output_tok_s", "ttft_p99_s", "itl_p99_s", "goodput")}
                     for lv in tr["sweep"] if lv["concurrency"] in peer_levels}
             if "interference" in tr and "interference" in pr:
-                row["interference_loud_itl_p99"] = _ratio(tr["interference"]["loud"]["itl_p99_s"],
-                                                          pr["interference"]["loud"]["itl_p99_s"])
+                tl, pl = tr["interference"]["loud"], pr["interference"]["loud"]
+                row["interference_loud_itl_p99"] = _ratio(tl["itl_p99_s"], pl["itl_p99_s"])
+                row["interference_during_long_itl_p99"] = _ratio(tl.get("itl_p99_during_long_s"),
+                                                                 pl.get("itl_p99_during_long_s"))
             if "prefix" in tr and "prefix" in pr:
                 row["prefix_cold_ttft"] = _ratio(tr["prefix"]["cold_ttft_s"], pr["prefix"]["cold_ttft_s"])
                 row["prefix_warm_ttft"] = _ratio(tr["prefix"]["warm_ttft_s"], pr["prefix"]["warm_ttft_s"])
@@ -148,14 +155,15 @@ def render(report: dict) -> str:
     for s in systems:
         it = s.get("results", {}).get("interference")
         if it:
-            q, l = it["quiet"], it["loud"]
-            rows.append([s["name"], it["streams"], _f(q["itl_p99_s"]), _f(l["itl_p99_s"]), _x(it["itl_p99_ratio"]),
-                         _f(l["itl_max_s"]), f"{l.get('long_prompts_ok', 0)}/{l.get('long_prompts_sent', 0)}",
-                         _f(l.get("long_prompt_tokens"), "{:.0f}"), q["error_count"] + l["error_count"]])
+            q, loud = it["quiet"], it["loud"]
+            rows.append([s["name"], it["streams"], _f(q["itl_p99_s"]), _f(loud["itl_p99_s"]), _x(it["itl_p99_ratio"]),
+                         _f(loud.get("itl_p99_during_long_s")), _x(it.get("itl_p99_during_long_ratio")),
+                         _f(loud["itl_max_s"]), f"{loud.get('long_prompts_ok', 0)}/{loud.get('long_prompts_sent', 0)}",
+                         _f(loud.get("long_prompt_tokens"), "{:.0f}"), q["error_count"] + loud["error_count"]])
     if rows:
         parts.append("Interference: decode streams' inter-token latency (s), quiet vs while long prompts arrive\n"
-                     + _table(["system", "streams", "quiet p99", "loud p99", "loud/quiet", "loud max",
-                               "long ok", "long tokens", "errors"], rows))
+                     + _table(["system", "streams", "quiet p99", "loud p99", "loud/quiet", "during-long p99",
+                               "during/quiet", "loud max", "long ok", "long tokens", "errors"], rows))
     rows = []
     for s in systems:
         p = s.get("results", {}).get("prefix")
@@ -183,6 +191,16 @@ def render(report: dict) -> str:
              "TTFT p99"], rows))
     rows = []
     for s in systems:
+        b = s.get("results", {}).get("single_stream")
+        if b:
+            rows.append([s["name"], _f(b["decode_tok_s"], "{:.1f}"), _mib(b["weight_bytes"]),
+                         _f(b["copy_bandwidth_bytes_s"] and b["copy_bandwidth_bytes_s"] / 1e9, "{:.1f}"),
+                         _f(b["limit_tok_s"], "{:.1f}"), _f(b["bandwidth_share"], "{:.2f}")])
+    if rows:
+        parts.append("Single-stream decode vs the memory-bandwidth limit (1 / median inter-token gap at 1 client)\n"
+                     + _table(["system", "decode tok/s", "weights", "copy GB/s", "limit tok/s", "share"], rows))
+    rows = []
+    for s in systems:
         m = s.get("memory")
         if m:
             procs = ", ".join(f"{p['name']} {_mib(p['peak_rss_bytes'])}" for p in m["processes"])
@@ -196,6 +214,7 @@ def render(report: dict) -> str:
             rows.append([f"{r['tandem']} / {r['peer']}", f"sweep c={c}", _x(m["output_tok_s"]), _x(m["ttft_p99_s"]),
                          _x(m["itl_p99_s"])])
         for key, label in (("interference_loud_itl_p99", "interference loud ITL p99"),
+                           ("interference_during_long_itl_p99", "interference during-long ITL p99"),
                            ("prefix_cold_ttft", "prefix cold TTFT"), ("prefix_warm_ttft", "prefix warm TTFT"),
                            ("swarm_wall", "swarm wall time"),
                            ("swarm_computed_prompt_tokens", "swarm computed prompt tokens"),

@@ -145,7 +145,8 @@ class ManagedServer:
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
-        raise TimeoutError(f"{self.spec.name} not healthy after {timeout:.0f}s; log {self.log_path}:\n{self.log_tail()}")
+        raise TimeoutError(f"{self.spec.name} not healthy after {timeout:.0f}s; "
+                           f"log {self.log_path}:\n{self.log_tail()}")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

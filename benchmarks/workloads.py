@@ -158,8 +158,10 @@ async def interference(target: Target, cfg: WorkloadConfig) -> dict:
         quiet = await _stream_run(client, target, cfg, "quiet", inject=False)
         loud = await _stream_run(client, target, cfg, "loud", inject=True)
     out = {"streams": cfg.streams, "stream_tokens": cfg.stream_tokens, "quiet": quiet, "loud": loud}
-    q, l = quiet["itl_p99_s"], loud["itl_p99_s"]
-    out["itl_p99_ratio"] = l / q if q and l else None
+    q, noisy = quiet["itl_p99_s"], loud["itl_p99_s"]
+    out["itl_p99_ratio"] = noisy / q if q and noisy else None
+    d = loud.get("itl_p99_during_long_s")
+    out["itl_p99_during_long_ratio"] = d / q if q and d else None
     return out
 
 
@@ -183,11 +185,31 @@ async def _stream_run(client, target: Target, cfg: WorkloadConfig, salt: str, in
                               "ttft_p50_s", "wall_s", "first_error")}
     if inject:
         ok_longs = [r for r in longs if r.ok]
+        during = gaps_during(results, longs)
+        # The stalls long prompts cause are a few gaps per stream: pooled with
+        # every other gap they can fall under p99, so also count those gaps alone.
+        run["itl_p99_during_long_s"] = percentile(during, 99)
+        run["gaps_during_long"] = len(during)
         run["long_prompts_sent"] = len(longs)
         run["long_prompts_ok"] = len(ok_longs)
         run["long_prompt_tokens"] = percentile([r.prompt_tokens for r in ok_longs if r.prompt_tokens], 50)
         run["long_prompt_ttft_p50_s"] = percentile([r.ttft for r in ok_longs if r.ttft is not None], 50)
     return run
+
+
+def gaps_during(streams: list[RequestResult], longs: list[RequestResult]) -> list[float]:
+    """Inter-token gaps of the streams that overlap the time any long prompt was in flight."""
+    if not longs:
+        return []
+    start = min(r.sent_at for r in longs)
+    end = max(r.sent_at + r.latency for r in longs)
+    out = []
+    for r in streams:
+        if not r.ok:
+            continue
+        times = [r.sent_at + t for t in r.chunk_times]
+        out += [b - a for a, b in zip(times, times[1:]) if b >= start and a <= end]
+    return out
 
 
 async def _inject_long_prompts(client, target: Target, cfg: WorkloadConfig, streams: list[asyncio.Task],

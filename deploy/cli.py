@@ -9,6 +9,7 @@ from deploy import blas
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from benchmarks import bench_cmd, random_model
     from deploy import generate_cmd, serve_cmd
 
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving on MLX.")
@@ -19,6 +20,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="start the OpenAI-compatible server")
     serve_cmd.add_arguments(serve)
     serve.set_defaults(run=serve_cmd.run)
+    bench = sub.add_parser("bench", help="load-test Tandem and its peers side by side")
+    bench_cmd.add_arguments(bench)
+    bench.set_defaults(run=bench_cmd.run)
+    rand = sub.add_parser("random-model", help="write a random-weight model of a real architecture's shape")
+    random_model.add_arguments(rand)
+    rand.set_defaults(run=random_model.run)
     return parser
 
 

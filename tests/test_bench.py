@@ -228,8 +228,17 @@ def test_prompts_are_seeded_and_distinct():
     assert len(workloads.words(850, 0, "s").split()) == 850
 
 
+def test_gaps_during_long_prompts():
+    stream = _fake(0.1, [0.1, 2.0, 0.1])  # chunks at 0.1, 0.2, 2.2, 2.3 s
+    stream.sent_at = 100.0
+    long = RequestResult(status=200, ok=True, sent_at=100.5, latency=1.0)  # in flight 100.5 .. 101.5
+    assert workloads.gaps_during([stream], [long]) == [pytest.approx(2.0)]
+    assert workloads.gaps_during([stream], []) == []
+
+
 def test_metric_sum():
-    text = 'x_total 5\ntandem_prompt_tokens_total 100.0\ntandem_prompt_tokens_total_other 7\nfoo{a="1"} 2\nfoo{a="2"} 3\n'
+    text = ('x_total 5\ntandem_prompt_tokens_total 100.0\ntandem_prompt_tokens_total_other 7\n'
+            'foo{a="1"} 2\nfoo{a="2"} 3\n')
     assert workloads.metric_sum(text, "tandem_prompt_tokens_total") == 100.0
     assert workloads.metric_sum(text, "foo") == 5.0
     assert workloads.metric_sum(text, "missing") is None
@@ -259,10 +268,14 @@ def test_bench_command_json_report(scripted, tmp_path, capsys):
         assert {"requests", "ok", "errors", "rejected_429", "output_tok_s", "requests_s", "ttft_p50_s", "ttft_p99_s",
                 "itl_p50_s", "itl_p99_s", "goodput"} <= lv.keys()
         assert lv["ok"] == 4 and lv["output_tokens"] == 16
-    assert res["interference"]["quiet"]["ok"] == 2 and res["interference"]["loud"]["long_prompts_sent"] <= 1
+    loud = res["interference"]["loud"]
+    assert res["interference"]["quiet"]["ok"] == 2 and loud["long_prompts_sent"] == 1
+    assert loud["gaps_during_long"] > 0 and loud["itl_p99_during_long_s"] < 1.0
     assert res["prefix"]["warm_cached_tokens"] == 3 and res["prefix"]["cold_ttft_s"] > 0
     assert res["swarm"]["turns_ok"] == 4 and res["swarm"]["computed_prompt_tokens"] == 4 * (10 - 3)
     assert res["swarm"]["metrics_computed_prompt_tokens"] == 4 * (10 - 3)
+    single = res["single_stream"]  # no --model: tokens/s without a bandwidth share
+    assert single["decode_tok_s"] == pytest.approx(1 / GAP_S, rel=0.3) and single["bandwidth_share"] is None
     printed = capsys.readouterr().out
     assert "Sweep" in printed and "scripted" in printed and "Swarm" in printed
 
@@ -317,7 +330,8 @@ def test_random_model_loads_and_generates_varied_tokens(tmp_path, embedded_model
     from benchmarks.peer_weights import needs_float32_copy
 
     out = tmp_path / "tiny"
-    info = random_model.write_random_model("tiny-llama", out, dtype="bfloat16", seed=1, tokenizer_dir=embedded_model_dir)
+    info = random_model.write_random_model("tiny-llama", out, dtype="bfloat16", seed=1,
+                                           tokenizer_dir=embedded_model_dir)
     shape = random_model.SHAPES["tiny-llama"]
     assert info["params"] == shape["params"] and info["weight_bytes"] == 2 * shape["params"]
     config = json.loads((out / "config.json").read_text())

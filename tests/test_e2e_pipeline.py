@@ -169,3 +169,18 @@ def test_client_disconnect_stops_generation_and_frees_kv(server, embedded_model)
     assert h["requests_in_flight"] == 0
     # The handoff's arena space is back; what stays is the prefix cache's blocks.
     assert h["cache_service"]["handoff_bytes"] == 0, h["cache_service"]
+
+
+def test_logprobs_match_mlx_lm(client, embedded_model):
+    model, tokenizer = embedded_model
+    messages = CONVERSATIONS["short"]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ref = list(stream_generate(model, tokenizer, prompt=prompt, max_tokens=6))
+    resp = client.chat.completions.create(model="default", messages=messages, max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    content = resp.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == resp.choices[0].message.content
+    for got, want in zip(content, ref):
+        assert got.logprob == pytest.approx(want.logprobs[want.token].item(), abs=1e-3)
+        assert got.top_logprobs[0].logprob == pytest.approx(got.logprob, abs=1e-6)  # greedy picks the top one
+        assert len(got.top_logprobs) == 3
