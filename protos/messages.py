@@ -59,6 +59,12 @@ class KVHandoff:
     per model layer, the keys slice then the values slice. When prefill and
     decode share a process (`--colocate`), `local` is True and the KV never
     leaves that process: `layers` is empty.
+
+    Models whose caches are not all plain attention KV (sliding window,
+    recurrent: see workers.kv_transfer.write_cache) also fill `cache_meta`:
+    per layer the cache class and its state with array leaves {"a": i}, the
+    i-th slice of that layer's entry in `layers` (any number of slices).
+    Empty `cache_meta` means the plain [keys, values] layout above.
     """
 
     request_id: str
@@ -71,6 +77,7 @@ class KVHandoff:
     kv_dtype: str = ""
     bytes_moved: int = 0
     write_ms: float = 0.0
+    cache_meta: list = field(default_factory=list)  # per-layer cache class + state spec; [] for plain KV
 
 
 @dataclass

@@ -315,6 +315,8 @@ def test_caches_that_cannot_be_blocked(caplog):
 
     with pytest.raises(TypeError, match="RotatingKVCache"):
         probe_kv_layout(SlidingModel(), BS)
+    # Such a model gets snapshots instead (tests/test_snapshot_cache.py); one
+    # that cannot even be probed (this fake has no forward pass) runs uncached.
     with caplog.at_level(logging.INFO, logger="workers.prefix_cache"):
         assert make_prefix_cache(SlidingModel(), ".", BS, FakeCache(), None) is None
     assert "prefix caching off" in caplog.text and "layer 1 is RotatingKVCache" in caplog.text

@@ -4,6 +4,12 @@
 that `load_tiny_model` (mlx_lm.utils.load_model) reads back. There is no
 tokenizer: engine tests work on token ids, and `mlx_lm.load` would insist on
 tokenizer files, so load with `load_tiny_model` / `mlx_lm.utils.load_model`.
+
+Models whose caches are not plain KV: `make_tiny_gemma3` (gemma3_text: sliding
+window layers with a RotatingKVCache between global KVCache layers) and
+`make_tiny_qwen3_next` (Gated DeltaNet layers with an ArraysCache between
+attention layers). Both go through `make_tiny_model`, which builds mlx-lm's
+own module for any config and draws its weights from a seeded generator.
 """
 
 from __future__ import annotations
@@ -91,3 +97,99 @@ def load_tiny_model(path):
 
     model, _config = load_model(Path(path))
     return model
+
+
+# Gemma 3 text: layers 0 and 2 slide over an 8-token window (RotatingKVCache),
+# 1 and 3 attend globally (KVCache); prompts of 20+ tokens wrap the window.
+TINY_GEMMA3_CONFIG = {
+    "model_type": "gemma3_text",
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "query_pre_attn_scalar": 16,
+    "vocab_size": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_local_base_freq": 10000.0,
+    "sliding_window": 8,
+    "sliding_window_pattern": 2,
+    "max_position_embeddings": 2048,
+}
+
+# Qwen3-Next: layers 0 and 2 are Gated DeltaNet (ArraysCache: conv + recurrent
+# state), 1 and 3 gated attention (KVCache); dense MLPs (no experts).
+TINY_QWEN3_NEXT_CONFIG = {
+    "model_type": "qwen3_next",
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 0,
+    "num_experts_per_tok": 1,
+    "decoder_sparse_step": 1,
+    "shared_expert_intermediate_size": 128,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 64,
+    "full_attention_interval": 2,
+    "partial_rotary_factor": 0.25,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 512,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+}
+
+
+def make_tiny_model(path, config: dict, seed: int = 0) -> Path:
+    """Write mlx-lm's model for `config` with seeded random weights to `path`.
+
+    Every matrix (2-D and up) is drawn like make_tiny_llama's: N(0, 1/fan_in),
+    the embedding N(0, 1), lm_head "hot" (x4) so greedy decoding wanders.
+    Vectors keep the module's own initial values (norm scales; Qwen3-Next's
+    decay rates are drawn from MLX's generator, seeded here). Saved exactly as the module names its parameters,
+    so mlx-lm's loader (whose sanitize leaves such weights alone) reads them
+    back strictly.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, p in tree_flatten(model.parameters()):
+        if p.ndim < 2:
+            weights[name] = p
+            continue
+        fan_in = int(np.prod(p.shape[1:]))
+        if name.endswith("embed_tokens.weight"):
+            w = rng.standard_normal(p.shape)
+        else:
+            gain = 4.0 if name == "lm_head.weight" else 1.0
+            w = rng.standard_normal(p.shape) * (gain / np.sqrt(fan_in))
+        weights[name] = mx.array(w.astype(np.float32))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    return path
+
+
+def make_tiny_gemma3(path, seed: int = 0, **overrides) -> Path:
+    return make_tiny_model(path, {**TINY_GEMMA3_CONFIG, **overrides}, seed)
+
+
+def make_tiny_qwen3_next(path, seed: int = 0, **overrides) -> Path:
+    return make_tiny_model(path, {**TINY_QWEN3_NEXT_CONFIG, **overrides}, seed)

@@ -32,6 +32,14 @@ the tokens in the cache. Those tokens' full blocks are committed; the cache
 service skips the ones it has (the prompt's, stored by prefill). The writes
 happen in `commit_finished()`, which the worker calls right after sending
 the step's tokens (and `step()` calls first, so nothing waits past one step).
+
+Models whose cache is not plain attention KV (sliding window, recurrent) join
+the batch the same way: BatchGenerator merges RotatingKVCache into a
+BatchRotatingKVCache and ArraysCache into a batched ArraysCache. Their prefix
+cache is a snapshot cache, and decode commits nothing to it: the state at the
+end of an answer sits at no block boundary, and neither a window nor a
+recurrent state can be rolled back to one. The next turn still reuses the
+previous turn's prompt snapshot (that prompt is a prefix of the next one).
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Tuple
 
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, CacheList
 
 from protos.messages import DecodeRequest, TokenUpdate
 from workers.sampling import GREEDY_SAMPLER, build_sampling, token_logprob, wants_logprobs
@@ -76,7 +84,8 @@ class DecodeEngine:
         self.model = model
         self.max_batch = max_batch
         self.eos_token_ids = [int(t) for t in eos_token_ids]
-        self.prefix = prefix
+        # Only block caches take a finished conversation (see the module doc).
+        self.prefix = prefix if getattr(prefix, "kind", "blocks") == "blocks" else None
         # Ended requests whose KV is still to be committed: (request id, tokens, cache).
         self._to_commit: List[Tuple[str, List[int], list]] = []
         # Prompts are one token, so BatchGenerator's own prompt phase does no
@@ -243,15 +252,27 @@ def _check_cache(cache: list, request: DecodeRequest) -> None:
     if not cache:
         raise ValueError(f"request {request.request_id!r}: empty cache")
     for i, c in enumerate(cache):
-        if type(c) is not KVCache:
-            raise TypeError(f"decode supports only mlx_lm KVCache layers; layer {i} "
-                            f"is {type(c).__name__}")
-        if c.keys is None or c.keys.shape[0] != 1:
-            raise ValueError(f"layer {i}: expected a filled batch-1 cache")
-        if c.offset != request.handoff.num_tokens:
-            raise ValueError(f"layer {i} holds {c.offset} tokens, handoff says "
-                             f"{request.handoff.num_tokens}")
+        _check_layer(c, f"layer {i}", request.handoff.num_tokens)
     # Plain rope: the next position is the token count. M-RoPE models (rope
     # offset != token count) need a cache that carries the offset separately.
     if request.handoff.rope_offset != request.handoff.num_tokens:
         raise NotImplementedError("rope_offset != num_tokens (M-RoPE) is not supported yet")
+
+
+def _check_layer(c, where: str, num_tokens: int) -> None:
+    if isinstance(c, CacheList):
+        for j, sub in enumerate(c.caches):
+            _check_layer(sub, f"{where}.{j}", num_tokens)
+        return
+    if not hasattr(type(c), "merge"):  # what BatchGenerator batches with history
+        raise TypeError(f"decode cannot batch {type(c).__name__} ({where})")
+    if c.empty():
+        raise ValueError(f"{where}: expected a filled batch-1 cache")
+    batch = c.batch_size if isinstance(c, ArraysCache) else c.keys.shape[0]
+    if batch != 1:
+        raise ValueError(f"{where}: expected a filled batch-1 cache, got batch size {batch}")
+    # Attention caches count the tokens they have seen (a window too); a
+    # recurrent state does not.
+    offset = getattr(c, "offset", None)
+    if isinstance(offset, int) and offset != num_tokens:
+        raise ValueError(f"{where} holds {offset} tokens, handoff says {num_tokens}")

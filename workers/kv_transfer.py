@@ -15,10 +15,15 @@ bfloat16 has no numpy dtype: its raw 16-bit patterns are stored as uint16 and
 the slice's dtype says "bfloat16", so the reader views them back as bfloat16.
 Note that np.dtype("bfloat16") fails: readers must use `storage_dtype`.
 
-Only plain attention KV (mlx_lm KVCache) is supported; rotating, quantized and
-recurrent caches raise TypeError naming the type.
+`write_kv` / `read_kv` / `kv_nbytes` take plain attention KV (mlx_lm KVCache)
+only and raise TypeError naming any other type. `write_cache` / `read_cache` /
+`cache_nbytes` take any mlx-lm cache list (sliding window, recurrent, mixes as
+in Gemma 3 or Qwen3-Next; third part of this file): a plain-KV list takes the
+same path and message as write_kv; any other list adds per-layer class and
+state metadata (KVHandoff.cache_meta). Snapshots (last part) are that same
+state packed into one self-describing byte range for the prefix cache.
 
-Prefix-cache blocks (second half of this file) use another layout: one block
+Prefix-cache blocks (second part of this file) use another layout: one block
 is `block_size` tokens of every layer, keys then values per layer, each a
 C-contiguous (kv_heads, block_size, head_dim) array, packed with no padding.
 A block is self-contained, so the cache service can store, evict and hand
@@ -28,13 +33,16 @@ out blocks one by one and a reader gathers any run of them into a KVCache.
 
 from __future__ import annotations
 
+import json
 import logging
+import struct
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import (ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache,
+                                 RotatingKVCache)
 
 from protos.messages import ArenaSlice
 
@@ -48,7 +56,17 @@ _MX_TO_NAME = {
     mx.float16: "float16",
     mx.bfloat16: "bfloat16",
 }
-_STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+# Any state array (recurrent caches also hold int lengths, quantized KV uint32).
+_STATE_NAMES = {
+    **_MX_TO_NAME,
+    mx.int8: "int8", mx.int16: "int16", mx.int32: "int32", mx.int64: "int64",
+    mx.uint8: "uint8", mx.uint16: "uint16", mx.uint32: "uint32", mx.uint64: "uint64",
+    mx.bool_: "bool",
+}
+_STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
+            "int8": np.int8, "int16": np.int16, "int32": np.int32, "int64": np.int64,
+            "uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64,
+            "bool": np.bool_}
 
 
 def storage_dtype(name: str) -> np.dtype:
@@ -69,8 +87,7 @@ def _check_supported(cache: Sequence) -> None:
         if type(c) is not KVCache:
             raise TypeError(
                 f"KV transfer supports only mlx_lm KVCache layers; layer {i} is "
-                f"{type(c).__name__} (rotating/quantized/recurrent caches are not "
-                "supported yet)"
+                f"{type(c).__name__} (write_cache / read_cache take any mlx-lm cache)"
             )
         if c.keys is not None and c.keys.shape[0] != 1:
             raise ValueError(f"layer {i}: expected batch size 1, got {c.keys.shape[0]}")
@@ -92,11 +109,7 @@ def kv_dtype_name(cache: Sequence) -> str:
 def kv_nbytes(cache: Sequence) -> int:
     """Bytes `write_kv` needs for this cache, alignment padding included."""
     _check_supported(cache)
-    total = 0
-    for c in cache:
-        for a in _layer_arrays(c):
-            total += _align(a.nbytes)
-    return total
+    return encode_cache(cache).nbytes
 
 
 def _as_numpy(a: mx.array) -> np.ndarray:
@@ -114,9 +127,14 @@ def write_kv(buf, base_offset: int, cache: Sequence) -> List[List[ArenaSlice]]:
     `buf` must hold base_offset + kv_nbytes(cache) bytes.
     """
     _check_supported(cache)
-    arrays = [_layer_arrays(c) for c in cache]
-    mx.eval(arrays)
-    need = kv_nbytes(cache)
+    return write_encoded(buf, base_offset, encode_cache(cache))
+
+
+def write_encoded(buf, base_offset: int, enc: "EncodedCache") -> List[List[ArenaSlice]]:
+    """Copy an encoded cache's arrays into `buf` from `base_offset`: per layer
+    one ArenaSlice per array, in order (offsets absolute in `buf`)."""
+    mx.eval(enc.arrays)
+    need = enc.nbytes
     mv = memoryview(buf).cast("B")
     layers: List[List[ArenaSlice]] = []
     try:
@@ -125,7 +143,7 @@ def write_kv(buf, base_offset: int, cache: Sequence) -> List[List[ArenaSlice]]:
                 f"buffer too small: need {need} bytes at offset {base_offset}, "
                 f"buffer holds {mv.nbytes}"
             )
-        _write_layers(mv, arrays, base_offset, layers)
+        _write_layers(mv, enc.arrays, base_offset, layers)
     finally:
         _release(mv)
     return layers
@@ -140,30 +158,33 @@ def _release(mv: memoryview) -> None:
 
 
 def _write_layers(mv, arrays, offset, layers) -> None:
-    for keys, values in arrays:
-        pair = []
-        for a in (keys, values):
-            name = _MX_TO_NAME.get(a.dtype)
+    for layer in arrays:  # plain KV: [keys, values]; any cache: its state arrays
+        out = []
+        for a in layer:
+            name = _STATE_NAMES.get(a.dtype)
             if name is None:
                 raise ValueError(f"unsupported KV dtype {a.dtype}")
             src = _as_numpy(a)
-            dst = np.frombuffer(mv, dtype=src.dtype, count=src.size, offset=offset)
-            # The one copy: strided MLX memory -> contiguous slice of the buffer.
-            dst.reshape(src.shape)[...] = src
-            pair.append(ArenaSlice(offset=offset, nbytes=a.nbytes, dtype=name,
-                                   shape=list(a.shape)))
+            if src.size:
+                dst = np.frombuffer(mv, dtype=src.dtype, count=src.size, offset=offset)
+                # The one copy: strided MLX memory -> contiguous slice of the buffer.
+                dst.reshape(src.shape)[...] = src
+                del dst
+            out.append(ArenaSlice(offset=offset, nbytes=a.nbytes, dtype=name,
+                                  shape=list(a.shape)))
             offset += _align(a.nbytes)
-            del dst
-        layers.append(pair)
+        layers.append(out)
 
 
 def _read_slice(mv: memoryview, s) -> mx.array:
     if isinstance(s, dict):  # tolerate codecs that hand back plain dicts
         s = ArenaSlice(**s)
     dtype = storage_dtype(s.dtype)
-    count = int(np.prod(s.shape))
+    count = int(np.prod(s.shape, dtype=np.int64))
     if count * dtype.itemsize != s.nbytes:
         raise ValueError(f"slice nbytes {s.nbytes} does not match {s.dtype}{s.shape}")
+    if s.offset < 0 or s.offset + s.nbytes > mv.nbytes:
+        raise ValueError(f"slice at {s.offset} (+{s.nbytes}) is outside the buffer of {mv.nbytes} bytes")
     view = np.frombuffer(mv, dtype=dtype, count=count, offset=s.offset).reshape(s.shape)
     return _to_mlx(view, s.dtype)  # the one copy: buffer -> MLX memory
 
@@ -395,6 +416,265 @@ def _gather_per_layer(mv, offsets, layout: KVLayout):
 
 
 # --------------------------------------------------------------------------- #
-# The worker's side of the shared prefix cache
+# Any mlx-lm cache: per layer its class name and `state` (sliding window,
+# recurrent, mixes of them)
 # --------------------------------------------------------------------------- #
+#
+# mlx-lm (0.32) keeps a cache's whole state in `.state` (arrays plus the ints
+# that say how to read them: offset, keep, max_size, _idx, ...; there is no
+# separate meta_state in this version) and rebuilds one with
+# `cls.from_state(state)`; save_prompt_cache / load_prompt_cache rely on
+# exactly that. We do the same with arena slices instead of a file: a layer's
+# spec is {"cls": name, "state": tree} whose array leaves are {"a": i} (the
+# layer's i-th slice) and whose other leaves are the ints, None, ... as they
+# are; a CacheList is {"cls": "CacheList", "caches": [spec, ...]}. Tuples come
+# back as lists, which every from_state accepts.
 
+# Rebuilt by name: only these classes, never a name taken from the wire as is.
+_STATE_CLASSES = {cls.__name__: cls for cls in (
+    KVCache, RotatingKVCache, ArraysCache, CacheList, QuantizedKVCache, ChunkedKVCache)}
+
+
+@dataclass
+class EncodedCache:
+    """A cache list as data: per-layer specs and arrays (lazy views of the
+    live state, not copies)."""
+
+    meta: list  # per-layer specs; [] when every layer is a plain KVCache ([keys, values])
+    arrays: list  # per layer [mx.array, ...], in the order the spec's {"a": i} leaves name them
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes `write_encoded` needs, alignment padding included."""
+        return sum(_align(a.nbytes) for layer in self.arrays for a in layer)
+
+
+def is_plain_kv(cache: Sequence) -> bool:
+    return bool(cache) and all(type(c) is KVCache for c in cache)
+
+
+def encode_cache(cache: Sequence, with_meta: bool = False) -> EncodedCache:
+    """Describe `cache` for transfer. A list of plain KVCaches keeps the
+    KVHandoff format of old ([keys, values] per layer, no meta) unless
+    `with_meta` (snapshots always carry their meta). TypeError for a cache
+    class this file does not know (a model's own class: its state may hold
+    anything)."""
+    if not cache:
+        raise ValueError("cannot transfer an empty cache list")
+    if is_plain_kv(cache) and not with_meta:
+        _check_supported(cache)
+        return EncodedCache([], [list(_layer_arrays(c)) for c in cache])
+    meta, arrays = [], []
+    for i, c in enumerate(cache):
+        layer: list = []
+        meta.append(_encode_layer(c, layer, f"layer {i}"))
+        arrays.append(layer)
+    return EncodedCache(meta, arrays)
+
+
+def _encode_layer(c, arrays: list, where: str) -> dict:
+    cls = _STATE_CLASSES.get(type(c).__name__)
+    if cls is not type(c):  # exact class: a subclass may keep state elsewhere
+        raise TypeError(f"{where} is {type(c).__name__}, not an mlx_lm cache class that "
+                        f"state transfer knows ({', '.join(_STATE_CLASSES)})")
+    if cls is CacheList:
+        return {"cls": "CacheList",
+                "caches": [_encode_layer(sub, arrays, f"{where}.{j}") for j, sub in enumerate(c.caches)]}
+    return {"cls": cls.__name__, "state": _tree(_live_state(c), arrays, where)}
+
+
+def _live_state(c) -> list:
+    """`c.state`, minus a KV buffer's unused capacity (rows past `offset`,
+    grown 256 at a time). A RotatingKVCache has such rows only before its
+    window first fills, when `_idx == offset`: cutting there is what its
+    own keys_and_values() does, and it grows again on the next update."""
+    state = list(c.state)
+    if type(c) in (KVCache, RotatingKVCache) and c.keys is not None and c.offset < c.keys.shape[2]:
+        if type(c) is KVCache or c._idx == c.offset:
+            state[0] = c.keys[..., : c.offset, :]
+            state[1] = c.values[..., : c.offset, :]
+    return state
+
+
+def _tree(x, arrays: list, where: str):
+    if isinstance(x, mx.array):
+        arrays.append(x)
+        return {"a": len(arrays) - 1}
+    if isinstance(x, (list, tuple)):
+        return [_tree(v, arrays, where) for v in x]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    raise TypeError(f"{where}: its state holds a {type(x).__name__}, which cannot be transferred")
+
+
+def _untree(x, arrays: list):
+    if isinstance(x, dict):
+        i = x.get("a")
+        if set(x) != {"a"} or not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(arrays):
+            raise ValueError(f"bad array reference {x!r} in cache state")
+        return arrays[i]
+    if isinstance(x, list):
+        return [_untree(v, arrays) for v in x]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    raise ValueError(f"bad leaf {type(x).__name__} in cache state")
+
+
+def _decode_layer(spec, arrays: list):
+    name = spec.get("cls") if isinstance(spec, dict) else None
+    cls = _STATE_CLASSES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ValueError(f"unknown cache class in {spec!r:.80}")
+    if cls is CacheList:
+        subs = spec.get("caches")
+        if not isinstance(subs, list):
+            raise ValueError("CacheList spec without caches")
+        return CacheList(*[_decode_layer(sub, arrays) for sub in subs])
+    try:
+        return cls.from_state(_untree(spec.get("state"), arrays))
+    except (TypeError, ValueError) as exc:  # e.g. the wrong number of fields for the class
+        raise ValueError(f"cannot rebuild {name} from its state: {exc}") from None
+
+
+def cache_nbytes(cache: Sequence) -> int:
+    """Bytes `write_cache` needs for this cache (any kind)."""
+    return encode_cache(cache).nbytes
+
+
+def cache_dtype_name(cache: Sequence) -> str:
+    """The dtype of a cache's first floating-point array (KVHandoff.kv_dtype)."""
+    for layer in encode_cache(cache).arrays:
+        for a in layer:
+            name = _MX_TO_NAME.get(a.dtype)
+            if name is not None:
+                return name
+    return ""
+
+
+def write_cache(buf, base_offset: int, cache: Sequence) -> Tuple[List[List[ArenaSlice]], list]:
+    """Copy any mlx-lm cache list into `buf` (as write_kv does). Returns
+    (layers, meta) for KVHandoff.layers and KVHandoff.cache_meta; for plain
+    KV, meta is [] and layers are exactly write_kv's."""
+    enc = encode_cache(cache)
+    return write_encoded(buf, base_offset, enc), enc.meta
+
+
+def read_cache(buf, layers: Sequence, meta: Sequence) -> list:
+    """Rebuild what `write_cache` wrote: per-layer caches that own their
+    memory, evaluated, ready for BatchGenerator.insert / DecodeEngine.add."""
+    if not meta:
+        return read_kv(buf, layers)
+    if len(meta) != len(layers):
+        raise ValueError(f"{len(meta)} layer specs for {len(layers)} layers of slices")
+    mv = memoryview(buf).cast("B")
+    try:
+        arrays = [[_read_slice(mv, s) for s in layer] for layer in layers]
+    finally:
+        _release(mv)
+    mx.eval(arrays)
+    return [_decode_layer(spec, layer) for spec, layer in zip(meta, arrays)]
+
+
+# --------------------------------------------------------------------------- #
+# Snapshots: a whole cache state at one token boundary as one byte range
+# --------------------------------------------------------------------------- #
+#
+# For caches that cannot be cut into blocks, the prefix cache keeps the state
+# at one point of a prompt. The cache service sees one opaque entry, so the
+# entry describes itself:
+#
+#   [magic 8 B][header length u32 LE][header JSON][pad to ALIGN][arrays...]
+#
+# header = {"tokens": n, "layers": [spec, ...], "slices": per layer
+# [[offset from the data start, nbytes, dtype, shape], ...]}; each array
+# starts on an ALIGN boundary from the data start.
+
+SNAPSHOT_MAGIC = b"TDSNAP01"
+_SNAP_HEAD = struct.Struct("<8sI")
+_MAX_HEADER = 16 << 20  # a header is kilobytes; anything larger is garbage
+
+
+@dataclass
+class Snapshot:
+    """A cache's state at `tokens`, copied to host memory at that point (the
+    live cache goes on being updated in place by the chunks that follow)."""
+
+    tokens: int
+    header: bytes
+    arrays: list  # numpy copies (bfloat16 as its uint16 bits), in header order
+    data_offset: int  # where the arrays start, from the snapshot's start
+    nbytes: int  # the whole entry
+
+
+def capture_snapshot(cache: Sequence, tokens: int) -> Snapshot:
+    """Copy `cache` (holding exactly the first `tokens` tokens) to host memory."""
+    enc = encode_cache(cache, with_meta=True)
+    mx.eval(enc.arrays)
+    host, slices, pos = [], [], 0
+    for layer in enc.arrays:
+        out = []
+        for a in layer:
+            name = _STATE_NAMES.get(a.dtype)
+            if name is None:
+                raise ValueError(f"unsupported state dtype {a.dtype}")
+            host.append(np.array(_as_numpy(a)))  # the copy (contiguous)
+            out.append([pos, a.nbytes, name, list(a.shape)])
+            pos += _align(a.nbytes)
+        slices.append(out)
+    header = json.dumps({"tokens": int(tokens), "layers": enc.meta, "slices": slices},
+                        separators=(",", ":")).encode()
+    data = _align(_SNAP_HEAD.size + len(header))
+    return Snapshot(int(tokens), header, host, data, data + pos)
+
+
+def write_snapshot(buf, offset: int, snap: Snapshot) -> None:
+    """Copy a snapshot into `buf` at `offset` (snap.nbytes bytes)."""
+    mv = memoryview(buf).cast("B")
+    try:
+        if offset < 0 or offset + snap.nbytes > mv.nbytes:
+            raise ValueError(f"snapshot of {snap.nbytes} bytes at {offset} is outside the buffer "
+                             f"of {mv.nbytes} bytes")
+        _SNAP_HEAD.pack_into(mv, offset, SNAPSHOT_MAGIC, len(snap.header))
+        start = offset + _SNAP_HEAD.size
+        mv[start:start + len(snap.header)] = snap.header
+        pos = offset + snap.data_offset
+        for a in snap.arrays:
+            if a.size:
+                dst = np.frombuffer(mv, dtype=a.dtype, count=a.size, offset=pos)
+                dst[...] = a.reshape(-1)
+                del dst
+            pos += _align(a.nbytes)
+    finally:
+        _release(mv)
+
+
+def read_snapshot(buf, offset: int, nbytes: int) -> Tuple[list, int]:
+    """Rebuild the caches of the snapshot entry at `offset` (`nbytes` long).
+    Returns (caches, tokens they hold); they own their memory. ValueError for
+    anything that is not a whole, well-formed snapshot."""
+    mv = memoryview(buf).cast("B")
+    try:
+        if offset < 0 or nbytes < _SNAP_HEAD.size or offset + nbytes > mv.nbytes:
+            raise ValueError(f"snapshot at {offset} (+{nbytes}) is outside the buffer of {mv.nbytes} bytes")
+        magic, hlen = _SNAP_HEAD.unpack_from(mv, offset)
+        if magic != SNAPSHOT_MAGIC:
+            raise ValueError("not a snapshot (bad magic)")
+        if hlen > min(_MAX_HEADER, nbytes - _SNAP_HEAD.size):
+            raise ValueError(f"snapshot header of {hlen} bytes does not fit its {nbytes}-byte entry")
+        start = offset + _SNAP_HEAD.size
+        raw = bytes(mv[start:start + hlen])
+    finally:
+        _release(mv)
+    try:
+        header = json.loads(raw)
+        tokens, meta, slices = int(header["tokens"]), header["layers"], header["slices"]
+        data, end = offset + _align(_SNAP_HEAD.size + hlen), offset + nbytes
+        layers = [[ArenaSlice(offset=data + int(o), nbytes=int(nb), dtype=str(dt), shape=[int(d) for d in shape])
+                   for o, nb, dt, shape in layer] for layer in slices]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"bad snapshot header: {exc}") from None
+    if any(s.offset < data or s.offset + s.nbytes > end for layer in layers for s in layer):
+        raise ValueError("snapshot slice outside its entry")
+    if not meta or not isinstance(meta, list):
+        raise ValueError("snapshot without layers")
+    return read_cache(buf, layers, meta), tokens

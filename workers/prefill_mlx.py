@@ -20,6 +20,13 @@ blocks (at least one token is always computed: its logits give the first
 token) and computes only the rest. `save_prefix` then stores the prompt's
 full blocks that the cache lacks; the worker calls it after sending
 PrefillDone, so writing new blocks never delays the first token.
+
+With a snapshot cache (workers.prefix_cache.SnapshotCache: sliding-window and
+recurrent models) the first step resumes from the latest snapshot of a prefix
+of the prompt, if any; the chunks then stop at the prompt's snapshot point
+b (its last block boundary <= n-1), where the state is copied to host memory,
+and `save_prefix` stores that copy. The copy costs one memcpy of the state
+before the first token; storing it waits until after PrefillDone.
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ class PrefillJob:
         self.processed = 0  # prompt tokens already in the cache
         self.cached_tokens = 0  # of which loaded from the prefix cache
         self.cache = None  # made (or loaded from the prefix cache) by the first step
+        self.snapshot_at = 0  # snapshot caches: where to copy the state (0: nowhere)
+        self.snapshot = None  # that copy (workers.kv_transfer.Snapshot), for save_prefix
         self.result: Optional[PrefillResult] = None
         self._saved = False
         self._compute_s = 0.0
@@ -87,10 +96,14 @@ class PrefillJob:
             remaining = self.total - self.processed - 1  # all but the last token
             if remaining > 0:
                 n = min(chunk, remaining)
+                if self.snapshot_at > self.processed:  # a chunk ends at the snapshot point
+                    n = min(n, self.snapshot_at - self.processed)
                 model(self.prompt[None, self.processed : self.processed + n],
                       cache=self.cache)
                 mx.eval([c.state for c in self.cache])
                 self.processed += n
+                if self.processed == self.snapshot_at:
+                    self.snapshot = self.engine.prefix.capture(self.cache, self.processed)
             if self.total - self.processed == 1:
                 self.result = self._finish()
         self._compute_s += time.perf_counter() - tic
@@ -100,7 +113,15 @@ class PrefillJob:
 
     def _load_prefix(self) -> None:
         prefix = self.engine.prefix
-        if prefix is not None:
+        if prefix is not None and getattr(prefix, "kind", "blocks") == "snapshot":
+            self.snapshot_at = prefix.snapshot_point(self.total)
+            cache, hit = prefix.fetch(self.tokens, self.owner)
+            if cache is not None:
+                self.cache, self.processed, self.cached_tokens = cache, hit, hit
+                if hit >= self.snapshot_at:  # this very snapshot: nothing new to store
+                    self.snapshot_at = 0
+                return
+        elif prefix is not None:
             # (n-1)//bs: the last prompt token is never cached here, it must
             # run to give the first token's logits.
             cache, hit = prefix.fetch(self.tokens, (self.total - 1) // prefix.block_size, self.owner)
@@ -111,12 +132,16 @@ class PrefillJob:
         self.cache = make_prompt_cache(self.engine.model)
 
     def save_prefix(self) -> int:
-        """Store the prompt's full blocks that the prefix cache lacks (once,
-        after the result). Returns the blocks written; 0 without a cache."""
+        """Store the prompt's full blocks that the prefix cache lacks, or its
+        snapshot (once, after the result). Returns the blocks (snapshots)
+        written; 0 without a cache."""
         prefix = self.engine.prefix
         if prefix is None or self.result is None or self._saved:
             return 0
         self._saved = True
+        if getattr(prefix, "kind", "blocks") == "snapshot":
+            snapshot, self.snapshot = self.snapshot, None  # host memory: drop it once stored
+            return prefix.store(self.tokens, snapshot, self.owner)
         return prefix.store(self.tokens, self.result.cache, self.owner)
 
     def _finish(self) -> PrefillResult:

@@ -2,12 +2,18 @@
 prompt's KV blocks in the cache service, read them from the arena; store the
 full blocks of a prompt (or of a finished conversation) with a two-phase put.
 
+Models whose cache cannot be cut into blocks (sliding window, recurrent) get
+`SnapshotCache` instead: the whole cache state at one block boundary of a
+prompt, stored as one entry and reused only when a later prompt starts with
+exactly those tokens (DESIGN.md, "Cache kinds").
+
 Everything here is an optimisation: a cache service that is slow, full or gone
 costs reuse, never a request.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -17,7 +23,8 @@ from mlx_lm.models.cache import KVCache
 
 from cache_service.client import CacheUnavailable
 from workers.block_hash import BlockHasher, block_extra, model_fingerprint
-from workers.kv_transfer import KVLayout, probe_kv_layout, read_blocks, write_blocks
+from workers.kv_transfer import (KVLayout, Snapshot, cache_dtype_name, capture_snapshot, probe_kv_layout,
+                                 read_blocks, read_snapshot, unblockable_reason, write_blocks, write_snapshot)
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +35,49 @@ class PrefixStats:
     hit_blocks: int = 0  # blocks read from the cache
     stored_blocks: int = 0  # blocks this worker wrote and committed
     failures: int = 0  # calls that failed or were refused (requests went on without reuse)
+    hit_snapshots: int = 0  # snapshots read (SnapshotCache)
+    stored_snapshots: int = 0  # snapshots written and committed (SnapshotCache)
 
 
-class PrefixCache:
+class _ServiceUser:
+    """What both caches share: the client, back-off after a missed deadline,
+    lease release. Used on the worker's MLX thread only."""
+
+    kind = ""
+
+    def __init__(self, client, arena_buf: Callable[[str], object], hasher: BlockHasher, *,
+                 lease_s: float = 30.0, ttl_s: float = 30.0, retry_after_s: float = 10.0):
+        self.client = client  # lookup / release / reserve / commit (cache_service.client.CacheClient)
+        self.arena_buf = arena_buf  # arena name -> its writable buffer
+        self.hasher = hasher
+        self.lease_s = lease_s
+        self.ttl_s = ttl_s
+        self.retry_after_s = retry_after_s
+        self.stats = PrefixStats()
+        self._skip_until = 0.0
+
+    @property
+    def block_size(self) -> int:
+        return self.hasher.block_size
+
+    def _release(self, lease: int) -> None:
+        if lease is None or lease < 0:
+            return
+        try:
+            self.client.release(lease)
+        except CacheUnavailable as exc:  # the lease expires by itself
+            self._unavailable(exc)
+
+    def _available(self) -> bool:
+        return time.monotonic() >= self._skip_until
+
+    def _unavailable(self, exc: Exception) -> None:
+        self.stats.failures += 1
+        self._skip_until = time.monotonic() + self.retry_after_s
+        log.warning("prefix cache skipped for %.0f s: %s", self.retry_after_s, exc)
+
+
+class PrefixCache(_ServiceUser):
     """Reads and writes prefix-cache blocks through the cache service.
 
     fetch: hashes -> lookup (leased) -> read_blocks -> release at once.
@@ -44,24 +91,14 @@ class PrefixCache:
     One per worker process, used on its MLX thread only.
     """
 
+    kind = "blocks"
+
     def __init__(self, client, arena_buf: Callable[[str], object], hasher: BlockHasher,
-                 layout: KVLayout, *, lease_s: float = 30.0, ttl_s: float = 30.0,
-                 retry_after_s: float = 10.0):
+                 layout: KVLayout, **kw):
         if hasher.block_size != layout.block_size:
             raise ValueError("hasher and layout disagree on the block size")
-        self.client = client  # lookup / release / reserve / commit (cache_service.client.CacheClient)
-        self.arena_buf = arena_buf  # arena name -> its writable buffer
-        self.hasher = hasher
+        super().__init__(client, arena_buf, hasher, **kw)
         self.layout = layout
-        self.lease_s = lease_s
-        self.ttl_s = ttl_s
-        self.retry_after_s = retry_after_s
-        self.stats = PrefixStats()
-        self._skip_until = 0.0
-
-    @property
-    def block_size(self) -> int:
-        return self.layout.block_size
 
     # ----------------------------------------------------------------- fetch
     def fetch(self, tokens: Sequence[int], max_blocks: int, owner: str) -> Tuple[Optional[List[KVCache]], int]:
@@ -116,14 +153,6 @@ class PrefixCache:
                 break
             refs.append(ref)
         return refs
-
-    def _release(self, lease: int) -> None:
-        if lease is None or lease < 0:
-            return
-        try:
-            self.client.release(lease)
-        except CacheUnavailable as exc:  # the lease expires by itself
-            self._unavailable(exc)
 
     # ----------------------------------------------------------------- store
     def store(self, tokens: Sequence[int], cache: Sequence, owner: str) -> int:
@@ -182,15 +211,6 @@ class PrefixCache:
                   len(todo) * nbytes, (time.perf_counter() - t0) * 1000)
         return done
 
-    # ------------------------------------------------------------ back-off
-    def _available(self) -> bool:
-        return time.monotonic() >= self._skip_until
-
-    def _unavailable(self, exc: Exception) -> None:
-        self.stats.failures += 1
-        self._skip_until = time.monotonic() + self.retry_after_s
-        log.warning("prefix cache skipped for %.0f s: %s", self.retry_after_s, exc)
-
 
 def _consecutive_runs(indexed: list) -> List[list]:
     """[(block index, ref), ...] sorted -> runs of consecutive block indices."""
@@ -203,23 +223,204 @@ def _consecutive_runs(indexed: list) -> List[list]:
     return runs
 
 
+# Keys of snapshots: derived from the chained block hash at the snapshot
+# point, so a snapshot names its whole prefix (exact match only) and never
+# collides with a block's key. Bump the version when the snapshot format
+# (workers.kv_transfer) changes: old entries then simply stop matching.
+SNAPSHOT_KEY_VERSION = b"tandem-snapshot-v1"
+# Candidate boundaries a prompt asks about, longest first. Each costs one
+# round trip to the cache service (~0.1 ms), paid in full by every prompt
+# that misses; 64 bounds that to a few ms and still reaches a snapshot up to
+# 64 blocks (1024 tokens at 16-token blocks) before the prompt's own last
+# boundary: the previous turn's prompt behind its answer and a new message.
+MAX_SNAPSHOT_LOOKUPS = 64
+
+
+def snapshot_key(block_hash: bytes) -> bytes:
+    return hashlib.sha256(SNAPSHOT_KEY_VERSION + block_hash).digest()
+
+
+class SnapshotCache(_ServiceUser):
+    """Whole-cache snapshots for models whose cache cannot be cut into blocks.
+
+    Prefill makes the prompt's last block boundary b <= n-1 (at least one
+    token must run to give the first token's logits) a chunk boundary,
+    copies the cache state there (`capture`) and, after PrefillDone, stores
+    it as ONE cache-service entry keyed by snapshot_key(h_b) (`store`: reserve
+    -> write -> commit). A new prompt asks for its boundaries from the longest
+    down (`fetch`: one single-hash KVLookup each, at most `max_lookups`) and
+    resumes from the first snapshot found: its state is exactly that of the
+    first b tokens, because the chained hash names all of them.
+    Decode stores nothing (see workers.decode).
+    """
+
+    kind = "snapshot"
+
+    def __init__(self, client, arena_buf: Callable[[str], object], hasher: BlockHasher,
+                 layer_classes: Sequence[str], *, max_lookups: int = MAX_SNAPSHOT_LOOKUPS, **kw):
+        super().__init__(client, arena_buf, hasher, **kw)
+        self.layer_classes = list(layer_classes)  # what make_prompt_cache gives: a snapshot must match
+        self.max_lookups = max(1, int(max_lookups))
+
+    def snapshot_point(self, n_tokens: int) -> int:
+        """The boundary a prompt of `n_tokens` is snapshotted at (0: none)."""
+        return (n_tokens - 1) // self.block_size * self.block_size if n_tokens > 0 else 0
+
+    def capture(self, cache: Sequence, tokens: int) -> Optional[Snapshot]:
+        """Copy the live cache (holding exactly `tokens` tokens) for `store`;
+        None (logged) if it cannot be copied."""
+        try:
+            return capture_snapshot(cache, tokens)
+        except Exception:  # noqa: BLE001 - an optimisation never fails the request
+            self.stats.failures += 1
+            log.warning("snapshot of %d tokens failed; not stored", tokens, exc_info=True)
+            return None
+
+    # ----------------------------------------------------------------- fetch
+    def fetch(self, tokens: Sequence[int], owner: str) -> Tuple[Optional[list], int]:
+        """The latest snapshot of a prefix of `tokens` ending at or before
+        snapshot_point(len(tokens)): (per-layer caches, tokens they hold) or
+        (None, 0)."""
+        try:
+            return self._fetch(tokens, owner)
+        except Exception:  # noqa: BLE001 - an optimisation never fails the request
+            self.stats.failures += 1
+            log.warning("snapshot lookup for %s failed; computing the whole prompt", owner, exc_info=True)
+            return None, 0
+
+    def _fetch(self, tokens, owner):
+        point = self.snapshot_point(len(tokens))
+        if point == 0 or not self._available():
+            return None, 0
+        t0 = time.perf_counter()
+        hashes = self.hasher.hashes(tokens, point // self.block_size)
+        for k in range(len(hashes), max(0, len(hashes) - self.max_lookups), -1):
+            key = snapshot_key(hashes[k - 1])
+            self.stats.lookups += 1
+            try:
+                reply = self.client.lookup([key], owner, lease_s=self.lease_s)
+            except CacheUnavailable as exc:
+                self._unavailable(exc)
+                return None, 0
+            if not reply.ok:
+                self.stats.failures += 1
+                log.warning("snapshot lookup for %s refused: %s", owner, reply.error)
+                return None, 0
+            if not reply.blocks:
+                self._release(reply.lease)  # -1 from the real service: no call
+                continue
+            try:
+                ref = reply.blocks[0]
+                if bytes(ref.hash) != key:
+                    raise ValueError("lookup answered with another key")
+                cache, held = read_snapshot(self.arena_buf(reply.arena), ref.offset, ref.nbytes)
+            finally:
+                # read_snapshot returned evaluated copies: the entry may go now.
+                self._release(reply.lease)
+            self._check(cache, held, k * self.block_size)
+            self.stats.hit_snapshots += 1
+            log.debug("snapshot hit %s: %d of %d tokens (%d bytes, %d lookups) in %.2f ms", owner, held,
+                      len(tokens), ref.nbytes, len(hashes) - k + 1, (time.perf_counter() - t0) * 1000)
+            return cache, held
+        return None, 0
+
+    def _check(self, cache: list, held: int, expect: int) -> None:
+        """A snapshot whose key matched but whose content does not fit this
+        model (a bug, never a request's fault) is not used."""
+        if held != expect:
+            raise ValueError(f"snapshot holds {held} tokens, its key says {expect}")
+        classes = [type(c).__name__ for c in cache]
+        if classes != self.layer_classes:
+            raise ValueError(f"snapshot layers {classes} do not match the model's {self.layer_classes}")
+
+    # ----------------------------------------------------------------- store
+    def store(self, tokens: Sequence[int], snapshot: Optional[Snapshot], owner: str) -> int:
+        """Commit `snapshot` (the state of the first snapshot.tokens of
+        `tokens`) unless the cache service has it. Returns 1 if written."""
+        if snapshot is None:
+            return 0
+        try:
+            return self._store(tokens, snapshot, owner)
+        except Exception:  # noqa: BLE001 - an optimisation never fails the request
+            self.stats.failures += 1
+            log.warning("snapshot store for %s failed", owner, exc_info=True)
+            return 0
+
+    def _store(self, tokens, snapshot: Snapshot, owner):
+        k, rest = divmod(snapshot.tokens, self.block_size)
+        if k == 0 or rest or snapshot.tokens > len(tokens) or not self._available():
+            return 0
+        t0 = time.perf_counter()
+        key = snapshot_key(self.hasher.hashes(tokens, k)[-1])
+        try:
+            reply = self.client.reserve([key], snapshot.nbytes, owner, ttl_s=self.ttl_s)
+        except CacheUnavailable as exc:
+            self._unavailable(exc)
+            return 0
+        if not reply.ok:  # e.g. larger than the arena's free + evictable space
+            self.stats.failures += 1
+            log.debug("snapshot reserve for %s (%d bytes) refused: %s", owner, snapshot.nbytes, reply.error)
+            return 0
+        refs = [r for r in reply.blocks if bytes(r.hash) == key]
+        if not refs:  # cached already, or another writer has it in flight
+            return 0
+        try:
+            if refs[0].nbytes < snapshot.nbytes:
+                raise ValueError(f"reserved {refs[0].nbytes} bytes for a {snapshot.nbytes}-byte snapshot")
+            write_snapshot(self.arena_buf(reply.arena), refs[0].offset, snapshot)
+            ack = self.client.commit([key], owner=owner)
+        except CacheUnavailable as exc:  # (other failures: store() logs; the reservation expires)
+            self._unavailable(exc)
+            return 0
+        if not ack.ok:
+            self.stats.failures += 1
+            log.warning("snapshot commit for %s refused: %s", owner, ack.error)
+            return 0
+        done = int(ack.stats.get("committed", 1))
+        self.stats.stored_snapshots += done
+        log.debug("snapshot store %s: %d tokens, %d bytes in %.2f ms", owner, snapshot.tokens,
+                  snapshot.nbytes, (time.perf_counter() - t0) * 1000)
+        return done
+
+
 def make_prefix_cache(model, model_dir: str, block_size: int, client,
-                      arena_buf: Callable[[str], object], **kw) -> Optional[PrefixCache]:
-    """The prefix cache for this model, or None (logged once, with the reason)
-    when its cache cannot be cut into blocks. Caches of that kind (sliding
-    window, recurrent) need snapshots reused on exact prefix matches instead:
-    a later step."""
+                      arena_buf: Callable[[str], object], **kw):
+    """The prefix cache for this model: a PrefixCache (KV blocks) when its
+    cache is plain attention KV, a SnapshotCache when it is not (sliding
+    window, recurrent), or None (logged once, with the reason) when caching
+    is off or the model's cache cannot be transferred at all."""
     if block_size < 1:
         log.info("prefix caching off: block size %d", block_size)
         return None
     if not all(hasattr(client, m) for m in ("lookup", "release", "reserve", "commit")):
         log.warning("prefix caching off: this cache client has no prefix-cache calls")
         return None
-    try:
-        layout = probe_kv_layout(model, block_size)
-    except TypeError as exc:
-        log.info("prefix caching off for this model: %s (no block reuse; snapshots are not built yet)", exc)
-        return None
+    from mlx_lm.models.cache import make_prompt_cache
+
+    reason = unblockable_reason(make_prompt_cache(model))
+    if reason is not None:
+        return _make_snapshot_cache(model, model_dir, block_size, client, arena_buf, reason, **kw)
+    layout = probe_kv_layout(model, block_size)
     hasher = BlockHasher(block_extra(model_fingerprint(model_dir), layout.dtype, block_size), block_size)
     log.info("prefix cache: %d-token blocks of %d bytes (%s KV)", block_size, layout.block_nbytes, layout.dtype)
     return PrefixCache(client, arena_buf, hasher, layout, **kw)
+
+
+def _make_snapshot_cache(model, model_dir, block_size, client, arena_buf, reason, **kw):
+    """Probe the model with one token (its state dtype keys the hashes; a
+    cache that cannot be snapshotted shows here, not in a request)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    log.info("prefix cache: no block reuse for this model (%s); snapshots at %d-token boundaries instead",
+             reason, block_size)
+    try:
+        cache = make_prompt_cache(model)
+        model(mx.array([[0]], dtype=mx.int32), cache=cache)
+        capture_snapshot(cache, 1)
+        dtype = cache_dtype_name(cache)
+    except Exception as exc:  # noqa: BLE001 - any model we cannot snapshot just runs uncached
+        log.info("prefix caching off for this model: %s (%s: %s)", reason, type(exc).__name__, exc)
+        return None
+    hasher = BlockHasher(block_extra(model_fingerprint(model_dir), f"snapshot-{dtype}", block_size), block_size)
+    return SnapshotCache(client, arena_buf, hasher, [type(c).__name__ for c in cache], **kw)

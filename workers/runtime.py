@@ -62,7 +62,7 @@ class Worker:
         self.outbox: Outbox | None = None
         self.cache: CacheClient | None = None
         self.prefix_client: CacheClient | None = None
-        self.prefix = None  # workers.prefix_cache.PrefixCache, None when the model's cache cannot be blocked
+        self.prefix = None  # workers.prefix_cache.PrefixCache or SnapshotCache; None when caching is off
         self.arenas = ArenaAttachment()  # re-attaches when a restarted cache service has a new arena
         self.prefill = None
         self.decode = None
@@ -191,26 +191,29 @@ class Worker:
 
     def hand_off(self, req: PrefillRequest, result) -> KVHandoff:
         """Put the prompt's KV where the decode worker will find it."""
-        from workers.kv_transfer import kv_dtype_name, kv_nbytes, write_kv
+        from workers.kv_transfer import cache_dtype_name, encode_cache, write_encoded
 
         if req.decode_worker == self.worker_id and self.decode is not None:
             self.local_kv[req.request_id] = result.cache
             return KVHandoff(req.request_id, result.num_tokens, result.rope_offset, local=True)
         t0 = time.perf_counter()
-        nbytes = kv_nbytes(result.cache)
+        # Any mlx-lm cache: plain KV as [keys, values] per layer (no meta),
+        # sliding-window / recurrent layers as class + state (cache_meta).
+        enc = encode_cache(result.cache)
+        nbytes = enc.nbytes
         reply = self.cache.alloc(nbytes, owner=req.request_id, ttl_s=HANDOFF_TTL_S)
         if not reply.ok:
             raise CacheUnavailable(f"KV handoff of {nbytes} bytes refused: {reply.error}")
-        layers = write_kv(self.arenas.get(reply.arena).buf, reply.offset, result.cache)
+        layers = write_encoded(self.arenas.get(reply.arena).buf, reply.offset, enc)
         write_ms = (time.perf_counter() - t0) * 1000
         log.debug("handoff %s: wrote %d bytes in %.2f ms", req.request_id, nbytes, write_ms)
         return KVHandoff(req.request_id, result.num_tokens, result.rope_offset, arena=reply.arena,
-                         allocation=reply.allocation, layers=layers, kv_dtype=kv_dtype_name(result.cache),
-                         bytes_moved=nbytes, write_ms=write_ms)
+                         allocation=reply.allocation, layers=layers, kv_dtype=cache_dtype_name(result.cache),
+                         bytes_moved=nbytes, write_ms=write_ms, cache_meta=enc.meta)
 
     # ------------------------------------------------------------- decode --
     def start_decode(self, req: DecodeRequest) -> None:
-        from workers.kv_transfer import read_kv
+        from workers.kv_transfer import read_cache
 
         h = req.handoff
         if h.local:
@@ -219,7 +222,7 @@ class Worker:
                 raise RuntimeError("colocated KV for this request is gone (cancelled or never prefilled here)")
         else:
             t0 = time.perf_counter()
-            cache = read_kv(self.arenas.get(h.arena).buf, h.layers)
+            cache = read_cache(self.arenas.get(h.arena).buf, h.layers, h.cache_meta)
             # The arena slot is free to reuse once the KV is ours.
             self.cache.free(allocations=[h.allocation], arena=h.arena)
             log.debug("handoff %s: read %d bytes in %.2f ms (write took %.2f ms)", req.request_id,
