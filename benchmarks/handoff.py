@@ -17,12 +17,10 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.loadgen import chat_body, stream_once  # noqa: E402
 from tests.server_harness import TandemServer  # noqa: E402
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
@@ -35,21 +33,13 @@ def prompt_of(n_words: int, salt: int) -> str:
 
 
 def timed_stream(base_url: str, content: str) -> tuple[float, float, int]:
-    body = {"model": "default", "messages": [{"role": "user", "content": content}], "max_tokens": 3,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    marks, prompt_tokens = [], 0
-    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=300) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                prompt_tokens = chunk["usage"]["prompt_tokens"]
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content") is not None:
-                marks.append(time.perf_counter() - t0)
-    return marks[0], marks[1] if len(marks) > 1 else float("nan"), prompt_tokens
+    """(time to first token, time to second token, prompt tokens) of one streamed chat."""
+    body = chat_body("default", [{"role": "user", "content": content}], max_tokens=3)
+    r = stream_once(base_url, body, timeout=300)
+    if not r.ok:
+        raise RuntimeError(f"request failed: {r.status} {r.error}")
+    second = r.chunk_times[1] if len(r.chunk_times) > 1 else float("nan")
+    return r.ttft, second, r.prompt_tokens or 0
 
 
 def handoff_log(log: str) -> tuple[list[int], list[float], list[float]]:

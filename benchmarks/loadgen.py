@@ -114,6 +114,16 @@ async def _read_sse(r: httpx.Response, res: RequestResult, t0: float, first_toke
     res.text = "".join(pieces)
 
 
+def stream_once(base_url: str, body: dict, timeout: float) -> RequestResult:
+    """One streamed chat from synchronous code (the single-request benchmarks)."""
+
+    async def one() -> RequestResult:
+        async with httpx.AsyncClient() as client:
+            return await stream_chat(client, base_url, body, timeout)
+
+    return asyncio.run(one())
+
+
 def _retry_after(value: str | None) -> float | None:
     try:
         return float(value) if value is not None else None

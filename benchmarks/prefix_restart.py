@@ -17,33 +17,20 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.loadgen import chat_body, stream_once  # noqa: E402
 from benchmarks.workloads import system_prompt  # noqa: E402
 from tests.server_harness import TandemServer  # noqa: E402
 
 
 def ttft(base_url: str, messages: list) -> tuple[float, int, int]:
-    body = {"model": "default", "messages": messages, "max_tokens": 2, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first, usage = None, {}
-    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=300) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content") is not None:
-                first = time.perf_counter() - t0
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return first, usage.get("prompt_tokens", 0), cached
+    """(time to first token, prompt tokens, cached tokens) of one streamed chat."""
+    r = stream_once(base_url, chat_body("default", messages, max_tokens=2), timeout=300)
+    if not r.ok:
+        raise RuntimeError(f"request failed: {r.status} {r.error}")
+    return r.ttft, r.prompt_tokens or 0, r.cached_tokens or 0
 
 
 def main() -> None:
