@@ -281,6 +281,7 @@ async def swarm(target: Target, cfg: WorkloadConfig, metrics_url: str | None = N
     before = await scrape_prompt_counters(metrics_url) if metrics_url else None
     progress = Progress(f"{target.name} swarm", cfg.agents * cfg.turns)
     results: list[RequestResult] = []
+    per_turn: list[dict] = []  # (agent, turn) rows, to see which turns computed what
     rejected = 0
 
     async def agent(k: int, client) -> None:
@@ -295,6 +296,9 @@ async def swarm(target: Target, cfg: WorkloadConfig, metrics_url: str | None = N
                 rejected += 1
                 await asyncio.sleep(min(5.0, r.retry_after or 0.5))
             results.append(r)
+            per_turn.append({"agent": k, "turn": t, "status": r.status, "prompt_tokens": r.prompt_tokens,
+                             "cached_tokens": r.cached_tokens, "ttft_s": r.ttft, "latency_s": r.latency,
+                             "sent_s": r.sent_at - t0})
             progress.update(r)
             if not r.ok:
                 return
@@ -321,6 +325,7 @@ async def swarm(target: Target, cfg: WorkloadConfig, metrics_url: str | None = N
         "cached_tokens": sum(r.cached_tokens for r in reported) if reported else None,
         "computed_prompt_tokens": prompt_tokens - sum(r.cached_tokens for r in reported) if reported else None,
         "computed_source": "usage.cached_tokens" if reported else "not reported",
+        "per_turn": sorted(per_turn, key=lambda row: (row["agent"], row["turn"])),
     }
     if before and after:
         # The server's own count, which also sees requests that failed midway.

@@ -42,3 +42,17 @@ def reexec_with_openblas() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, argv, env)
+
+
+def share_cores(mlx_processes: int) -> int | None:
+    """Give each MLX worker process an equal share of the cores for OpenBLAS
+    (set before they start; they inherit it). OpenBLAS sizes its thread pool
+    to every core and its idle threads spin, so two workers with a pool each
+    on a 2-core machine fight over the cores: one thread each made the swarm
+    benchmark 1.4x faster end to end (BENCHMARKS.md). Returns the threads
+    set, or None where nothing was changed (the user chose, or no OpenBLAS)."""
+    if "OPENBLAS_NUM_THREADS" in os.environ or openblas_path() is None or mlx_processes < 1:
+        return None
+    threads = max(1, (os.cpu_count() or 1) // mlx_processes)
+    os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
+    return threads

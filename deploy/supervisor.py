@@ -106,6 +106,12 @@ class Supervisor:
         """Start everything, keep it alive until asked to stop. Returns an exit code."""
         os.makedirs(self.settings.run_dir, exist_ok=True)
         self._plan()
+        from deploy.blas import share_cores
+
+        workers = sum(1 for c in self.children if c.target == "workers.runtime:run")
+        threads = share_cores(workers)
+        if threads is not None:
+            log.info("OpenBLAS: %d thread(s) for each of %d worker processes", threads, workers)
         for child in self.children:
             self._spawn(child)
         log.info("tandem serving %s on http://%s:%d (run dir %s)", self.settings.model_id, self.settings.host,

@@ -54,6 +54,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import ArraysCache, CacheList
 
 from protos.messages import DecodeRequest, TokenUpdate
+from workers import ragged_kv
 from workers.sampling import GREEDY_SAMPLER, build_sampling, token_logprob, wants_logprobs
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,13 @@ class DecodeEngine:
     def __init__(self, model, max_batch: int = 32, eos_token_ids: Iterable[int] = (), prefix=None):
         self.model = model
         self.max_batch = max_batch
+        # Rows keep their own KV (workers/ragged_kv.py): joining and leaving the
+        # batch copy nothing. Models whose attention cannot take it batch the
+        # mlx-lm way (one padded BatchKVCache).
+        self.ragged = ragged_kv.install(model)
+        # Rows whose prompts start alike (a swarm's system prompt) share that
+        # prefix's KV: read once per step, held once.
+        self.sharing = ragged_kv.PrefixSharing() if self.ragged else None
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         # Only block caches take a finished conversation (see the module doc).
         self.prefix = prefix if getattr(prefix, "kind", "blocks") == "blocks" else None
@@ -149,7 +157,13 @@ class DecodeEngine:
             raise ValueError(f"request {rid!r}: max_tokens already reached; "
                              "the caller must finish it (never send it to decode)")
         _check_cache(cache, request)
-        self._queue.append(_Queued(request, list(cache), stop_ids))
+        # M-RoPE prompts (Qwen-VL) leave the next rope position away from the
+        # token count; only ragged rows carry a position of their own.
+        shift = request.handoff.rope_offset - request.handoff.num_tokens
+        if shift and not self.ragged:
+            raise NotImplementedError(f"request {rid!r}: rope offset != token count needs ragged decode rows")
+        cache = ragged_kv.rows_of(cache, shift) if self.ragged else list(cache)
+        self._queue.append(_Queued(request, cache, stop_ids))
 
     def cancel(self, request_id: str, save: bool = True) -> bool:
         """Drop a request now (queued or running); frees its KV. False if unknown.
@@ -158,6 +172,8 @@ class DecodeEngine:
         uid = self._uid_of.pop(request_id, None)
         if uid is not None:
             live = self._live.pop(uid)
+            if self.sharing is not None:
+                self.sharing.leave(request_id)
             keep = save and live.cacheable and self.prefix is not None
             # remove() filters the batch: its KV rows are gone; extracted
             # first (lazily, a copy only if committed) when we keep them.
@@ -193,6 +209,8 @@ class DecodeEngine:
             if r.finish_reason is not None:
                 del self._live[r.uid]
                 del self._uid_of[live.request_id]
+                if self.sharing is not None:
+                    self.sharing.leave(live.request_id)
                 if self.prefix is not None and live.cacheable and r.prompt_cache:
                     self._to_commit.append((live.request_id, list(r.all_tokens), r.prompt_cache))
         return updates
@@ -238,6 +256,8 @@ class DecodeEngine:
                 stop_sequences=[StopSequences([[t] for t in q.stop_ids])],
             )
             cacheable = len(req.prompt_tokens) == req.handoff.num_tokens
+            if self.sharing is not None and cacheable and req.handoff.rope_offset == req.handoff.num_tokens:
+                self.sharing.admit(req.request_id, req.prompt_tokens, q.cache)
             self._live[uid] = _Live(req.request_id, uid, wants_logprobs(sp),
                                     int(sp.top_logprobs), cacheable)
             self._uid_of[req.request_id] = uid
@@ -253,10 +273,6 @@ def _check_cache(cache: list, request: DecodeRequest) -> None:
         raise ValueError(f"request {request.request_id!r}: empty cache")
     for i, c in enumerate(cache):
         _check_layer(c, f"layer {i}", request.handoff.num_tokens)
-    # Plain rope: the next position is the token count. M-RoPE models (rope
-    # offset != token count) need a cache that carries the offset separately.
-    if request.handoff.rope_offset != request.handoff.num_tokens:
-        raise NotImplementedError("rope_offset != num_tokens (M-RoPE) is not supported yet")
 
 
 def _check_layer(c, where: str, num_tokens: int) -> None:

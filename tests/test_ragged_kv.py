@@ -1,0 +1,133 @@
+"""Ragged decode batches (workers/ragged_kv.py): rows keep their own KV, rows
+with a common prompt prefix share one copy of it, and greedy output stays
+token-identical to mlx-lm's generate_step."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx import nn
+from mlx_lm.models.cache import KVCache
+
+from workers import ragged_kv
+from workers.decode import DecodeEngine
+
+try:
+    from tests.test_engines import drive, greedy, model, prompt_of, reference
+except ImportError:  # pragma: no cover
+    from test_engines import drive, greedy, model, prompt_of, reference  # noqa: F401
+
+
+def shared_prompts(n: int, prefix_len: int, seed: int = 0):
+    prefix = prompt_of(prefix_len, seed)
+    return [prefix + prompt_of(5 + 9 * i, 100 + i) for i in range(n)]
+
+
+def test_decode_engine_uses_ragged_rows(model):
+    assert DecodeEngine(model, 4).ragged
+
+
+def test_rows_with_a_common_prefix_share_it_and_match_mlx_lm(model):
+    prompts = shared_prompts(6, 300)
+    jobs = [(f"r{i}", [0, 0, 1, 3, 3, 6][i], p, greedy(10 + 3 * i)) for i, p in enumerate(prompts)]
+    seen = {"saved": 0, "groups": 0}
+
+    def observe(step, decode):
+        seen["saved"] = max(seen["saved"], decode.sharing.saved_tokens)
+        seen["groups"] = decode.sharing.groups_formed
+
+    outs = drive(model, jobs, max_batch=8, transport="shm", observe=observe)
+    for rid, _, prompt, sp in jobs:
+        assert outs[rid].tokens == reference(model, prompt, sp.max_tokens).tokens, rid
+    # One group: the first two rows formed it, the other four joined it.
+    assert seen["groups"] == 1
+    assert seen["saved"] >= 300 * 4  # at least five rows shared the 300 tokens at once
+
+
+def test_rows_with_short_common_prefixes_do_not_share(model):
+    prompts = shared_prompts(3, 100)  # below PrefixSharing's 256-token minimum
+    jobs = [(f"r{i}", 0, p, greedy(8)) for i, p in enumerate(prompts)]
+    seen = []
+    outs = drive(model, jobs, observe=lambda step, d: seen.append(d.sharing.groups_formed))
+    assert max(seen) == 0
+    for rid, _, prompt, sp in jobs:
+        assert outs[rid].tokens == reference(model, prompt, sp.max_tokens).tokens
+
+
+def filled(model, length: int, seed: int) -> list:
+    """A per-layer KVCache of `length` tokens of random KV (batch 1)."""
+    attn = model.layers[0].self_attn
+    h = attn.n_kv_heads
+    d = attn.k_proj.weight.shape[0] // h
+    cache = [KVCache() for _ in model.layers]
+    rng = np.random.default_rng(seed)
+    for layer in cache:
+        k = mx.array(rng.standard_normal((1, h, length, d)).astype(np.float32))
+        layer.update_and_fetch(k, k + 1)
+    return cache
+
+
+def test_joining_and_leaving_move_no_kv(model):
+    caches = [ragged_kv.rows_of(filled(model, 20 + i, i)) for i in range(3)]
+    batch = type(caches[0][0]).merge([c[0] for c in caches])
+    rows = list(batch.rows)
+    assert [r.keys for r in rows] == [c[0].keys for c in caches] or all(
+        r.keys is c[0].keys for r, c in zip(rows, caches))
+    more = type(caches[0][0]).merge([ragged_kv.rows_of(filled(model, 7, 9))[0]])
+    batch.extend(more)
+    batch.filter([0, 3])
+    assert batch.rows[0] is rows[0] and batch.rows[1] is more.rows[0]
+    assert batch.offset.tolist() == [20, 7]
+
+
+def test_sharing_keeps_every_rows_kv(model):
+    base = filled(model, 300, 0)
+    tail = filled(model, 40, 1)
+    # Two requests whose first 300 tokens (and so their KV) are equal.
+    a = [KVCache() for _ in base]
+    b = [KVCache() for _ in base]
+    for la, lb, l0, l1 in zip(a, b, base, tail):
+        la.update_and_fetch(l0.keys[..., :300, :], l0.values[..., :300, :])
+        lb.update_and_fetch(mx.concatenate([l0.keys[..., :300, :], l1.keys[..., :40, :]], axis=2),
+                            mx.concatenate([l0.values[..., :300, :], l1.values[..., :40, :]], axis=2))
+    tokens = list(range(300))
+    sharing = ragged_kv.PrefixSharing(min_tokens=256)
+    ra, rb = ragged_kv.rows_of(a), ragged_kv.rows_of(b)
+    assert sharing.admit("a", tokens + [7] * 5, ra) == 0
+    assert sharing.admit("b", tokens + [8] * 40, rb) == 300
+    assert sharing.saved_tokens == 300
+    batch = type(ra[0]).merge([ra[0], rb[0]])
+    assert batch.rows[0].prefix is batch.rows[1].prefix
+    for i, source in enumerate((a, b)):
+        got = batch.extract(i)
+        assert got.offset == source[0].offset
+        assert mx.array_equal(got.keys, source[0].keys[..., : source[0].offset, :])
+    sharing.leave("b")
+    assert sharing.saved_tokens == 0
+
+
+def test_rope_shift_moves_the_rows_position(model):
+    (row,) = ragged_kv.rows_of(filled(model, 12, 0), rope_shift=-5)[:1]
+    assert type(row).merge([row]).offset.tolist() == [7]
+
+
+class _OwnAttention(nn.Module):  # a model whose code does not call mlx-lm's attention function
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+
+def test_install_refuses_models_without_mlx_lm_attention(model):
+    assert ragged_kv.install(model)
+    assert not ragged_kv.install(_OwnAttention())
+
+
+def test_attention_that_bypasses_the_rows_is_caught(model):
+    cache = ragged_kv.RaggedKVCache([])
+    cache.rows = type(ragged_kv.rows_of(filled(model, 4, 0))[0]).merge(
+        [ragged_kv.rows_of(filled(model, 4, 0))[0]]).rows
+    k = mx.zeros((1, cache.rows[0].keys.shape[1], 1, cache.rows[0].keys.shape[3]))
+    cache.update_and_fetch(k, k)
+    with pytest.raises(RuntimeError, match="scaled_dot_product_attention"):
+        cache.update_and_fetch(k, k)  # nobody attended in between
