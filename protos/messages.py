@@ -140,6 +140,10 @@ class DecodeRequest:
     handoff: KVHandoff
     sampling: SamplingParams
     generated: int = 1  # tokens already produced (counts toward max_tokens)
+    # Content hashes of the prompt's images, in order; [] for text. Equal
+    # tokens then no longer mean equal KV (every image of one size has the
+    # same placeholder ids), so decode shares no prefix with such a request.
+    media: list = field(default_factory=list)
 
 
 @dataclass

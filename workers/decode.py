@@ -255,7 +255,9 @@ class DecodeEngine:
                 logits_processors=[processors],
                 stop_sequences=[StopSequences([[t] for t in q.stop_ids])],
             )
-            cacheable = len(req.prompt_tokens) == req.handoff.num_tokens
+            # Blocks are keyed by tokens here; a prompt with images needs its
+            # images' hashes in the keys too, so its KV is not committed (yet).
+            cacheable = len(req.prompt_tokens) == req.handoff.num_tokens and not req.media
             if self.sharing is not None and cacheable and req.handoff.rope_offset == req.handoff.num_tokens:
                 self.sharing.admit(req.request_id, req.prompt_tokens, q.cache)
             self._live[uid] = _Live(req.request_id, uid, wants_logprobs(sp),

@@ -1,0 +1,568 @@
+"""Images and videos in chat messages → decoded, size-checked, content-hashed RGB pixels.
+
+An `image_url` or `video_url` content part names its media by a `data:` URL, an `http(s)://`
+URL (fetched within a byte limit and one deadline for the whole download), or a `file://` URL
+inside `MediaLimits.allowed_local_dir` (only when one is set). Anything else is refused.
+
+Every refusal is a `MediaError`: an `ApiError` (400) whose message starts with the part's path,
+e.g. `messages[1].content[2].image_url: image is 12000x12000 = 144000000 pixels, over the limit
+of 50331648`. Sizes are checked before pixels are decoded.
+
+The content hash is SHA-256 over the decoded RGB pixels plus width and height, so one picture
+gives one hash however it arrives or is (losslessly) encoded; the vision cache keys on it.
+
+Choices:
+- Transparency is composited on white (what a viewer shows; dropping alpha turns transparent
+  areas, often stored as black, into black).
+- Animated images (GIF, WebP, APNG) give their first frame.
+- Videos are decoded with OpenCV (`cv2`, the opencv-python wheel, which mlx-vlm already uses)
+  from a private temporary file, deleted as soon as the frames are out.
+- Remote fetches ignore the server's environment (proxy variables, ~/.netrc credentials): the
+  client picks the URL, so the server's credentials must not travel with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import functools
+import hashlib
+import io
+import math
+import os
+import ssl
+import stat
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, unquote_to_bytes, urlsplit
+
+import httpx
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from router.errors import ApiError
+
+MiB = 1 << 20
+
+# Pillow opens many formats by sniffing; these are the ones chat clients send. The rest (EPS
+# runs Ghostscript, PSD, ICNS, ...) are attack surface with no use here.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG covers MPO (phone photos)
+IMAGE_DETAILS = ("auto", "low", "high")
+MEDIA_PART_TYPES = {"image_url": "image", "video_url": "video"}
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    # OpenAI's own per-image limit; a 48 MP phone JPEG is 10-15 MB.
+    max_image_bytes: int = 20 * MiB
+    # 48 MP phone photos (8064x6048) fit; one image is then at most 150 MB of RGB. Below Pillow's
+    # bomb threshold (Image.MAX_IMAGE_PIXELS, 89 M), so our check is the one that refuses.
+    max_pixels: int = 8192 * 6144
+    # All images and video frames of one request: 32 frames of 4K video fit; ~800 MB of RGB.
+    max_total_pixels: int = 1 << 28
+    # Image parts per request: several screenshots or pages, not an album.
+    max_images: int = 16
+    # Video parts per request: each may download max_video_bytes and decode max_frames.
+    max_videos: int = 4
+    # Deadline for a whole download (not per read), so a slow host cannot hold a request.
+    fetch_timeout_s: float = 10.0
+    # CDNs and URL shorteners redirect once or twice; more is a loop or a detour.
+    max_redirects: int = 3
+    # Minutes of phone video at 1080p; the router holds it in memory while decoding.
+    max_video_bytes: int = 100 * MiB
+    # Frames sampled per video: the default and the most a request may ask for. Each frame
+    # costs hundreds of vision tokens.
+    max_frames: int = 32
+    # Sampling rate when a part asks for none (frames per second of video).
+    video_fps: float = 1.0
+    # The highest sampling rate a part may ask for.
+    max_video_fps: float = 8.0
+    # Decoding a video runs in a thread that cannot be killed; it gives up after this long.
+    video_decode_timeout_s: float = 30.0
+    # file:// URLs are served only from inside this directory (symlinks resolved); None: refused.
+    allowed_local_dir: Path | None = None
+
+
+class MediaError(ApiError):
+    """A media part the server refuses: 400, the part's path in the message and in `param`."""
+
+    def __init__(self, where: str, problem: str, code: str = "invalid_media"):
+        super().__init__(400, f"{where}: {problem}", param=where, code=code)
+
+
+@dataclass(frozen=True)
+class DecodedImage:
+    pixels: np.ndarray  # H x W x 3 uint8 RGB, read-only so it always matches content_hash
+    width: int
+    height: int
+    content_hash: str  # SHA-256 hex of width, height and pixels
+    source: str  # "data" | "http" | "file"
+    where: str  # the part's path, e.g. "messages[0].content[1].image_url"
+    detail: str = "auto"  # OpenAI's image_url.detail
+
+
+@dataclass(frozen=True)
+class DecodedVideo:
+    frames: list[DecodedImage]
+    timestamps: list[float]  # seconds into the video of each frame
+    fps: float  # the sampling rate used: the requested one, lowered to fit max_frames
+    content_hash: str  # SHA-256 hex of the frames' hashes and the sampling settings
+    source: str
+    where: str
+
+
+# --------------------------------------------------------------------------- #
+# Hashes
+# --------------------------------------------------------------------------- #
+
+
+def image_content_hash(pixels: np.ndarray) -> str:
+    height, width, _ = pixels.shape
+    digest = hashlib.sha256(b"rgb")
+    digest.update(width.to_bytes(8, "little") + height.to_bytes(8, "little"))
+    digest.update(np.ascontiguousarray(pixels, dtype=np.uint8).data)
+    return digest.hexdigest()
+
+
+def video_content_hash(frame_hashes: list[str], fps: float, max_frames: int) -> str:
+    digest = hashlib.sha256(b"video")
+    digest.update(repr(float(fps)).encode() + b"/" + str(max_frames).encode())
+    for frame_hash in frame_hashes:
+        digest.update(bytes.fromhex(frame_hash))
+    return digest.hexdigest()
+
+
+class PixelBudget:
+    """The pixels all parts of one request may still decode; shared by decoding threads."""
+
+    def __init__(self, limit: int):
+        self.left = limit
+        self.limit = limit
+        self._lock = threading.Lock()
+
+    def take(self, pixels: int, where: str) -> None:
+        with self._lock:
+            if pixels > self.left:
+                raise MediaError(
+                    where,
+                    f"the request's images and video frames exceed the limit of {self.limit} pixels in all",
+                    code="media_too_large",
+                )
+            self.left -= pixels
+
+
+def _check_pixels(width: int, height: int, limits: MediaLimits, where: str, what: str = "image") -> None:
+    if width * height > limits.max_pixels:
+        raise MediaError(
+            where,
+            f"{what} is {width}x{height} = {width * height} pixels, over the limit of {limits.max_pixels}",
+            code="media_too_large",
+        )
+
+
+def _too_many_bytes(where: str, what: str, limit: int) -> MediaError:
+    return MediaError(where, f"{what} is larger than the limit of {limit} bytes", code="media_too_large")
+
+
+# --------------------------------------------------------------------------- #
+# Images
+# --------------------------------------------------------------------------- #
+
+
+def decode_image_bytes(
+    data: bytes,
+    limits: MediaLimits,
+    where: str,
+    source: str = "data",
+    detail: str = "auto",
+    budget: PixelBudget | None = None,
+) -> DecodedImage:
+    """Encoded image → RGB pixels. Blocking (a 48 MP JPEG takes ~1 s): call it in a thread."""
+    if len(data) > limits.max_image_bytes:
+        raise _too_many_bytes(where, "image", limits.max_image_bytes)
+    try:
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
+            # Image.open reads only the header: refuse by size before decoding anything.
+            _check_pixels(*image.size, limits, where)
+            if budget is not None:
+                budget.take(image.size[0] * image.size[1], where)
+            image.load()
+            ImageOps.exif_transpose(image, in_place=True)  # phones store portraits sideways
+            pixels = _rgb_pixels(image)
+    except MediaError:
+        raise
+    except Image.DecompressionBombError as exc:
+        raise MediaError(where, f"image has more pixels than allowed: {exc}", code="media_too_large")
+    except UnidentifiedImageError:
+        raise MediaError(where, f"not an image in a supported format ({', '.join(IMAGE_FORMATS)})")
+    except Exception as exc:  # noqa: BLE001 - Pillow's decoders raise many types on bad data
+        raise MediaError(where, f"the image could not be decoded: {exc}")
+    height, width, _ = pixels.shape
+    return DecodedImage(pixels, width, height, image_content_hash(pixels), source, where, detail)
+
+
+def _rgb_pixels(image: Image.Image) -> np.ndarray:
+    if image.mode.startswith("I;16") or image.mode == "I":
+        # 16-bit grayscale: scale to 8 bits (Pillow's own conversion clips at 255: all white).
+        wide = np.clip(np.asarray(image, dtype=np.int64), 0, 65535)
+        image = Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8), "L")
+    elif image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        image = Image.alpha_composite(Image.new("RGBA", rgba.size, "white"), rgba)
+    pixels = np.asarray(image.convert("RGB"))
+    pixels.setflags(write=False)  # no-op when numpy already made it read-only
+    return pixels
+
+
+# --------------------------------------------------------------------------- #
+# Videos
+# --------------------------------------------------------------------------- #
+
+
+def _video_suffix(data: bytes) -> str | None:
+    """The file suffix of the container, known by its magic bytes. Only self-contained formats
+    reach FFmpeg: a playlist (HLS, concat) would make it open other files or URLs."""
+    if data[4:8] in (b"ftyp", b"moov", b"mdat", b"wide", b"free", b"skip"):
+        return ".mp4"  # and MOV
+    if data[:4] == b"\x1a\x45\xdf\xa3":
+        return ".mkv"  # and WebM
+    if data[:4] == b"RIFF" and data[8:12] == b"AVI ":
+        return ".avi"
+    return None
+
+
+def _sample_indices(count: int, source_fps: float, fps: float, max_frames: int) -> tuple[list[int], float]:
+    """Frame indices to keep and the rate they sample: `fps` (at most the video's own rate)
+    from the start, or `max_frames` spread evenly over the whole video when that is fewer."""
+    duration = count / source_fps
+    rate = min(fps, source_fps)
+    n = max(1, math.ceil(duration * rate - 1e-9))
+    if n > max_frames:
+        n, rate = max_frames, max_frames / duration
+    indices = sorted({min(count - 1, int(k / rate * source_fps + 1e-6)) for k in range(n)})
+    return indices, rate
+
+
+def decode_video_bytes(
+    data: bytes,
+    limits: MediaLimits,
+    where: str,
+    fps: float | None = None,
+    max_frames: int | None = None,
+    source: str = "data",
+    budget: PixelBudget | None = None,
+) -> DecodedVideo:
+    """Encoded video → sampled RGB frames. Blocking (seconds for long videos): call it in a thread."""
+    fps = limits.video_fps if fps is None else fps
+    max_frames = limits.max_frames if max_frames is None else max_frames
+    if len(data) > limits.max_video_bytes:
+        raise _too_many_bytes(where, "video", limits.max_video_bytes)
+    suffix = _video_suffix(data)
+    if suffix is None:
+        raise MediaError(where, "not a video in a supported container (MP4/MOV, WebM/Matroska, AVI)")
+    try:
+        import cv2
+    except ImportError:
+        raise MediaError(
+            where, "video input needs OpenCV (the opencv-python package), which is not installed",
+            code="unsupported_value",
+        )
+    deadline = time.monotonic() + limits.video_decode_timeout_s
+    # OpenCV reads videos from paths. (Its newer in-memory streams are missing from some
+    # opencv-python releases, and keep no reference to the stream they read.)
+    with tempfile.NamedTemporaryFile(prefix="tandem-video-", suffix=suffix) as file:
+        file.write(data)
+        file.flush()
+        try:
+            return _decode_video(cv2, file.name, limits, where, fps, max_frames, source, budget, deadline)
+        except cv2.error as exc:  # OpenCV's own failures on malformed streams
+            raise MediaError(where, f"the video could not be decoded: {exc}")
+
+
+def _decode_video(cv2: Any, path: str, limits: MediaLimits, where: str, fps: float, max_frames: int,
+                  source: str, budget: PixelBudget | None, deadline: float) -> DecodedVideo:
+    capture = cv2.VideoCapture(path, cv2.CAP_FFMPEG)
+    try:
+        if not capture.isOpened():
+            raise MediaError(where, "the video could not be opened (corrupt, or a codec FFmpeg lacks)")
+        width = int(capture.get(cv2.CAP_PROP_FRAME_WIDTH))
+        height = int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT))
+        _check_pixels(width, height, limits, where, "each video frame")
+        source_fps = capture.get(cv2.CAP_PROP_FPS)
+        count = capture.get(cv2.CAP_PROP_FRAME_COUNT)
+        if not (math.isfinite(source_fps) and source_fps > 0):
+            raise MediaError(where, "the video declares no frame rate")
+        if not (math.isfinite(count) and count >= 1):  # e.g. WebM from a browser's recorder
+            count = _count_frames(cv2, path, deadline, limits, where)
+        if count < 1:
+            raise MediaError(where, "the video has no frames")
+        indices, rate = _sample_indices(int(count), source_fps, fps, max_frames)
+        frames, timestamps = [], []
+        for index, bgr in _read_frames(cv2, capture, indices, source_fps, deadline, limits, where):
+            frame_where = f"{where}.frames[{len(frames)}]"
+            _check_pixels(bgr.shape[1], bgr.shape[0], limits, frame_where, "video frame")
+            if budget is not None:
+                budget.take(bgr.shape[0] * bgr.shape[1], frame_where)
+            rgb = np.ascontiguousarray(bgr[..., ::-1])
+            rgb.setflags(write=False)
+            frames.append(DecodedImage(rgb, rgb.shape[1], rgb.shape[0], image_content_hash(rgb), source, frame_where))
+            timestamps.append(index / source_fps)
+    finally:
+        capture.release()
+    if not frames:
+        raise MediaError(where, "no frame of the video could be decoded")
+    content_hash = video_content_hash([f.content_hash for f in frames], fps, max_frames)
+    return DecodedVideo(frames, timestamps, rate, content_hash, source, where)
+
+
+def _read_frames(cv2: Any, capture: Any, indices: list[int], source_fps: float, deadline: float,
+                 limits: MediaLimits, where: str):
+    """Yield (index, BGR frame) for each wanted index while the video has them. Gaps longer
+    than a second are seeked over (decoding from the keyframe before), shorter ones read."""
+    position = 0  # the index the next grab() returns
+    for index in indices:
+        if index - position > source_fps:
+            capture.set(cv2.CAP_PROP_POS_FRAMES, index)
+            position = index
+        while position <= index:
+            _check_deadline(deadline, limits, where)
+            if not capture.grab():
+                return  # the video is shorter than it declared: keep what was read
+            position += 1
+        ok, frame = capture.retrieve()
+        if not ok:
+            return
+        yield index, frame
+
+
+def _count_frames(cv2: Any, path: str, deadline: float, limits: MediaLimits, where: str) -> int:
+    capture = cv2.VideoCapture(path, cv2.CAP_FFMPEG)
+    try:
+        count = 0
+        while capture.grab():
+            _check_deadline(deadline, limits, where)
+            count += 1
+        return count
+    finally:
+        capture.release()
+
+
+def _check_deadline(deadline: float, limits: MediaLimits, where: str) -> None:
+    if time.monotonic() > deadline:
+        raise MediaError(
+            where, f"decoding the video took longer than the limit of {limits.video_decode_timeout_s:g} s",
+            code="media_too_large",
+        )
+
+
+# --------------------------------------------------------------------------- #
+# Fetching: data:, http(s)://, file://
+# --------------------------------------------------------------------------- #
+
+
+async def fetch_url(url: str, limits: MediaLimits, where: str, max_bytes: int) -> tuple[bytes, str]:
+    """The bytes a media URL names and its kind ("data", "http", "file"), at most max_bytes.
+    Never blocks the event loop: decoding base64 and reading files run in a thread."""
+    scheme = urlsplit(url).scheme.lower()
+    if scheme == "data":
+        return await asyncio.to_thread(_read_data_url, url, where, max_bytes), "data"
+    if scheme in ("http", "https"):
+        return await _fetch_http(url, limits, where, max_bytes), "http"
+    if scheme == "file":
+        return await asyncio.to_thread(_read_local_file, url, limits, where, max_bytes), "file"
+    shown = url if len(url) <= 80 else url[:77] + "..."
+    raise MediaError(
+        where, f"unsupported URL '{shown}': expected a data:, http://, https:// or file:// URL",
+        code="invalid_media_url",
+    )
+
+
+def _read_data_url(url: str, where: str, max_bytes: int) -> bytes:
+    header, comma, payload = url[len("data:"):].partition(",")
+    if not comma:
+        raise MediaError(where, "malformed data URL: no ',' before the data", code="invalid_media_url")
+    if not header.lower().endswith(";base64"):
+        data = unquote_to_bytes(payload)  # the rare percent-encoded form
+    elif len(payload) // 4 * 3 > max_bytes + 3:  # refuse before decoding
+        raise _too_many_bytes(where, "the data URL's content", max_bytes)
+    else:
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except binascii.Error:
+            try:  # MIME-style base64 wrapped over lines
+                data = base64.b64decode("".join(payload.split()), validate=True)
+            except binascii.Error as exc:
+                raise MediaError(where, f"the data URL's base64 is invalid: {exc}", code="invalid_media_url")
+    if len(data) > max_bytes:
+        raise _too_many_bytes(where, "the data URL's content", max_bytes)
+    return data
+
+
+def _read_local_file(url: str, limits: MediaLimits, where: str, max_bytes: int) -> bytes:
+    if limits.allowed_local_dir is None:
+        raise MediaError(where, "file:// URLs are not allowed on this server (no local media directory is set)",
+                         code="invalid_media_url")
+    parts = urlsplit(url)
+    path = unquote(parts.path)
+    if parts.netloc not in ("", "localhost") or not path.startswith("/"):
+        raise MediaError(where, f"'{url}' is not a file:// URL of an absolute local path", code="invalid_media_url")
+    # Resolve symlinks and '..' first, then require the real path inside the allowed directory.
+    # The same answer whether or not an outside file exists, so the URL cannot probe the disk.
+    real = os.path.realpath(path)
+    if not Path(real).is_relative_to(os.path.realpath(limits.allowed_local_dir)):
+        raise MediaError(where, f"'{url}' is outside the allowed local media directory", code="invalid_media_url")
+    try:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer. O_NOFOLLOW: no symlink swapped in.
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise MediaError(where, f"cannot open '{url}': {exc.strerror}", code="invalid_media_url")
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise MediaError(where, f"'{url}' is not a regular file", code="invalid_media_url")
+        if info.st_size > max_bytes:
+            raise _too_many_bytes(where, f"'{url}'", max_bytes)
+        data = file.read(max_bytes + 1)
+    if len(data) > max_bytes:  # the file grew since fstat
+        raise _too_many_bytes(where, f"'{url}'", max_bytes)
+    return data
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    # One context for all fetches: building one loads the CA bundle (milliseconds each time).
+    return httpx.create_ssl_context()
+
+
+async def _fetch_http(url: str, limits: MediaLimits, where: str, max_bytes: int) -> bytes:
+    host = urlsplit(url).netloc.rpartition("@")[2]  # never echo credentials in URLs
+    if not host:
+        raise MediaError(where, f"'{url[:80]}' names no host", code="invalid_media_url")
+    timed_out = MediaError(
+        where, f"fetching from {host} took longer than the limit of {limits.fetch_timeout_s:g} s",
+        code="media_fetch_timeout",
+    )
+    try:
+        async with (
+            asyncio.timeout(limits.fetch_timeout_s),  # one deadline for the whole fetch
+            httpx.AsyncClient(
+                follow_redirects=True,
+                max_redirects=limits.max_redirects,
+                timeout=limits.fetch_timeout_s,
+                trust_env=False,
+                verify=_tls_context(),
+            ) as client,
+            client.stream("GET", url) as response,
+        ):
+            if response.status_code != 200:
+                raise MediaError(where, f"fetching from {host} returned HTTP {response.status_code}",
+                                 code="invalid_media_url")
+            declared = response.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > max_bytes:
+                raise _too_many_bytes(where, f"the file at {host}", max_bytes)
+            chunks, size = [], 0
+            async for chunk in response.aiter_bytes():  # decompressed: counts gzip bombs too
+                size += len(chunk)
+                if size > max_bytes:
+                    raise _too_many_bytes(where, f"the file at {host}", max_bytes)
+                chunks.append(chunk)
+            return b"".join(chunks)
+    except (TimeoutError, httpx.TimeoutException):
+        raise timed_out from None
+    except httpx.TooManyRedirects:
+        raise MediaError(where, f"fetching from {host} took more than {limits.max_redirects} redirects",
+                         code="invalid_media_url")
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        raise MediaError(where, f"could not fetch from {host}: {exc or type(exc).__name__}",
+                         code="invalid_media_url")
+
+
+# --------------------------------------------------------------------------- #
+# Chat messages
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class MediaPart:
+    kind: str  # "image" | "video"
+    url: str
+    where: str  # e.g. "messages[0].content[1].image_url"
+    detail: str = "auto"
+    fps: float | None = None
+    max_frames: int | None = None
+
+
+def find_media_parts(messages: list[dict], limits: MediaLimits) -> list[MediaPart]:
+    """The image and video parts of all messages, in order, checked for shape and count."""
+    found: list[MediaPart] = []
+    counts = {"image": 0, "video": 0}
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            part_type = part.get("type") if isinstance(part, dict) else None
+            kind = MEDIA_PART_TYPES.get(part_type) if isinstance(part_type, str) else None
+            if kind is None:
+                continue  # text parts, and shapes router/schemas.py reports
+            counts[kind] += 1
+            most = limits.max_images if kind == "image" else limits.max_videos
+            if counts[kind] > most:
+                raise MediaError(f"messages[{i}].content[{j}]", f"over the limit of {most} {kind}s per request",
+                                 code="media_too_large")
+            found.append(_media_part(kind, part, f"messages[{i}].content[{j}].{part['type']}", limits))
+    return found
+
+
+def _media_part(kind: str, part: dict, where: str, limits: MediaLimits) -> MediaPart:
+    spec = part.get(part["type"])
+    if isinstance(spec, str):  # some clients send "image_url": "https://..."
+        spec = {"url": spec}
+    url = spec.get("url") if isinstance(spec, dict) else None
+    if not isinstance(url, str) or not url:
+        raise MediaError(where, "missing its 'url' (a string)", code="invalid_media_url")
+    if kind == "image":
+        detail = spec.get("detail") or "auto"
+        if detail not in IMAGE_DETAILS:
+            raise MediaError(where + ".detail", f"expected one of {', '.join(IMAGE_DETAILS)}, but got {detail!r}")
+        return MediaPart(kind, url, where, detail=detail)
+    fps, max_frames = spec.get("fps"), spec.get("max_frames")
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float))
+                            or not 0 < fps <= limits.max_video_fps):
+        raise MediaError(where + ".fps", f"expected a number in (0, {limits.max_video_fps:g}], but got {fps!r}")
+    if max_frames is not None and (isinstance(max_frames, bool) or not isinstance(max_frames, int)
+                                   or not 1 <= max_frames <= limits.max_frames):
+        raise MediaError(where + ".max_frames",
+                         f"expected an integer in [1, {limits.max_frames}], but got {max_frames!r}")
+    return MediaPart(kind, url, where, fps=None if fps is None else float(fps), max_frames=max_frames)
+
+
+async def load_part(
+    part: MediaPart, limits: MediaLimits, budget: PixelBudget | None = None
+) -> DecodedImage | DecodedVideo:
+    if part.kind == "image":
+        data, source = await fetch_url(part.url, limits, part.where, limits.max_image_bytes)
+        return await asyncio.to_thread(decode_image_bytes, data, limits, part.where, source, part.detail, budget)
+    data, source = await fetch_url(part.url, limits, part.where, limits.max_video_bytes)
+    return await asyncio.to_thread(
+        decode_video_bytes, data, limits, part.where, part.fps, part.max_frames, source, budget
+    )
+
+
+async def load_media_parts(messages: list[dict], limits: MediaLimits) -> list[DecodedImage | DecodedVideo]:
+    """Every image and video of a chat request, decoded, in message order. Parts load
+    concurrently; the first refusal cancels the rest and is raised as a MediaError."""
+    parts = find_media_parts(messages, limits)
+    budget = PixelBudget(limits.max_total_pixels)
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(load_part(part, limits, budget)) for part in parts]
+    except BaseExceptionGroup as failed:
+        media_errors = [e for e in failed.exceptions if isinstance(e, MediaError)]
+        raise (media_errors or list(failed.exceptions))[0] from None
+    return [task.result() for task in tasks]

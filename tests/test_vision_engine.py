@@ -1,0 +1,338 @@
+"""The vision add-on (workers/vision.py) against mlx-vlm's own generate.
+
+For tiny random Qwen2.5-VL and Gemma 3 models: our path (preprocess → encode
+→ prompt tokens → input embeddings + rope positions → prefill on mlx-vlm's
+language model → decode on mlx-lm's *text* model, its rope shifted by the
+prompt's rope delta) gives greedy tokens identical to `mlx_vlm`'s
+stream_generate for the same folder, image and prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.tiny_vlms import (
+    TINY_GEMMA3,
+    TINY_QWEN_VL,
+    TINY_VLMS,
+    synthetic_image,
+    tiny_vlm,
+)
+
+N_TOKENS = 16
+
+
+@dataclass
+class Setup:
+    like: str
+    folder: object
+    engine: object  # workers.vision.VisionEngine (prefill on shared text weights)
+    text_model: object  # mlx-lm's model of the same folder (decode)
+    vlm: object  # mlx_vlm.load: the reference
+    vlm_processor: object
+
+
+_setups: dict = {}
+
+
+def _setup(tmp_path_factory, like: str) -> Setup:
+    if like not in _setups:
+        from mlx_vlm import load as vlm_load
+
+        from workers.loading import load_model
+        from workers.vision import VisionEngine
+
+        folder = tiny_vlm(tmp_path_factory, like)
+        text_model, _ = load_model(folder)
+        engine = VisionEngine(folder, text_model)
+        vlm, processor = vlm_load(str(folder))
+        _setups[like] = Setup(like, folder, engine, text_model, vlm, processor)
+    return _setups[like]
+
+
+@pytest.fixture(scope="module", params=TINY_VLMS)
+def setup(request, tmp_path_factory) -> Setup:
+    return _setup(tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory) -> Setup:
+    return _setup(tmp_path_factory, TINY_QWEN_VL)
+
+
+def _user(*parts):
+    content = []
+    for p in parts:
+        content.append({"type": "image"} if p is None else {"type": "text", "text": p})
+    return {"role": "user", "content": content}
+
+
+def _prefill(s: Setup, messages, images):
+    """Our prefill: (token ids, first token, cache, rope delta)."""
+    eng = s.engine
+    if images:
+        batch = eng.preprocess(images)
+        ids = eng.prompt_tokens(messages, batch.tokens_per_image)
+        features = eng.encode(batch)
+    else:
+        batch, features = None, None
+        ids = eng.prompt_tokens(messages, [])
+    embeddings = eng.input_embeddings(ids, features, batch)
+    positions, delta = eng.rope_positions(ids, batch)
+    cache = eng.make_cache()
+    logits = eng.prefill(ids, embeddings, positions, cache)
+    return ids, int(mx.argmax(logits).item()), cache, delta
+
+
+def ours(s: Setup, messages, images, n: int = N_TOKENS, shift: bool = True):
+    from workers.vision import decode_greedy, shift_rope
+
+    _, first, cache, delta = _prefill(s, messages, images)
+    return [first] + decode_greedy(s.text_model, shift_rope(cache, delta if shift else 0), first, n - 1)
+
+
+def reference(s: Setup, messages, images, n: int = N_TOKENS):
+    """mlx-vlm's greedy tokens (it stops early at an EOS)."""
+    from mlx_vlm.generate.dispatch import stream_generate
+
+    last = None
+    for last in stream_generate(s.vlm, s.vlm_processor, s.engine.prompt_text(messages), image=list(images),
+                                max_tokens=n, temperature=0.0):
+        pass
+    return list(last.token_ids)
+
+
+def assert_same(got, want):
+    assert len(want) >= 8, f"mlx-vlm stopped after {len(want)} tokens: pick another prompt"
+    assert len(set(want)) >= 2, f"degenerate reference {want}: the comparison could not fail"
+    assert got[: len(want)] == want
+
+
+# ---------------------------------------------------------------- identity
+
+
+def test_prompt_tokens_match_mlx_vlm(setup):
+    from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
+
+    images = [synthetic_image(56, 84, 1)]
+    messages = [_user("Look:", None, "What is in this picture?")]
+    eng = setup.engine
+    ids = eng.prompt_tokens(messages, eng.image_tokens([(56, 84)]))
+    inputs = prepare_inputs(setup.vlm_processor, images=images, prompts=eng.prompt_text(messages),
+                            add_special_tokens=should_add_special_tokens(eng.model_type, setup.vlm_processor))
+    assert ids == inputs["input_ids"][0].tolist()
+    image_id = eng.model.config.image_token_id if setup.like == TINY_QWEN_VL else eng.model.config.image_token_index
+    assert ids.count(image_id) == eng.image_tokens([(56, 84)])[0]
+
+
+def test_greedy_matches_mlx_vlm_generate(setup):
+    images = [synthetic_image(56, 84, 1)]
+    messages = [_user(None, "What is in this picture?")]
+    assert_same(ours(setup, messages, images), reference(setup, messages, images))
+
+
+def test_image_in_the_middle_of_a_conversation(setup):
+    images = [synthetic_image(64, 64, 3)]
+    messages = [
+        _user("Hello there, can you look at pictures?"),
+        {"role": "assistant", "content": "Yes, send me one and I will describe it."},
+        _user("Here it is:", None, "What colours do you see?"),
+    ]
+    assert_same(ours(setup, messages, images), reference(setup, messages, images))
+
+
+def test_two_images(qwen):
+    images = [synthetic_image(56, 84, 1), synthetic_image(112, 56, 2)]
+    messages = [_user("Compare", None, "with", None, "please.")]
+    batch = qwen.engine.preprocess(images)
+    assert batch.tokens_per_image == [6, 8]
+    assert_same(ours(qwen, messages, images), reference(qwen, messages, images))
+
+
+def test_images_encoded_one_at_a_time(qwen):
+    """As the cache service holds them: each image preprocessed and encoded
+    on its own, the batches joined for the prompt. (Features differ from a
+    two-image encode only by float rounding, ~1e-6.)"""
+    from workers.vision import ImageBatch, decode_greedy, shift_rope
+
+    eng = qwen.engine
+    images = [synthetic_image(56, 84, 1), synthetic_image(112, 56, 2)]
+    messages = [_user("Compare", None, "with", None, "please.")]
+    batches = [eng.preprocess([im]) for im in images]
+    features = mx.concatenate([eng.encode(b) for b in batches])
+    batch = ImageBatch.join(batches)
+    ids = eng.prompt_tokens(messages, batch.tokens_per_image)
+    positions, delta = eng.rope_positions(ids, batch)
+    cache = eng.make_cache()
+    first = int(mx.argmax(eng.prefill(ids, eng.input_embeddings(ids, features, batch), positions, cache)).item())
+    got = [first] + decode_greedy(qwen.text_model, shift_rope(cache, delta), first, N_TOKENS - 1)
+    assert_same(got, reference(qwen, messages, images))
+
+
+def test_language_weights_are_the_text_models(setup):
+    """The add-on holds no second copy of the language model."""
+    from mlx.utils import tree_flatten
+
+    text = {id(a) for _, a in tree_flatten(setup.text_model.parameters())}
+    lm = tree_flatten(setup.engine.model.language_model.parameters())
+    assert setup.engine.shared_params == len(lm)
+    assert all(id(a) in text for _, a in lm)
+
+
+def test_text_only_prompt_matches_mlx_lm(qwen):
+    """No image: embeddings are the token embeddings, positions plain; the
+    result is mlx-lm's own greedy generation on the text model."""
+    from mlx_lm.generate import generate_step
+
+    messages = [_user("Tell me a story about a cat.")]
+    ids = qwen.engine.prompt_tokens(messages, [])
+    want = [int(t) for t, _ in generate_step(mx.array(ids), qwen.text_model, max_tokens=N_TOKENS)]
+    assert len(set(want)) >= 2
+    assert ours(qwen, messages, []) == want
+
+
+# ---------------------------------------------------------------- features
+
+
+def test_features_follow_the_image(setup):
+    eng = setup.engine
+    a, b = synthetic_image(56, 84, 1), synthetic_image(56, 84, 2)
+    fa = eng.encode(eng.preprocess([a]))
+    hidden = eng.model.language_model.model.embed_tokens.weight.shape[1]
+    assert fa.shape == (eng.image_tokens([(56, 84)])[0], hidden)
+    again = eng.encode(eng.preprocess([a.copy()]))
+    assert mx.array_equal(fa, again).item()  # same pixels, same features, bit for bit
+    fb = eng.encode(eng.preprocess([b]))
+    assert not mx.allclose(fa, fb, atol=1e-3).item()
+    # Two images in one batch: each one's rows are its own features.
+    both = eng.encode(eng.preprocess([a, b]))
+    n = fa.shape[0]
+    assert mx.allclose(both[:n], fa, atol=1e-5).item() and mx.allclose(both[n:], fb, atol=1e-5).item()
+
+
+def test_image_tokens_from_size(qwen):
+    eng = qwen.engine
+    sizes = [(56, 56), (56, 84), (112, 56), (100, 37), (300, 200)]
+    counts = eng.image_tokens(sizes)
+    for (h, w), n in zip(sizes, counts):
+        assert eng.preprocess([synthetic_image(h, w, 0)]).tokens_per_image == [n]
+    assert counts[0] == 4 and max(counts) <= 16  # min/max pixels of the tiny processor
+
+
+# ---------------------------------------------------------------- rope shift
+
+
+def test_rope_delta(setup):
+    eng = setup.engine
+    images = [synthetic_image(56, 84, 1), synthetic_image(112, 56, 2)]
+    batch = eng.preprocess(images)
+    ids = eng.prompt_tokens([_user(None, None, "Which is brighter?")], batch.tokens_per_image)
+    positions, delta = eng.rope_positions(ids, batch)
+    if setup.like == TINY_GEMMA3:
+        assert positions is None and delta == 0
+        return
+    # An image of h x w merged patches takes h*w tokens, advances positions by max(h, w).
+    merged = [(h // 2, w // 2) for _, h, w in np.array(batch.extra["image_grid_thw"]).tolist()]
+    assert delta == sum(max(h, w) - h * w for h, w in merged) == (3 - 6) + (4 - 8)
+    assert positions.shape == (3, 1, len(ids))
+    # After the last image all three components agree and run on as n + delta.
+    last = positions[:, 0, -1].tolist()
+    assert last == [len(ids) - 1 + delta] * 3
+
+
+def test_decode_without_the_shift_diverges(qwen):
+    """The shift is what makes the text model's decode right (so the
+    identity tests above could fail)."""
+    images = [synthetic_image(112, 112, 4)]  # 16 image tokens, delta -12
+    messages = [_user(None, "Describe it.")]
+    want = reference(qwen, messages, images)
+    assert_same(ours(qwen, messages, images), want)
+    assert ours(qwen, messages, images, shift=False)[: len(want)] != want
+
+
+def test_batched_decode_with_per_row_shifts(qwen):
+    """Two VLM requests with different rope deltas decode together in one
+    mlx-lm BatchKVCache (merged like BatchGenerator merges), each row shifted
+    by its own delta after the merge."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    from workers.vision import shift_batch_rope
+
+    requests = [([synthetic_image(56, 84, 1)], [_user(None, "What is in this picture?")]),
+                ([synthetic_image(112, 112, 4)], [_user("Please describe", None, "in detail.")])]
+    firsts, caches, deltas, wants = [], [], [], []
+    for images, messages in requests:
+        _, first, cache, delta = _prefill(qwen, messages, images)
+        firsts.append(first), caches.append(cache), deltas.append(delta)
+        wants.append(reference(qwen, messages, images))
+    assert deltas[0] != deltas[1]
+    batch = [BatchKVCache.merge([c[i] for c in caches]) for i in range(len(caches[0]))]
+    shift_batch_rope(batch, deltas)
+    rows = [[f] for f in firsts]
+    y = mx.array([[f] for f in firsts])
+    for _ in range(N_TOKENS - 1):
+        y = mx.argmax(qwen.text_model(y, cache=batch)[:, -1, :], axis=-1)[:, None]
+        for row, t in zip(rows, y[:, 0].tolist()):
+            row.append(int(t))
+    for got, want in zip(rows, wants):
+        assert_same(got, want)
+
+
+def test_ragged_decode_rows_carry_the_shift(qwen):
+    """The decode worker's batch (mlx-lm BatchGenerator over
+    workers/ragged_kv.py rows, each with its own rope_shift)."""
+    ragged_kv = pytest.importorskip("workers.ragged_kv")
+    if not hasattr(ragged_kv, "rows_of"):
+        pytest.skip("workers.ragged_kv has no rows_of")
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.sample_utils import make_sampler
+
+    requests = [([synthetic_image(56, 84, 1)], [_user(None, "What is in this picture?")]),
+                ([synthetic_image(112, 112, 4)], [_user("Please describe", None, "in detail.")])]
+    assert ragged_kv.install(qwen.text_model)
+    gen = BatchGenerator(qwen.text_model, sampler=make_sampler(0.0), completion_batch_size=4,
+                         prefill_batch_size=4)
+    try:
+        uids, firsts, wants = [], {}, {}
+        for images, messages in requests:
+            _, first, cache, delta = _prefill(qwen, messages, images)
+            (uid,) = gen.insert([[first]], max_tokens=[N_TOKENS - 1], caches=[ragged_kv.rows_of(cache, delta)])
+            uids.append(uid)
+            firsts[uid], wants[uid] = first, reference(qwen, messages, images)
+        got = {uid: [firsts[uid]] for uid in uids}
+        while any(len(v) < N_TOKENS for v in got.values()):
+            responses = gen.next_generated()
+            assert responses, "the batch stopped early"
+            for r in responses:
+                got[r.uid].append(int(r.token))
+    finally:
+        gen.close()
+    for uid in uids:
+        assert_same(got[uid], wants[uid])
+
+
+# ---------------------------------------------------------------- the random folders
+
+
+def test_random_vlm_is_deterministic(tmp_path):
+    from tests.tiny_vlms import make_tiny_vlm
+
+    def digest(folder):
+        import hashlib
+
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+    a = digest(make_tiny_vlm(tmp_path / "a", TINY_GEMMA3, seed=0))
+    b = digest(make_tiny_vlm(tmp_path / "b", TINY_GEMMA3, seed=0))
+    c = digest(make_tiny_vlm(tmp_path / "c", TINY_GEMMA3, seed=1))
+    assert a == b
+    assert a["model.safetensors"] != c["model.safetensors"]
+    # Only the weights and the seed recorded in config.json depend on the seed.
+    def rest(d):
+        return {k: v for k, v in d.items() if k not in ("config.json", "model.safetensors")}
+
+    assert rest(a) == rest(c)

@@ -1,0 +1,461 @@
+"""The vision add-on: images in, input embeddings out, for decode by mlx-lm's text model.
+
+A VLM request runs in four steps, each on mlx-vlm's own code for the model:
+
+1. `preprocess(images)`: the model's processor turns pictures into
+   `ImageBatch` (pixel values, plus what the architecture needs besides,
+   e.g. Qwen's `image_grid_thw`, and how many placeholder tokens each image
+   takes in the prompt).
+2. `encode(batch)`: vision tower + projector, one row per placeholder token
+   ([n_image_tokens, hidden]); what the cache service keys by image hash.
+3. `prompt_tokens(messages, tokens_per_image)`: the chat template, with each
+   image's placeholder expanded to its token count, tokenized: plain token ids
+   the router hashes into blocks like any prompt (block keys must also carry
+   the images' hashes: every image of the same size has the same ids).
+4. `input_embeddings(ids, features, batch)` (text embeddings with the image
+   features scattered into the placeholders: mlx-vlm's `get_input_embeddings`
+   with the features passed as `cached_image_features`, so each model's own
+   merge and scaling apply), `rope_positions(ids, batch)` (Qwen-VL's 3-D
+   M-RoPE positions and rope delta from the language model's
+   `get_rope_index`; None and 0 for plain rope), then `prefill(...)`: the
+   language model over an mlx-lm KV cache, the last token's logits out.
+
+Decode then continues on mlx-lm's *text* model over that same cache. After
+the last image every M-RoPE component of a text token is the same number,
+`token_index + rope_delta`, and M-RoPE with three equal components is plain
+RoPE (each of the t/h/w frequency sections rotates by the same position), so
+mlx-lm's qwen2 computes exactly Qwen2.5-VL's decode step if its rope offset is
+shifted by the delta (`rope_delta`, negative: an image of h x w merged patches
+takes h*w tokens but advances positions by max(h, w)). mlx-lm's attention
+reads the rope position from `cache.offset`:
+
+* `KVCache.offset` is also the write index and the mask offset, so it cannot
+  be shifted. `shift_rope(cache, delta)` turns each plain KVCache into a
+  batch-of-one `BatchKVCache` (same buffers, no copy) whose per-row `offset`
+  (an array) only feeds rope, while writes go by `_idx` and the mask by
+  `_idx` and `left_padding`.
+* In a running `BatchKVCache` a row's shift survives `filter`, `extend` and
+  `trim` (they carry `offset` along) but not `merge` or `extract`, which
+  rebuild `offset` from the lengths. So a request must get its shift after
+  it has joined the batch (BatchGenerator merges on insert;
+  `shift_batch_rope` shifts rows of a merged batch), or ride in a cache that
+  carries it (workers/ragged_kv.py's `RowKVCache.rope_shift`).
+* Gemma 3 (plain rope, sliding-window layers in a RotatingKVCache) has delta 0.
+
+The mlx-vlm model's language model shares the text model's weight arrays (no
+second copy); only the vision tower and projector are the add-on's own.
+Everything architecture-specific is one `_Arch` entry in `ARCHS`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx import nn
+
+from workers.model_store import ModelError
+
+
+@dataclass
+class ImageBatch:
+    """Preprocessed images, in prompt order."""
+
+    pixel_values: mx.array
+    extra: dict[str, mx.array] = field(default_factory=dict)  # e.g. image_grid_thw
+    tokens_per_image: list[int] = field(default_factory=list)
+
+    @property
+    def n_images(self) -> int:
+        return len(self.tokens_per_image)
+
+    @classmethod
+    def join(cls, batches: Sequence[ImageBatch]) -> ImageBatch:
+        """One batch of several, in order (e.g. images preprocessed, encoded
+        and cached one at a time, then met again in one prompt). Every array
+        is per image or per patch along its first axis."""
+        if not batches:
+            raise ValueError("no batches")
+        keys = batches[0].extra.keys()
+        return cls(mx.concatenate([b.pixel_values for b in batches]),
+                   {k: mx.concatenate([b.extra[k] for b in batches]) for k in keys},
+                   [n for b in batches for n in b.tokens_per_image])
+
+
+# --------------------------------------------------------------------------
+# Per-architecture adapters
+
+
+class _Arch:
+    """What differs between architectures. Everything else goes through
+    mlx-vlm's model-agnostic interfaces (processor call, get_input_embeddings
+    with cached_image_features, language_model(inputs, inputs_embeds, cache))."""
+
+    def placeholder(self, processor) -> str:
+        """What the chat template renders for one image."""
+        raise NotImplementedError
+
+    def expand(self, processor, text: str, tokens_per_image: Sequence[int]) -> str:
+        """`text` with each image's placeholder expanded as the processor does."""
+        raise NotImplementedError
+
+    def tokens_for_size(self, processor, height: int, width: int) -> int:
+        raise NotImplementedError
+
+    def tokens_per_image(self, processor, extra: dict[str, mx.array], n_images: int) -> list[int]:
+        raise NotImplementedError
+
+    def encode(self, model, pixel_values: mx.array, extra: dict[str, mx.array]) -> mx.array:
+        """[n_image_tokens, hidden]: what get_input_embeddings merges."""
+        raise NotImplementedError
+
+    def cached_features(self, features: mx.array, extra: dict[str, mx.array]):
+        """`features` in the form get_input_embeddings takes as cached_image_features."""
+        return features
+
+    def merge_kwargs(self, extra: dict[str, mx.array]) -> dict[str, Any]:
+        return {}
+
+    def rope_positions(self, model, input_ids: mx.array, extra: dict[str, mx.array]) -> tuple[mx.array | None, int]:
+        """(positions for the language model, or None where it derives them
+        from the cache offset; rope delta)."""
+        return None, 0
+
+
+def _split_expand(text: str, marker: str, expansions: Sequence[str]) -> str:
+    parts = text.split(marker)
+    if len(parts) - 1 != len(expansions):
+        raise ValueError(f"the prompt has {len(parts) - 1} image placeholders for {len(expansions)} images")
+    out = [parts[0]]
+    for exp, part in zip(expansions, parts[1:]):
+        out += [exp, part]
+    return "".join(out)
+
+
+class _QwenVL(_Arch):
+    """Qwen2.5-VL: dynamic resolution, one <|image_pad|> per merged 2x2 patch
+    between <|vision_start|> and <|vision_end|>, M-RoPE positions."""
+
+    def placeholder(self, processor) -> str:
+        return processor.image_token
+
+    def expand(self, processor, text, tokens_per_image):
+        return _split_expand(text, processor.image_token, [processor.image_token * n for n in tokens_per_image])
+
+    def tokens_for_size(self, processor, height, width):
+        from mlx_vlm.utils import estimate_num_image_tokens
+
+        return int(estimate_num_image_tokens(processor, height, width))
+
+    def tokens_per_image(self, processor, extra, n_images):
+        merge = processor.image_processor.merge_size ** 2
+        return [int(np.prod(g)) // merge for g in np.array(extra["image_grid_thw"]).tolist()]
+
+    def encode(self, model, pixel_values, extra):
+        dtype = model.vision_tower.patch_embed.proj.weight.dtype
+        return model.vision_tower(pixel_values.astype(dtype), extra["image_grid_thw"], output_hidden_states=False)
+
+    def merge_kwargs(self, extra):
+        return {"image_grid_thw": extra["image_grid_thw"]}
+
+    def rope_positions(self, model, input_ids, extra):
+        grid = extra.get("image_grid_thw")
+        if grid is None:
+            # Text only: plain positions, but explicit. Without position_ids
+            # the language model falls back to positions it kept from its
+            # previous call (_position_ids), which belong to another prompt.
+            n = input_ids.shape[1]
+            return mx.broadcast_to(mx.arange(n)[None, None], (3, 1, n)), 0
+        positions, delta = model.language_model.get_rope_index(input_ids, grid, None, mx.ones_like(input_ids))
+        return positions, int(np.array(delta).reshape(-1)[0])
+
+
+class _Gemma3(_Arch):
+    """Gemma 3: fixed-size SigLIP images, pooled to mm_tokens_per_image soft
+    tokens between <start_of_image> and <end_of_image>; plain rope."""
+
+    def placeholder(self, processor) -> str:
+        return processor.boi_token
+
+    def expand(self, processor, text, tokens_per_image):
+        # Gemma3Processor's own expansion, blank lines included (they merge
+        # with neighbouring text when tokenized, so this stays in text space).
+        tok = processor.tokenizer
+        seqs = [f"\n\n{tok.boi_token}{tok.image_token * n}{tok.eoi_token}\n\n" for n in tokens_per_image]
+        return _split_expand(text, processor.boi_token, seqs)
+
+    def tokens_for_size(self, processor, height, width):
+        return int(processor.image_seq_length)
+
+    def tokens_per_image(self, processor, extra, n_images):
+        return [int(processor.image_seq_length)] * n_images
+
+    def encode(self, model, pixel_values, extra):
+        dtype = model.language_model.model.embed_tokens.weight.dtype
+        hidden, _, _ = model.vision_tower(pixel_values.transpose(0, 2, 3, 1).astype(dtype), output_hidden_states=True)
+        features = model.multi_modal_projector(hidden)
+        return features.reshape(-1, features.shape[-1])
+
+    def cached_features(self, features, extra):
+        return features[None]  # [1, tokens, hidden]: its merge reads the last axis, scatters in order
+
+
+# Keyed by mlx-vlm's model package (mlx_vlm.models.<name>, the config's model_type).
+ARCHS: dict[str, _Arch] = {
+    "qwen2_5_vl": _QwenVL(),
+    "gemma3": _Gemma3(),
+}
+
+
+# --------------------------------------------------------------------------
+# The engine
+
+
+class VisionEngine:
+    """A VLM folder's vision tower, projector and processor (mlx-vlm), driving
+    prefill through mlx-vlm's language model with the text model's weights.
+
+    `text_model`: the mlx-lm model loaded from the same folder (what decode
+    runs). Without it the add-on keeps mlx-vlm's own language weights and
+    `make_cache` is unavailable.
+    """
+
+    def __init__(self, folder: str | os.PathLike, text_model=None, dequantize: bool | None = None):
+        from mlx_vlm.utils import get_model_and_args, load_model, load_processor
+
+        from workers.loading import on_cpu
+
+        self.folder = Path(folder)
+        try:
+            self.config = json.loads((self.folder / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ModelError(f"{self.folder}: cannot read config.json ({e})") from None
+        try:
+            _, self.model_type = get_model_and_args(self.config)
+        except (ImportError, KeyError, ValueError) as e:
+            raise ModelError(f"{self.folder}: mlx-vlm cannot build this model ({e})") from None
+        if self.model_type not in ARCHS:
+            raise ModelError(f"{self.folder}: no vision add-on for {self.model_type!r} "
+                             f"(supported: {', '.join(sorted(ARCHS))})")
+        self.arch = ARCHS[self.model_type]
+        # Lazy: the language weights are never read from disk when the text
+        # model's arrays replace them below.
+        self.model = load_model(self.folder, lazy=True)
+        if on_cpu() if dequantize is None else dequantize:
+            _to_float32(self.model)
+        self.text_model = text_model
+        self.shared_params = _share_language_weights(self.model, text_model) if text_model is not None else 0
+        mx.eval(self.model.parameters())
+        self.processor = load_processor(self.folder, add_detokenizer=False)
+        self.tokenizer = self.processor.tokenizer
+
+    # -------------------------------------------------------------- images
+    def image_tokens(self, sizes: Sequence[tuple[int, int]]) -> list[int]:
+        """Placeholder tokens each image of (height, width) takes, from its
+        size alone (what the router needs to build the prompt)."""
+        return [self.arch.tokens_for_size(self.processor, int(h), int(w)) for h, w in sizes]
+
+    def preprocess(self, images: Sequence[Any]) -> ImageBatch:
+        """PIL images or HxWx3 uint8 arrays -> ImageBatch, through the model's own processor."""
+        from PIL import Image
+
+        if not images:
+            raise ValueError("no images")
+        pil = []
+        for im in images:
+            if isinstance(im, np.ndarray):
+                if im.ndim != 3 or im.shape[2] != 3 or im.dtype != np.uint8:
+                    raise ValueError(f"an image array must be HxWx3 uint8, got {im.shape} {im.dtype}")
+                im = Image.fromarray(im, "RGB")
+            elif im.mode != "RGB":
+                im = im.convert("RGB")
+            pil.append(im)
+        text = self.arch.placeholder(self.processor) * len(pil)
+        out = self.processor(text=[text], images=pil, padding=True, return_tensors="mlx")
+        data = {k: (v if isinstance(v, mx.array) else mx.array(np.asarray(v))) for k, v in out.items()
+                if k not in ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")}
+        pixel_values = data.pop("pixel_values")
+        counts = self.arch.tokens_per_image(self.processor, data, len(pil))
+        return ImageBatch(pixel_values, data, counts)
+
+    def encode(self, batch: ImageBatch) -> mx.array:
+        """Image features [n_image_tokens, hidden] (vision tower + projector), evaluated."""
+        features = self.arch.encode(self.model, batch.pixel_values, batch.extra)
+        if features.shape[0] != sum(batch.tokens_per_image):
+            raise RuntimeError(f"{features.shape[0]} image features for {sum(batch.tokens_per_image)} placeholders")
+        mx.eval(features)
+        return features
+
+    # -------------------------------------------------------------- prompt
+    def prompt_text(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template's text, one placeholder per image part."""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def prompt_tokens(self, messages_or_text, tokens_per_image: Sequence[int],
+                      add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the templated prompt, each image's placeholder expanded
+        to its token count, tokenized as mlx-vlm's generate does."""
+        from mlx_vlm.utils import should_add_special_tokens
+
+        text = messages_or_text if isinstance(messages_or_text, str) else self.prompt_text(
+            messages_or_text, add_generation_prompt)
+        text = self.arch.expand(self.processor, text, list(tokens_per_image))
+        add_special = should_add_special_tokens(self.model_type, self.processor)
+        return list(self.tokenizer(text, add_special_tokens=add_special)["input_ids"])
+
+    # -------------------------------------------------------------- prefill
+    def input_embeddings(self, token_ids: Sequence[int], features: mx.array | None,
+                         batch: ImageBatch | None = None) -> mx.array:
+        """[1, n, hidden]: token embeddings, image features in the placeholders.
+        `batch` carries the images' extra data (Qwen: image_grid_thw)."""
+        ids = mx.array([list(token_ids)], dtype=mx.int32)
+        kwargs: dict[str, Any] = {"mask": mx.ones_like(ids)}
+        if features is None:
+            out = self.model.get_input_embeddings(ids, None, **kwargs)
+        else:
+            extra = batch.extra if batch is not None else {}
+            kwargs.update(self.arch.merge_kwargs(extra))
+            kwargs["cached_image_features"] = self.arch.cached_features(features, extra)
+            # The features are passed in (cached_image_features, mlx-vlm's own
+            # vision-cache hook); pixel_values must only be non-None.
+            out = self.model.get_input_embeddings(ids, mx.zeros((1,)), **kwargs)
+        return out.inputs_embeds
+
+    def rope_positions(self, token_ids: Sequence[int], batch: ImageBatch | None = None
+                       ) -> tuple[mx.array | None, int]:
+        """(positions, delta): the positions `prefill` passes to the language
+        model (Qwen-VL: M-RoPE's [3, 1, n]; None for plain rope, which the
+        model derives from the cache offset); delta = the next token's
+        position minus n (0 for plain rope)."""
+        ids = mx.array([list(token_ids)], dtype=mx.int32)
+        return self.arch.rope_positions(self.model, ids, batch.extra if batch is not None else {})
+
+    def make_cache(self) -> list:
+        """A fresh mlx-lm cache for the text model (what decode continues)."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        if self.text_model is None:
+            raise RuntimeError("make_cache needs the text model (VisionEngine(folder, text_model=...))")
+        return make_prompt_cache(self.text_model)
+
+    def prefill(self, token_ids: Sequence[int], embeddings: mx.array, positions: mx.array | None,
+                cache: list, chunk: int = 512) -> mx.array:
+        """Run the prompt into `cache` (mlx-lm caches) through the language
+        model with `embeddings` as its input; returns the last position's
+        logits [vocab]. Like generate_step: all tokens but the last in chunks
+        (only the cache is evaluated), then the last one alone."""
+        lm = self.model.language_model
+        ids = mx.array([list(token_ids)], dtype=mx.int32)
+        n = ids.shape[1]
+        if embeddings.shape[1] != n:
+            raise ValueError(f"{embeddings.shape[1]} embeddings for {n} tokens")
+        if positions is not None and positions.shape[-1] != n:
+            raise ValueError(f"{positions.shape[-1]} positions for {n} tokens")
+
+        def run(s: int, e: int):
+            kwargs = {} if positions is None else {"position_ids": positions[..., s:e]}
+            return lm(ids[:, s:e], inputs_embeds=embeddings[:, s:e], cache=cache, **kwargs)
+
+        start = 0
+        while n - start > 1:
+            end = min(start + chunk, n - 1)
+            run(start, end)
+            mx.eval([c.state for c in cache])
+            start = end
+        logits = run(start, n).logits[0, -1]
+        mx.eval(logits, [c.state for c in cache])
+        return logits
+
+
+# --------------------------------------------------------------------------
+# Decode after a VLM prefill
+
+
+def shift_rope(cache: list, delta: int) -> list:
+    """The prefilled `cache` ready for mlx-lm's text model to decode with its
+    rope positions moved by `delta` (see the module doc). delta 0: the cache
+    itself. Otherwise each plain KVCache becomes a batch-of-one BatchKVCache
+    over the same buffers (no copy) whose rope offset is `length + delta`; other kinds
+    (windows, recurrent state) cannot carry a shift and raise."""
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    if not delta:
+        return cache
+    out = []
+    for c in cache:
+        if type(c) is not KVCache:
+            raise TypeError(f"cannot shift the rope of a {type(c).__name__}")
+        b = BatchKVCache([0])
+        b.keys, b.values, b._idx = c.keys, c.values, c.offset
+        b.offset = mx.array([c.offset + int(delta)])
+        out.append(b)
+    return out
+
+
+def shift_batch_rope(cache: list, deltas: Sequence[int]) -> list:
+    """Per-row rope shifts on a running batch's caches (mlx-lm BatchKVCache
+    layers, e.g. after BatchKVCache.merge), in place: row i's rope positions
+    move by deltas[i]. Call it once the batch is built: merge and extract
+    rebuild offsets from the lengths and drop any shift."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    shift = mx.array([int(d) for d in deltas])
+    for c in cache:
+        if not isinstance(c, BatchKVCache):
+            raise TypeError(f"cannot shift the rope of a {type(c).__name__}")
+        c.offset = c.offset + shift
+    return cache
+
+
+def decode_greedy(text_model, cache: list, first_token: int, max_tokens: int) -> list[int]:
+    """Greedy tokens after `first_token` with mlx-lm's generate_step over
+    `cache` (already shifted with shift_rope where needed): what a decode
+    worker computes for one request."""
+    from mlx_lm.generate import generate_step
+
+    tokens = []
+    for token, _ in generate_step(mx.array([int(first_token)]), text_model, max_tokens=max_tokens,
+                                  prompt_cache=cache):
+        tokens.append(int(token))
+    return tokens
+
+
+# --------------------------------------------------------------------------
+# Loading helpers
+
+
+def _to_float32(model) -> None:
+    """The CPU policy of workers.loading: quantized layers expanded, float32."""
+    from mlx_lm.utils import dequantize_model
+
+    if any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules()):
+        model.set_dtype(mx.float32)
+        dequantize_model(model)
+    model.set_dtype(mx.float32)
+
+
+def _share_language_weights(vlm, text_model) -> int:
+    """Point the mlx-vlm model's language parameters at the text model's
+    arrays where name and shape agree (mlx-lm's qwen2_vl / gemma3 wrappers
+    use mlx-vlm's names); a tied text model's embedding stands in for an
+    lm_head it lacks. Returns the parameters shared."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    theirs = dict(tree_flatten(text_model.parameters()))
+    shared = []
+    for name, p in tree_flatten(vlm.language_model.parameters()):
+        full = f"language_model.{name}"
+        src = theirs.get(full)
+        if src is None and full.endswith("lm_head.weight"):
+            src = theirs.get(full[: -len("lm_head.weight")] + "model.embed_tokens.weight")
+        if src is not None and src.shape == p.shape:
+            shared.append((name, src))
+    vlm.language_model.update(tree_unflatten(shared))
+    return len(shared)
