@@ -55,6 +55,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList
 
 from protos.messages import DecodeRequest, TokenUpdate
 from workers import ragged_kv
+from workers.loading import on_cpu
 from workers.sampling import GREEDY_SAMPLER, build_sampling, token_logprob, wants_logprobs
 
 log = logging.getLogger(__name__)
@@ -81,13 +82,18 @@ class _Queued:
 class DecodeEngine:
     """Decode up to `max_batch` requests together, one token each per step()."""
 
-    def __init__(self, model, max_batch: int = 32, eos_token_ids: Iterable[int] = (), prefix=None):
+    def __init__(self, model, max_batch: int = 32, eos_token_ids: Iterable[int] = (), prefix=None,
+                 ragged: bool | None = None):
         self.model = model
         self.max_batch = max_batch
-        # Rows keep their own KV (workers/ragged_kv.py): joining and leaving the
-        # batch copy nothing. Models whose attention cannot take it batch the
-        # mlx-lm way (one padded BatchKVCache).
-        self.ragged = ragged_kv.install(model)
+        # On the CPU backend rows keep their own KV (workers/ragged_kv.py):
+        # joining and leaving the batch copy nothing, and a shared prompt
+        # prefix is read once per step; memory bandwidth is what a CPU decode
+        # step waits on. On a GPU the per-row attention's many small kernels
+        # cost more than the copies they save (measured on an H100:
+        # BENCHMARKS.md), so there, and for models whose attention cannot
+        # take it, the batch is mlx-lm's padded BatchKVCache.
+        self.ragged = (on_cpu() if ragged is None else ragged) and ragged_kv.install(model)
         # Rows whose prompts start alike (a swarm's system prompt) share that
         # prefix's KV: read once per step, held once.
         self.sharing = ragged_kv.PrefixSharing() if self.ragged else None

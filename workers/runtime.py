@@ -238,10 +238,17 @@ class Worker:
                 self.decode.cancel(rid, save=False)
                 self.outbox.send(RequestFailed(rid, f"decode failed: {type(exc).__name__}: {exc}", 500))
             return
-        if updates:
-            self.outbox.send(TokenBatch(updates))
-        # Ended requests' KV to the prefix cache, after their tokens are sent.
+        # A request's last token goes out only after its KV is committed to
+        # the prefix cache: a client (an agent) sends its next turn the moment
+        # it has the answer, and that turn must find the answer's blocks. The
+        # other requests' tokens go first, so the commit delays no one else.
+        ongoing = [u for u in updates if u.finish_reason is None]
+        ending = [u for u in updates if u.finish_reason is not None]
+        if ongoing:
+            self.outbox.send(TokenBatch(ongoing))
         self.after_reply("prefix commit", self.decode.commit_finished)
+        if ending:
+            self.outbox.send(TokenBatch(ending))
 
     def close(self) -> None:
         if self.outbox:
