@@ -44,15 +44,18 @@ def reexec_with_openblas() -> None:
     os.execve(sys.executable, argv, env)
 
 
-def share_cores(mlx_processes: int) -> int | None:
-    """Give each MLX worker process an equal share of the cores for OpenBLAS
-    (set before they start; they inherit it). OpenBLAS sizes its thread pool
-    to every core and its idle threads spin, so two workers with a pool each
-    on a 2-core machine fight over the cores: one thread each made the swarm
-    benchmark 1.4x faster end to end (BENCHMARKS.md). Returns the threads
-    set, or None where nothing was changed (the user chose, or no OpenBLAS)."""
-    if "OPENBLAS_NUM_THREADS" in os.environ or openblas_path() is None or mlx_processes < 1:
-        return None
-    threads = max(1, (os.cpu_count() or 1) // mlx_processes)
-    os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
-    return threads
+
+def calm_blas_threads() -> bool:
+    """Make OpenBLAS's idle threads sleep at once instead of spinning (set
+    before the workers start; they inherit it). OpenBLAS sizes its pool to
+    every core and by default spins ~2^28 cycles after each call: prefill and
+    decode workers in separate processes then burn each other's cores. One
+    thread per worker fixed that for the swarm but made one stream 25% slower;
+    full pools that sleep at once (OPENBLAS_THREAD_TIMEOUT=4, OpenBLAS's
+    minimum) kept both: 15.7 vs 11.6 tok/s at 1 client, 67 vs 47 at 16
+    (BENCHMARKS.md). Returns False where nothing was changed (the user chose,
+    or no OpenBLAS)."""
+    if "OPENBLAS_THREAD_TIMEOUT" in os.environ or openblas_path() is None:
+        return False
+    os.environ["OPENBLAS_THREAD_TIMEOUT"] = "4"
+    return True

@@ -106,12 +106,10 @@ class Supervisor:
         """Start everything, keep it alive until asked to stop. Returns an exit code."""
         os.makedirs(self.settings.run_dir, exist_ok=True)
         self._plan()
-        from deploy.blas import share_cores
+        from deploy.blas import calm_blas_threads
 
-        workers = sum(1 for c in self.children if c.target == "workers.runtime:run")
-        threads = share_cores(workers)
-        if threads is not None:
-            log.info("OpenBLAS: %d thread(s) for each of %d worker processes", threads, workers)
+        if calm_blas_threads():
+            log.info("OpenBLAS: idle threads sleep at once (OPENBLAS_THREAD_TIMEOUT=4)")
         for child in self.children:
             self._spawn(child)
         log.info("tandem serving %s on http://%s:%d (run dir %s)", self.settings.model_id, self.settings.host,
