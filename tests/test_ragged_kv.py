@@ -10,7 +10,7 @@ import pytest
 from mlx import nn
 from mlx_lm.models.cache import KVCache
 
-from workers import ragged_kv
+from workers import attention_hook, ragged_kv
 from workers.decode import DecodeEngine
 
 try:
@@ -119,8 +119,8 @@ class _OwnAttention(nn.Module):  # a model whose code does not call mlx-lm's att
 
 
 def test_install_refuses_models_without_mlx_lm_attention(model):
-    assert ragged_kv.install(model)
-    assert not ragged_kv.install(_OwnAttention())
+    assert attention_hook.install(model)
+    assert not attention_hook.install(_OwnAttention())
 
 
 def test_attention_that_bypasses_the_rows_is_caught(model):

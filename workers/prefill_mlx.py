@@ -40,6 +40,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from protos.messages import SamplingParams, TokenLogprob
+from workers import attention_hook
 from workers.sampling import build_sampling, token_logprob, wants_logprobs
 
 
@@ -178,6 +179,7 @@ class PrefillEngine:
         self.model = model
         self.chunk_size = chunk_size
         self.prefix = prefix
+        attention_hook.install(model)  # on the CPU, attention without MLX's slow exp
 
     def start(self, prompt_tokens: Sequence[int], sampling: SamplingParams, owner: str = "") -> PrefillJob:
         return PrefillJob(self, prompt_tokens, sampling, owner)

@@ -17,9 +17,8 @@ It plugs into BatchGenerator unchanged: the decode worker hands it caches
 whose layers are RowKVCache, and BatchGenerator's `type(c).merge` builds a
 RaggedKVCache from them. The model's attention reaches our rows through
 mlx-lm's `scaled_dot_product_attention`, which every mlx-lm model module
-imports from `mlx_lm.models.base`; `install()` wraps that name in each model
-module so a RaggedKVCache attends row by row and every other cache goes to
-mlx-lm's own function untouched. A model whose attention does not call it is
+imports from `mlx_lm.models.base`; workers/attention_hook.py wraps that name
+in each model module so that a RaggedKVCache attends row by row. A model whose attention does not call it is
 caught on its next step (RuntimeError), never silently wrong.
 
 Rows carry a rope position separate from their length (`rope_shift`), which is
@@ -29,14 +28,13 @@ token count).
 
 from __future__ import annotations
 
-import sys
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models.cache import KVCache, _BaseCache
 
-_ORIGINAL_SDPA = mlx_lm_base.scaled_dot_product_attention
+from workers.cpu_attention import softmax
+
 
 
 class RowKVCache(KVCache):
@@ -132,7 +130,7 @@ def _group_attention(q, prefix: SharedKV, rows: list[_Row]):
         scores = shared[:, j][None]  # (1, Hkv, rep, Lp)
         if k.shape[2]:
             scores = mx.concatenate([scores, q[j : j + 1] @ k.swapaxes(-1, -2)], axis=-1)
-        probs = mx.softmax(scores, axis=-1, precise=True)
+        probs = softmax(scores)
         probs_shared.append(probs[..., : prefix.length])
         own_out.append(probs[..., prefix.length :] @ v if k.shape[2] else None)
     probs = mx.concatenate(probs_shared, axis=0).transpose(1, 0, 2, 3).reshape(1, n_kv, g * rep, prefix.length)
@@ -192,7 +190,7 @@ class RaggedKVCache(_BaseCache):
         for i, row in enumerate(self.rows):
             if row.prefix is None:
                 k, v = row.view()
-                scores = mx.softmax(q[i : i + 1] @ k.swapaxes(-1, -2), axis=-1, precise=True)
+                scores = softmax(q[i : i + 1] @ k.swapaxes(-1, -2))
                 outputs[i] = scores @ v
             else:
                 groups.setdefault(id(row.prefix), (row.prefix, []))[1].append(i)
@@ -260,29 +258,6 @@ class RaggedKVCache(_BaseCache):
     def nbytes(self):
         own = sum(r.keys.nbytes + r.values.nbytes for r in self.rows)
         return own + sum(p.keys.nbytes + p.values.nbytes for p in self._prefixes())
-
-
-def _scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-    if isinstance(cache, RaggedKVCache):
-        return cache.attend(queries, scale, sinks)
-    return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-
-def install(model) -> bool:
-    """Route attention of `model`'s modules through RaggedKVCache-aware
-    attention. Returns False (nothing changed) when the model's code does not
-    use mlx-lm's attention function, so the caller keeps BatchKVCache."""
-    names = {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}
-    patched = False
-    for name in names:
-        module = sys.modules.get(name)
-        current = getattr(module, "scaled_dot_product_attention", None)
-        if current is _ORIGINAL_SDPA:
-            module.scaled_dot_product_attention = _scaled_dot_product_attention
-            patched = True
-        elif current is _scaled_dot_product_attention:
-            patched = True
-    return patched
 
 
 def rows_of(cache: list, rope_shift: int = 0) -> list:

@@ -1,0 +1,45 @@
+"""workers/cpu_attention.py against MLX's own exp and attention."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from workers import cpu_attention
+
+
+def test_exp_neg_is_within_an_ulp_of_mlx_exp():
+    x = mx.concatenate([mx.linspace(-87.0, 0.0, 100_001), -mx.abs(mx.random.normal((10_000,), key=mx.random.key(0)))])
+    ref, got = mx.exp(x), cpu_attention.exp_neg(x)
+    rel = mx.abs(got - ref) / ref
+    assert rel.max().item() <= 2.5e-7  # ~2 float32 ulps at worst
+    assert (got == ref).mean().item() > 0.5  # most values bit-identical
+
+
+@pytest.mark.parametrize("n,length,heads,kv_heads", [(1, 700, 9, 3), (37, 300, 9, 3), (64, 64, 4, 4), (5, 90, 8, 2)])
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_attention_matches_mlx(n, length, heads, kv_heads, mask):
+    k0, k1, k2 = mx.random.split(mx.random.key(n + length), 3)
+    q = mx.random.normal((2, heads, n, 32), key=k0)
+    k = mx.random.normal((2, kv_heads, length, 32), key=k1)
+    v = mx.random.normal((2, kv_heads, length, 32), key=k2)
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.17, mask=mask)
+    got = cpu_attention.attention(q, k, v, 0.17, mask)
+    assert got.shape == ref.shape
+    assert mx.allclose(got, ref, atol=2e-6, rtol=1e-5).item()
+
+
+def test_masked_positions_get_exactly_zero_weight():
+    scores = mx.array([[0.0, 5.0, 1.0, 100.0]])
+    keep = mx.array([[True, True, True, False]])
+    probs = cpu_attention.softmax(mx.where(keep, scores, -mx.inf), keep)
+    assert probs[0, 3].item() == 0.0
+    assert abs(probs.sum().item() - 1.0) < 1e-6
+    assert mx.allclose(probs[:, :3], mx.softmax(scores[:, :3], axis=-1)).item()
+
+
+def test_other_masks_and_dtypes_are_left_to_mlx():
+    q = mx.zeros((1, 2, 3, 8))
+    kv = mx.zeros((1, 2, 5, 8))
+    assert cpu_attention.attention(q, kv, kv, 1.0, mx.ones((3, 5), dtype=mx.bool_)) is None
+    assert cpu_attention.attention(q.astype(mx.float16), kv.astype(mx.float16), kv.astype(mx.float16), 1.0, None) is None
