@@ -46,6 +46,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=_positive, default=d.prefill_chunk, help="tokens per prefill step")
     p.add_argument("--max-queue", type=_positive, default=d.max_queue, help="queued requests beyond which clients get 429")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s, help="seconds in-flight streams get on shutdown")
+    p.add_argument("--allow-local-media", default=None, metavar="DIR",
+                   help="VLMs: serve file:// image and video URLs from under DIR (default: refused)")
+    p.add_argument("--max-images", type=_positive, default=d.max_images, help="VLMs: image parts per request")
+    p.add_argument("--max-image-pixels", type=_positive, default=d.max_image_pixels, help="VLMs: pixels per image")
+    p.add_argument("--media-fetch-timeout", type=float, default=d.media_fetch_timeout_s,
+                   help="VLMs: seconds an http(s) image download may take")
+    p.add_argument("--max-video-frames", type=_positive, default=d.max_video_frames,
+                   help="VLMs: frames sampled per video at most")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
 
 
@@ -66,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
         cache_memory_bytes=args.cache_memory, cache_dir=None if args.no_disk_cache else args.cache_dir,
         cache_disk_bytes=args.cache_disk_bytes, block_size=args.block_size, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
         max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, log_level=args.log_level,
+        allow_local_media=args.allow_local_media, max_images=args.max_images,
+        max_image_pixels=args.max_image_pixels, media_fetch_timeout_s=args.media_fetch_timeout,
+        max_video_frames=args.max_video_frames,
     )
     logging.getLogger(__name__).info(
         "KV cache: %.0f MiB of shared memory, disk tier %s", settings.cache_memory_bytes / 2**20,

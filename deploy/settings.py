@@ -62,3 +62,19 @@ class Settings:
     request_timeout_s: float = 600.0
     drain_timeout_s: float = 30.0
     log_level: str = "info"
+    # Media (VLMs): file:// image URLs only from under this folder (None: refused)
+    allow_local_media: str | None = None
+    max_images: int = 16  # image parts (plus video frames) per request
+    max_image_pixels: int = 8192 * 6144
+    media_fetch_timeout_s: float = 10.0  # a whole http(s) download
+    max_video_frames: int = 32
+
+    def media_limits(self):
+        """router/media.py's limits from these settings."""
+        from pathlib import Path
+
+        from router.media import MediaLimits
+
+        return MediaLimits(max_images=self.max_images, max_pixels=self.max_image_pixels,
+                           fetch_timeout_s=self.media_fetch_timeout_s, max_frames=self.max_video_frames,
+                           allowed_local_dir=Path(self.allow_local_media) if self.allow_local_media else None)

@@ -115,6 +115,37 @@ class PrefillRequest:
     prompt_tokens: list
     sampling: SamplingParams
     decode_worker: str  # worker id that will decode; equal to self: keep KV local
+    images: list = field(default_factory=list)  # [ImageInput], prompt order; [] for text-only
+
+
+@dataclass
+class ImageInput:
+    """One image of a VLM prompt: its decoded RGB pixels (an out-of-band
+    frame) and where its placeholder tokens sit in the prompt."""
+
+    content_hash: str  # SHA-256 hex over width, height and RGB pixels (router/media.py)
+    pixels: object = None  # numpy uint8 [H, W, 3] (an out-of-band frame)
+    start: int = 0  # index of its first placeholder token in prompt_tokens
+    n_tokens: int = 0  # placeholder tokens it takes
+
+
+@dataclass
+class VisionRequest:
+    """Router -> vision worker: put these images' embeddings in the cache
+    service (workers/vision_cache.py), encoding those it lacks."""
+
+    request_id: str
+    images: list  # [ImageInput]
+
+
+@dataclass
+class VisionDone:
+    """Vision worker -> router: every image's embedding is stored (or was)."""
+
+    request_id: str
+    encoded: int = 0  # images the encoder ran for
+    cached: int = 0  # images whose embeddings were there already
+    encode_s: float = 0.0
 
 
 @dataclass
@@ -128,6 +159,9 @@ class PrefillDone:
     finish_reason: Optional[str] = None  # set when the first token already ends it
     prefill_ms: float = 0.0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    images_encoded: int = 0  # images the vision encoder ran for
+    images_cached: int = 0  # images it did not need (cached KV past them)
+    encode_s: float = 0.0  # vision encoder seconds
 
 
 @dataclass
@@ -320,6 +354,9 @@ ALL_MESSAGES = [
     TokenLogprob,
     WorkerHello,
     PrefillRequest,
+    ImageInput,
+    VisionRequest,
+    VisionDone,
     PrefillDone,
     DecodeRequest,
     TokenUpdate,

@@ -90,11 +90,38 @@ class _Api:
         self.settings = settings
         self.token_bytes = TokenBytes(tokenizer)  # shared: a cache over the vocabulary
         self.created = int(time.time())
+        from router.vision_prompt import VisionPrompter
+        from workers.model_store import is_vlm
+
+        self.vision = VisionPrompter(settings.model_dir) if settings.model_dir and is_vlm(settings.model_dir) else None
+        self.media_limits = settings.media_limits()
 
     async def chat_completions(self, request: Request) -> "GenerationResponse":
         body = await read_json(request, self.settings.max_request_bytes)
-        parsed = parse_chat(body, self.tokenizer, self.engine.model_id, self.engine.max_context)
+        if self.vision is not None and _has_media(body):
+            parsed = await self._parse_vision_chat(body)
+        else:
+            parsed = parse_chat(body, self.tokenizer, self.engine.model_id, self.engine.max_context)
         return self._generation_response(parsed, ChatFormat)
+
+    async def _parse_vision_chat(self, body: dict) -> ParsedRequest:
+        """Decode the request's images and videos (router/media.py: 400 naming
+        the part on any refusal), then template and tokenize in a thread."""
+        from router.media import DecodedVideo, load_media_parts
+
+        media = await load_media_parts(body["messages"], self.media_limits)
+        images, it = [], iter(media)
+        for message in body["messages"]:
+            for part in message.get("content") if isinstance(message.get("content"), list) else []:
+                if isinstance(part, dict) and part.get("type") in ("image_url", "video_url"):
+                    item = next(it)
+                    if isinstance(item, DecodedVideo):
+                        part["_frames"] = len(item.frames)
+                        images += item.frames
+                    else:
+                        images.append(item)
+        return await asyncio.to_thread(parse_chat, body, self.tokenizer, self.engine.model_id,
+                                       self.engine.max_context, (self.vision, images))
 
     async def completions(self, request: Request) -> "GenerationResponse":
         body = await read_json(request, self.settings.max_request_bytes)
@@ -105,7 +132,7 @@ class _Api:
         request_id = format_class.id_prefix + uuid.uuid4().hex
         generation = Generation(
             self.engine,
-            GenerationRequest(request_id, parsed.prompt_tokens, parsed.sampling),
+            GenerationRequest(request_id, parsed.prompt_tokens, parsed.sampling, parsed.images),
             TextStream(self.tokenizer, parsed.stop, keep_leading_space=parsed.kind == "completion"),
             self.settings.request_timeout_s + DEADLINE_BACKSTOP_S,
         )
@@ -314,6 +341,14 @@ class CompletionFormat(_Format):
 # --------------------------------------------------------------------------- #
 # The ASGI response
 # --------------------------------------------------------------------------- #
+
+
+def _has_media(body) -> bool:
+    messages = body.get("messages") if isinstance(body, dict) else None
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") in ("image_url", "video_url") for p in m["content"])
+        for m in messages)
 
 
 def _as_api_error(exc: Exception) -> ApiError:

@@ -29,6 +29,8 @@ from protos.messages import (
     PrefillRequest,
     RequestFailed,
     TokenBatch,
+    VisionDone,
+    VisionRequest,
     WorkerHello,
 )
 from router.engine_api import EngineError, EngineEvent, GenerationRequest
@@ -63,6 +65,7 @@ class RequestState:
     prefill_worker: str
     decode_worker: str = ""
     phase: str = "prefill"  # prefill -> decode -> done
+    vision: object = None  # the VisionDone of its images, if a vision worker stored them
     started: float = field(default_factory=time.monotonic)
 
 
@@ -110,9 +113,13 @@ class Dispatcher:
     # ------------------------------------------------------------- health --
     def _expected(self) -> dict[str, int]:
         s = self.settings
+        from workers.model_store import is_vlm
+
+        vision = ({"vision": s.prefill_workers if s.colocate else 1}
+                  if s.model_dir and is_vlm(s.model_dir) else {})
         if s.colocate:
-            return {"prefill": s.prefill_workers, "decode": s.prefill_workers}
-        return {"prefill": s.prefill_workers, "decode": s.decode_workers}
+            return {"prefill": s.prefill_workers, "decode": s.prefill_workers, **vision}
+        return {"prefill": s.prefill_workers, "decode": s.decode_workers, **vision}
 
     def _ready_with(self, role: str) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.ready and role in w.hello.roles]
@@ -196,8 +203,10 @@ class Dispatcher:
         m.prompt_tokens.inc(len(req.prompt_tokens))
         outcome, last = "cancelled", None
         try:
+            if req.images:
+                await self._vision(st)
             if not await self._send(st.prefill_worker, PrefillRequest(
-                    rid, list(req.prompt_tokens), req.sampling, st.prefill_worker if local else "")):
+                    rid, list(req.prompt_tokens), req.sampling, st.prefill_worker if local else "", list(req.images))):
                 raise EngineError(503, "prefill worker unreachable; retry shortly", retry_after=1.0)
             deadline = st.started + self.settings.request_timeout_s
             while True:
@@ -223,6 +232,35 @@ class Dispatcher:
         finally:
             m.requests.labels(status=outcome).inc()
             await self._finish(st)
+
+    async def _vision(self, st: RequestState) -> None:
+        """Have a vision worker store the images' embeddings (encoding those
+        the cache service lacks) before prefill. Without one alive, prefill
+        encodes what it needs itself."""
+        ready = self._ready_with("vision")
+        if not ready:
+            return
+        w = min(ready, key=lambda w: (w.load(), w.hello.running + w.hello.waiting))
+        rid = st.req.request_id
+        w.assigned.add(rid)
+        try:
+            if not await self._send(w.hello.worker_id, VisionRequest(rid, list(st.req.images))):
+                return
+            deadline = st.started + self.settings.request_timeout_s
+            try:
+                item = await asyncio.wait_for(st.events.get(), timeout=max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise EngineError(504, f"request exceeded {self.settings.request_timeout_s:.0f}s") from None
+            if isinstance(item, EngineError):
+                raise item
+            st.vision = item
+            m = self.metrics
+            m.vision_queries.inc(item.encoded + item.cached)
+            m.vision_hits.inc(item.cached)
+            if item.encoded:
+                m.vision_encode.observe(item.encode_s)
+        finally:
+            w.assigned.discard(rid)
 
     async def _finish(self, st: RequestState) -> None:
         rid = st.req.request_id
@@ -265,6 +303,10 @@ class Dispatcher:
                 st = self.requests.get(u.request_id)
                 if st is not None:
                     st.events.put_nowait(EngineEvent(u.token, u.logprob, u.finish_reason))
+        elif isinstance(msg, VisionDone):
+            st = self.requests.get(msg.request_id)
+            if st is not None:
+                st.events.put_nowait(msg)
         elif isinstance(msg, PrefillDone):
             await self._on_prefill_done(wid, msg)
         elif isinstance(msg, RequestFailed):
@@ -300,6 +342,11 @@ class Dispatcher:
             return
         self.metrics.prefix_queries.inc()
         self.metrics.prefix_hit_tokens.inc(done.cached_tokens)
+        if st.req.images and st.vision is None:  # no vision worker: prefill encoded
+            self.metrics.vision_queries.inc(done.images_encoded + done.images_cached)
+            self.metrics.vision_hits.inc(done.images_cached)
+            if done.images_encoded:
+                self.metrics.vision_encode.observe(done.encode_s)
         if not h.local:
             self.metrics.handoff.observe(h.write_ms / 1000)
         st.events.put_nowait(EngineEvent(done.first_token, done.logprob, done.finish_reason, done.cached_tokens))
@@ -322,7 +369,8 @@ class Dispatcher:
             self.workers[st.prefill_worker].assigned.discard(done.request_id)
         decode.assigned.add(done.request_id)
         ok = await self._send(st.decode_worker, DecodeRequest(
-            done.request_id, list(st.req.prompt_tokens), done.first_token, h, st.req.sampling, generated=1))
+            done.request_id, list(st.req.prompt_tokens), done.first_token, h, st.req.sampling, generated=1,
+            media=[im.content_hash for im in st.req.images]))
         if not ok:
             await self._free(h)
             st.events.put_nowait(EngineError(502, "decode worker unreachable"))

@@ -8,7 +8,7 @@ text. It knows nothing about workers, sockets or routing: that is the engine's j
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
 from protos.messages import SamplingParams, TokenLogprob
@@ -20,6 +20,7 @@ class GenerationRequest:
     prompt_tokens: list[int]
     # max_tokens, stop_token_ids (EOS ids), logprobs / top_logprobs, seed, penalties...
     sampling: SamplingParams
+    images: list = field(default_factory=list)  # protos.messages.ImageInput, prompt order
 
 
 @dataclass

@@ -71,6 +71,13 @@ class Metrics:
                                       registry=r)
         self.prefix_hit_tokens = Counter("tandem_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
                                          registry=r)
+        # Vision: each image of a request is a query; a hit is an image the
+        # encoder did not run for (its KV was cached past it).
+        self.vision_queries = Counter("tandem_vision_cache_queries", "Images looked up before encoding", registry=r)
+        self.vision_hits = Counter("tandem_vision_cache_hits", "Images served without running the encoder",
+                                   registry=r)
+        self.vision_encode = Histogram("tandem_vision_encode_seconds", "Vision encoder time per request",
+                                       buckets=_LATENCY_BUCKETS, registry=r)
         if dispatcher is not None:
             r.register(_LiveState(dispatcher))
 

@@ -36,6 +36,7 @@ class ParsedRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    images: list = field(default_factory=list)  # protos.messages.ImageInput, prompt order
 
 
 # --------------------------------------------------------------------------- #
@@ -242,7 +243,9 @@ def _require_tokens(tokens: list[int], param: str) -> list[int]:
 # --------------------------------------------------------------------------- #
 
 
-def parse_chat(body: dict, tokenizer, model_id: str, max_context: int) -> ParsedRequest:
+def parse_chat(body: dict, tokenizer, model_id: str, max_context: int, vision=None) -> ParsedRequest:
+    """`vision`: (router.vision_prompt.VisionPrompter, decoded images in part
+    order) when the served model takes images; None refuses image parts."""
     sampling = _sampling(body, tokenizer)
     logprobs = _field(body, "logprobs", "a boolean", False)
     top_logprobs = _in_range(_field(body, "top_logprobs", "an integer", 0), "top_logprobs", 0, MAX_TOP_LOGPROBS)
@@ -250,11 +253,15 @@ def parse_chat(body: dict, tokenizer, model_id: str, max_context: int) -> Parsed
         raise _invalid("top_logprobs", "requires 'logprobs' to be true")
     stop = _stop(body)
     stream, include_usage = _stream_options(body)
-    messages = _messages(body)
+    messages = _messages(body, media=vision is not None)
     check_model(body, model_id)
 
+    images = []
     try:
-        tokens = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        if vision is not None and any(isinstance(m["content"], list) for m in messages):
+            tokens, images = vision[0].build(messages, vision[1])
+        else:
+            tokens = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
     except (jinja2.TemplateError, ValueError) as exc:  # templates raise on e.g. misordered roles
         raise _invalid("messages", f"the model's chat template rejected them: {exc}")
     _require_tokens(tokens, "messages")
@@ -262,11 +269,13 @@ def parse_chat(body: dict, tokenizer, model_id: str, max_context: int) -> Parsed
         body, ("max_completion_tokens", "max_tokens"), "messages", len(tokens), max_context
     )
     sampling.logprobs, sampling.top_logprobs = logprobs, top_logprobs
-    return ParsedRequest("chat", tokens, sampling, stop, stream, include_usage)
+    return ParsedRequest("chat", tokens, sampling, stop, stream, include_usage, images)
 
 
-def _messages(body: dict) -> list[dict]:
-    """Messages as the chat template wants them: role and plain-string content."""
+def _messages(body: dict, media: bool = False) -> list[dict]:
+    """Messages as the chat template wants them: role and plain-string content
+    (with `media`, a message with image or video parts keeps a list of
+    {"type": "text"} and {"type": "image"} parts: a video one per frame)."""
     raw = _field(body, "messages", "an array", required=True)
     if not raw:
         raise _invalid("messages", "must contain at least one message")
@@ -280,7 +289,7 @@ def _messages(body: dict) -> list[dict]:
         # An assistant turn that only called tools has no content.
         content = _field(message, "content", "a string or an array", "", required=role != "assistant", path=path)
         if isinstance(content, list):
-            content = _text_parts(content, path + "content")
+            content = _text_parts(content, path + "content", media)
         normalized = {"role": role, "content": content}
         name = _field(message, "name", "a string", path=path)
         if name is not None:
@@ -289,12 +298,24 @@ def _messages(body: dict) -> list[dict]:
     return messages
 
 
-def _text_parts(parts: list, param: str) -> str:
-    texts = []
+def _text_parts(parts: list, param: str, media=False):
+    """Text parts joined by newlines. With `media` (the model takes images),
+    a list of text and {"type": "image"} parts when any part is an image or
+    video (a video: one image per frame, its count in the part's `_frames`,
+    which the router sets once it has decoded the video)."""
+    texts, out = [], []
     for j, part in enumerate(parts):
         path = f"{param}[{j}]."
         _expect(part, "an object", path[:-1])
         kind = _field(part, "type", "a string", required=True, path=path)
+        if kind in ("image_url", "video_url") and not media:
+            raise ApiError(400, f"Unsupported content part type '{kind}' in '{path[:-1]}': "
+                           "this model does not take images or video",
+                           param=path + "type", code="unsupported_value")
+        if kind in ("image_url", "video_url"):
+            frames = part.get("_frames", 1)
+            out += [{"type": "image"}] * frames
+            continue
         if kind != "text":
             raise ApiError(
                 400,
@@ -302,7 +323,11 @@ def _text_parts(parts: list, param: str) -> str:
                 param=path + "type",
                 code="unsupported_value",
             )
-        texts.append(_field(part, "text", "a string", required=True, path=path))
+        text = _field(part, "text", "a string", required=True, path=path)
+        texts.append(text)
+        out.append({"type": "text", "text": text})
+    if len(out) > len(texts):
+        return out
     return "\n".join(texts)
 
 

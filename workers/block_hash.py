@@ -123,3 +123,23 @@ class BlockHasher:
             prev = h.digest()
             out.append(prev)
         return out
+
+
+def image_block_extra(images: Sequence, block_size: int) -> Optional[BlockExtra]:
+    """The `per_block` hook for a prompt with images (protos ImageInput:
+    content_hash, start, n_tokens): block i carries, for every image
+    overlapping it, the image's content hash and its start relative to the
+    block's first token (negative: it began in an earlier block). Blocks
+    before the first image get b"" and hash exactly like text. None when
+    there are no images."""
+    spans = [(int(im.start), int(im.start) + int(im.n_tokens), bytes.fromhex(im.content_hash)) for im in images]
+    if not spans:
+        return None
+    bs = int(block_size)
+
+    def per_block(i: int) -> bytes:
+        lo, hi = i * bs, (i + 1) * bs
+        return b"".join(_field(h) + (s - lo).to_bytes(8, "little", signed=True)
+                        for s, e, h in spans if s < hi and e > lo)
+
+    return per_block

@@ -9,8 +9,10 @@ downloads: a repo id must already be in the local Hugging Face cache.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
+import json
 import os
 import re
 from pathlib import Path
@@ -149,3 +151,13 @@ def model_id_for(spec: str | None, folder: str | os.PathLike) -> str:
     if name.lower().endswith(".gguf"):
         name = name[: -len(".gguf")]
     return _QUANT_SUFFIX.sub("", name) or name
+
+
+@functools.lru_cache(maxsize=16)
+def is_vlm(model_dir: str | Path) -> bool:
+    """A folder whose config names a vision tower (mlx-vlm's layout)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)

@@ -101,18 +101,20 @@ class PrefixCache(_ServiceUser):
         self.layout = layout
 
     # ----------------------------------------------------------------- fetch
-    def fetch(self, tokens: Sequence[int], max_blocks: int, owner: str) -> Tuple[Optional[List[KVCache]], int]:
+    def fetch(self, tokens: Sequence[int], max_blocks: int, owner: str,
+              per_block=None) -> Tuple[Optional[List[KVCache]], int]:
         """KV of the longest cached run among the first `max_blocks` full
-        blocks of `tokens`: (per-layer caches, tokens they hold) or (None, 0)."""
+        blocks of `tokens`: (per-layer caches, tokens they hold) or (None, 0).
+        `per_block`: extra bytes per block (workers.block_hash.image_block_extra)."""
         try:
-            return self._fetch(tokens, max_blocks, owner)
+            return self._fetch(tokens, max_blocks, owner, per_block)
         except Exception:  # noqa: BLE001 - an optimisation never fails the request
             self.stats.failures += 1
             log.warning("prefix lookup for %s failed; computing the whole prompt", owner, exc_info=True)
             return None, 0
 
-    def _fetch(self, tokens, max_blocks, owner):
-        hashes = self.hasher.hashes(tokens, max_blocks)
+    def _fetch(self, tokens, max_blocks, owner, per_block=None):
+        hashes = self.hasher.hashes(tokens, max_blocks, per_block)
         if not hashes or not self._available():
             return None, 0
         t0 = time.perf_counter()
@@ -155,21 +157,21 @@ class PrefixCache(_ServiceUser):
         return refs
 
     # ----------------------------------------------------------------- store
-    def store(self, tokens: Sequence[int], cache: Sequence, owner: str) -> int:
+    def store(self, tokens: Sequence[int], cache: Sequence, owner: str, per_block=None) -> int:
         """Commit every full block of `tokens` that `cache` holds and the
         cache service lacks. `tokens` must be exactly the tokens whose KV the
         cache holds, from position 0 (a wrong token here would poison the
         cache for every later request). Returns the blocks written."""
         try:
-            return self._store(tokens, cache, owner)
+            return self._store(tokens, cache, owner, per_block)
         except Exception:  # noqa: BLE001 - an optimisation never fails the request
             self.stats.failures += 1
             log.warning("prefix store for %s failed", owner, exc_info=True)
             return 0
 
-    def _store(self, tokens, cache, owner):
+    def _store(self, tokens, cache, owner, per_block=None):
         held = min(min(c.offset for c in cache), len(tokens))
-        hashes = self.hasher.hashes(tokens, held // self.block_size)
+        hashes = self.hasher.hashes(tokens, held // self.block_size, per_block)
         if not hashes or not self._available():
             return 0
         t0 = time.perf_counter()
@@ -279,23 +281,23 @@ class SnapshotCache(_ServiceUser):
             return None
 
     # ----------------------------------------------------------------- fetch
-    def fetch(self, tokens: Sequence[int], owner: str) -> Tuple[Optional[list], int]:
+    def fetch(self, tokens: Sequence[int], owner: str, per_block=None) -> Tuple[Optional[list], int]:
         """The latest snapshot of a prefix of `tokens` ending at or before
         snapshot_point(len(tokens)): (per-layer caches, tokens they hold) or
-        (None, 0)."""
+        (None, 0). `per_block`: as PrefixCache.fetch's."""
         try:
-            return self._fetch(tokens, owner)
+            return self._fetch(tokens, owner, per_block)
         except Exception:  # noqa: BLE001 - an optimisation never fails the request
             self.stats.failures += 1
             log.warning("snapshot lookup for %s failed; computing the whole prompt", owner, exc_info=True)
             return None, 0
 
-    def _fetch(self, tokens, owner):
+    def _fetch(self, tokens, owner, per_block=None):
         point = self.snapshot_point(len(tokens))
         if point == 0 or not self._available():
             return None, 0
         t0 = time.perf_counter()
-        hashes = self.hasher.hashes(tokens, point // self.block_size)
+        hashes = self.hasher.hashes(tokens, point // self.block_size, per_block)
         for k in range(len(hashes), max(0, len(hashes) - self.max_lookups), -1):
             key = snapshot_key(hashes[k - 1])
             self.stats.lookups += 1
@@ -336,24 +338,24 @@ class SnapshotCache(_ServiceUser):
             raise ValueError(f"snapshot layers {classes} do not match the model's {self.layer_classes}")
 
     # ----------------------------------------------------------------- store
-    def store(self, tokens: Sequence[int], snapshot: Optional[Snapshot], owner: str) -> int:
+    def store(self, tokens: Sequence[int], snapshot: Optional[Snapshot], owner: str, per_block=None) -> int:
         """Commit `snapshot` (the state of the first snapshot.tokens of
         `tokens`) unless the cache service has it. Returns 1 if written."""
         if snapshot is None:
             return 0
         try:
-            return self._store(tokens, snapshot, owner)
+            return self._store(tokens, snapshot, owner, per_block)
         except Exception:  # noqa: BLE001 - an optimisation never fails the request
             self.stats.failures += 1
             log.warning("snapshot store for %s failed", owner, exc_info=True)
             return 0
 
-    def _store(self, tokens, snapshot: Snapshot, owner):
+    def _store(self, tokens, snapshot: Snapshot, owner, per_block=None):
         k, rest = divmod(snapshot.tokens, self.block_size)
         if k == 0 or rest or snapshot.tokens > len(tokens) or not self._available():
             return 0
         t0 = time.perf_counter()
-        key = snapshot_key(self.hasher.hashes(tokens, k)[-1])
+        key = snapshot_key(self.hasher.hashes(tokens, k, per_block)[-1])
         try:
             reply = self.client.reserve([key], snapshot.nbytes, owner, ttl_s=self.ttl_s)
         except CacheUnavailable as exc:

@@ -35,8 +35,11 @@ from protos.messages import (
     PrefillRequest,
     RequestFailed,
     TokenBatch,
+    VisionDone,
+    VisionRequest,
     WorkerHello,
 )
+from workers.model_store import is_vlm
 from workers.prefill_mlx import first_token_finishes
 from workers.socket_loop import Outbox, SocketLoop
 
@@ -65,8 +68,11 @@ class Worker:
         self.prefix = None  # workers.prefix_cache.PrefixCache or SnapshotCache; None when caching is off
         self.arenas = ArenaAttachment()  # re-attaches when a restarted cache service has a new arena
         self.prefill = None
+        self.vision = None  # workers.vision.VisionEngine when the model takes images
+        self.embeddings = None  # workers.vision_cache.EmbeddingStore: image features in the cache service
         self.decode = None
         self.prefill_queue: deque[PrefillRequest] = deque()
+        self.vision_queue: deque[VisionRequest] = deque()
         self.current = None  # (PrefillRequest, incremental prefill job)
         self.local_kv: dict[str, list] = {}  # colocated handoffs: the KV never leaves the process
         self.stopping = False
@@ -79,14 +85,18 @@ class Worker:
         from workers.prefill_mlx import PrefillEngine
 
         t0 = time.perf_counter()
-        model, _tokenizer = load_model(self.settings.model_dir)
         self.cache = CacheClient(self.settings)
         self.prefix_client = CacheClient(
             self.settings, timeout_s=min(self.settings.cache_call_timeout_s, PREFIX_CALL_TIMEOUT_S))
-        self.prefix = make_prefix_cache(model, self.settings.model_dir, self.settings.block_size,
-                                        self.prefix_client, lambda name: self.arenas.get(name).buf)
+        model = None
+        if "prefill" in self.roles or "decode" in self.roles:
+            model, _tokenizer = load_model(self.settings.model_dir)
+            self.prefix = make_prefix_cache(model, self.settings.model_dir, self.settings.block_size,
+                                            self.prefix_client, lambda name: self.arenas.get(name).buf)
         if "prefill" in self.roles:
             self.prefill = PrefillEngine(model, chunk_size=self.settings.prefill_chunk, prefix=self.prefix)
+        if ("prefill" in self.roles or "vision" in self.roles) and is_vlm(self.settings.model_dir):
+            self.load_vision(model)
         if "decode" in self.roles:
             self.decode = DecodeEngine(model, max_batch=self.settings.max_batch, prefix=self.prefix)
         self.outbox = Outbox(self.ctx)
@@ -95,12 +105,29 @@ class Worker:
         log.info("worker %s %s ready in %.1fs (pid %d)", self.worker_id, "+".join(self.roles),
                  time.perf_counter() - t0, os.getpid())
 
+    def load_vision(self, text_model) -> None:
+        """The vision tower and projector (mlx-vlm). With a text model (a
+        prefill worker) the language weights are the text model's; a
+        vision-only worker keeps mlx-vlm's own."""
+        from workers.block_hash import model_fingerprint
+        from workers.vision import VisionEngine
+        from workers.vision_cache import EmbeddingStore, preprocessing_settings
+
+        self.vision = VisionEngine(self.settings.model_dir, text_model=text_model,
+                                   encoder_only=text_model is None)
+        self.embeddings = EmbeddingStore(
+            self.prefix_client, lambda name: self.arenas.get(name).buf,
+            model_fingerprint(self.settings.model_dir), preprocessing_settings(self.vision.processor))
+
     # ---------------------------------------------------------- main loop --
     def serve(self) -> None:
         while not self.stopping:
             self.drain_inbox(block=not self.has_work())
             if self.stopping:
                 break
+            if self.vision_queue:
+                req = self.vision_queue.popleft()
+                self.guarded(req.request_id, self.encode_images, req)
             if self.prefill is not None and (self.current or self.prefill_queue):
                 self.guarded(self.current[0].request_id if self.current else self.prefill_queue[0].request_id,
                              self.prefill_chunk)
@@ -109,7 +136,8 @@ class Worker:
             self.update_load()
 
     def has_work(self) -> bool:
-        return bool(self.current or self.prefill_queue or (self.decode is not None and self.decode.has_work))
+        return bool(self.current or self.prefill_queue or self.vision_queue
+                    or (self.decode is not None and self.decode.has_work))
 
     def drain_inbox(self, block: bool) -> None:
         timeout = 0.25 if block else None
@@ -127,6 +155,8 @@ class Worker:
     def handle(self, msg) -> None:
         if isinstance(msg, PrefillRequest) and self.prefill is not None:
             self.prefill_queue.append(msg)
+        elif isinstance(msg, VisionRequest) and "vision" in self.roles and self.vision is not None:
+            self.vision_queue.append(msg)
         elif isinstance(msg, DecodeRequest) and self.decode is not None:
             self.guarded(msg.request_id, self.start_decode, msg)
         elif isinstance(msg, Cancel):
@@ -157,14 +187,15 @@ class Worker:
     def update_load(self) -> None:
         running = (1 if self.current else 0) + (self.decode.running if self.decode else 0)
         self.hello.running = running
-        self.hello.waiting = len(self.prefill_queue) + (self.decode.waiting if self.decode else 0)
+        self.hello.waiting = (len(self.prefill_queue) + len(self.vision_queue)
+                              + (self.decode.waiting if self.decode else 0))
         self.hello.kv_bytes = self.decode.kv_bytes if self.decode else 0
 
     # ------------------------------------------------------------ prefill --
     def prefill_chunk(self) -> None:
         if self.current is None:
             req = self.prefill_queue.popleft()
-            self.current = (req, self.prefill.start(req.prompt_tokens, req.sampling, owner=req.request_id))
+            self.current = (req, self.start_prefill(req))
         req, job = self.current
         result = job.step()
         if result is None:
@@ -177,9 +208,42 @@ class Worker:
         else:
             handoff = self.hand_off(req, result)
         self.outbox.send(PrefillDone(req.request_id, first, handoff, result.logprob, finish, result.prefill_ms,
-                                     cached_tokens=result.cached_tokens))
+                                     cached_tokens=result.cached_tokens,
+                                     images_encoded=getattr(job, "encoded", 0),
+                                     images_cached=getattr(job, "skipped", 0),
+                                     encode_s=getattr(job, "encode_s", 0.0)))
         # After PrefillDone: storing new blocks never delays the first token.
         self.after_reply("prefix store", job.save_prefix)
+
+    # ------------------------------------------------------------- vision --
+    def encode_images(self, req: VisionRequest) -> None:
+        """Store every image's embedding that the cache service lacks."""
+        import numpy as np
+
+        done, seen = VisionDone(req.request_id), set()
+        for im in req.images:
+            if im.content_hash in seen or self.embeddings.has(im.content_hash, req.request_id):
+                done.cached += 1
+                seen.add(im.content_hash)
+                continue
+            seen.add(im.content_hash)
+            t0 = time.perf_counter()
+            features = self.vision.encode(self.vision.preprocess([np.asarray(im.pixels, dtype=np.uint8)]))
+            done.encode_s += time.perf_counter() - t0
+            done.encoded += 1
+            self.embeddings.put(im.content_hash, features, req.request_id)
+        self.outbox.send(done)
+
+    def start_prefill(self, req: PrefillRequest):
+        if not req.images:
+            return self.prefill.start(req.prompt_tokens, req.sampling, owner=req.request_id)
+        if self.vision is None:
+            raise ValueError("this model does not take images")
+        from workers.prefill_vlm import VLMPrefillJob
+
+        return VLMPrefillJob(self.vision, req.prompt_tokens, req.images, req.sampling,
+                             chunk_size=self.settings.prefill_chunk, owner=req.request_id, prefix=self.prefix,
+                             embeddings=self.embeddings)
 
     def after_reply(self, what: str, fn) -> None:
         """Work done after the client's answer is on its way: a failure is

@@ -105,6 +105,10 @@ class _Arch:
         """`text` with each image's placeholder expanded as the processor does."""
         raise NotImplementedError
 
+    def image_token(self, processor) -> str:
+        """The token repeated once per image feature (what features replace)."""
+        return processor.image_token
+
     def tokens_for_size(self, processor, height: int, width: int) -> int:
         raise NotImplementedError
 
@@ -190,6 +194,9 @@ class _Gemma3(_Arch):
         seqs = [f"\n\n{tok.boi_token}{tok.image_token * n}{tok.eoi_token}\n\n" for n in tokens_per_image]
         return _split_expand(text, processor.boi_token, seqs)
 
+    def image_token(self, processor):
+        return processor.tokenizer.image_token
+
     def tokens_for_size(self, processor, height, width):
         return int(processor.image_seq_length)
 
@@ -223,10 +230,12 @@ class VisionEngine:
 
     `text_model`: the mlx-lm model loaded from the same folder (what decode
     runs). Without it the add-on keeps mlx-vlm's own language weights and
-    `make_cache` is unavailable.
+    `make_cache` is unavailable. `encoder_only`: load only what `preprocess`
+    and `encode` need (a vision worker); the language weights stay unread.
     """
 
-    def __init__(self, folder: str | os.PathLike, text_model=None, dequantize: bool | None = None):
+    def __init__(self, folder: str | os.PathLike, text_model=None, dequantize: bool | None = None,
+                 encoder_only: bool = False):
         from mlx_vlm.utils import get_model_and_args, load_model, load_processor
 
         from workers.loading import on_cpu
@@ -251,7 +260,12 @@ class VisionEngine:
             _to_float32(self.model)
         self.text_model = text_model
         self.shared_params = _share_language_weights(self.model, text_model) if text_model is not None else 0
-        mx.eval(self.model.parameters())
+        if encoder_only:
+            # A vision worker: only the tower and projector are ever read
+            # (preprocess + encode); the lazily loaded language weights stay on disk.
+            mx.eval({k: v for k, v in self.model.children().items() if k != "language_model"})
+        else:
+            mx.eval(self.model.parameters())
         self.processor = load_processor(self.folder, add_detokenizer=False)
         self.tokenizer = self.processor.tokenizer
 

@@ -1,0 +1,164 @@
+"""Prefill of a prompt with images: workers/vision.py's VisionEngine drives
+mlx-vlm's language model (sharing the text model's weights) with the image
+features in the placeholders and M-RoPE positions, into an mlx-lm cache that
+decode continues on the text model (`rope_offset = num_tokens + delta`).
+
+`VLMPrefillJob` has PrefillJob's interface (`step()` -> PrefillResult once
+done, `save_prefix()`), so workers/runtime.py drives both alike; it runs the
+prompt in one step.
+
+Prefix reuse: the prompt's block hashes carry every overlapping image's
+content hash and offset (workers.block_hash.image_block_extra), so a cached
+block after an image is only ever reused for that same picture at the same
+place. The job loads the longest cached prefix (KV blocks, or for sliding-
+window models such as Gemma 3 a snapshot), then computes only the rest:
+
+* images that lie wholly inside the cached prefix are never encoded (their
+  placeholders get zero features: those positions' embeddings are cut off
+  with the cached part); the others come from the embedding store
+  (workers/vision_cache.py: the cache service, keyed by content hash) or are
+  encoded one image at a time and stored there;
+* the input embeddings and M-RoPE positions are computed for the whole
+  prompt (positions depend on every earlier image's grid) and sliced at the
+  cached length.
+
+The first token is sampled exactly as workers/prefill_mlx.PrefillJob does
+(same processors over the whole prompt, same sampler).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generation_stream
+
+from protos.messages import ImageInput, SamplingParams
+from workers.block_hash import image_block_extra
+from workers.prefill_mlx import PrefillResult
+from workers.sampling import build_sampling, token_logprob, wants_logprobs
+
+
+class VLMPrefillJob:
+    def __init__(self, engine, prompt_tokens: Sequence[int], images: Sequence[ImageInput],
+                 sampling: SamplingParams, chunk_size: int = 512, owner: str = "", prefix=None,
+                 embeddings=None):
+        if not prompt_tokens:
+            raise ValueError("empty prompt")
+        self.engine = engine  # workers.vision.VisionEngine with the text model
+        self.tokens = [int(t) for t in prompt_tokens]
+        self.images = list(images)
+        self.sampling = sampling
+        self.chunk_size = chunk_size
+        self.owner = owner
+        self.prefix = prefix  # workers.prefix_cache.PrefixCache / SnapshotCache, or None
+        self.embeddings = embeddings  # workers.vision_cache.EmbeddingStore, or None
+        self.per_block = image_block_extra(self.images, prefix.block_size) if prefix is not None else None
+        self.result: Optional[PrefillResult] = None
+        self.snapshot = None
+        self.encoded = 0  # images run through the vision encoder
+        self.skipped = 0  # images not encoded: inside the cached prefix, or their embeddings cached
+        self.encode_s = 0.0
+        self._saved = False
+        self._dtype = None  # the encoder's output dtype (cached features are float32)
+
+    @property
+    def snapshots(self) -> bool:
+        return self.prefix is not None and getattr(self.prefix, "kind", "blocks") == "snapshot"
+
+    def step(self) -> Optional[PrefillResult]:
+        if self.result is not None:
+            return self.result
+        tic = time.perf_counter()
+        eng, n = self.engine, len(self.tokens)
+        with mx.stream(generation_stream):
+            cache, hit = self._load_prefix()
+            batch, features = self._features(hit)
+            embeds = eng.input_embeddings(self.tokens, features, batch)[:, hit:]
+            positions, delta = eng.rope_positions(self.tokens, batch)
+            if positions is not None:
+                positions = positions[..., hit:]
+            tail = self.tokens[hit:]
+            point = self.prefix.snapshot_point(n) if self.snapshots else 0
+            if point > hit:  # stop at the snapshot point, copy the state there
+                k = point - hit
+                eng.prefill(tail[:k], embeds[:, :k], None if positions is None else positions[..., :k],
+                            cache, chunk=self.chunk_size)
+                self.snapshot = self.prefix.capture(cache, point)
+                tail, embeds = tail[k:], embeds[:, k:]
+                positions = None if positions is None else positions[..., k:]
+            logits = eng.prefill(tail, embeds, positions, cache, chunk=self.chunk_size)[None]
+            sampler, processors = build_sampling(self.sampling, draws_done=0)
+            prompt = mx.array(self.tokens, dtype=mx.int32)
+            for proc in processors:
+                logits = proc(prompt, logits)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            token = sampler(logprobs)
+            mx.eval(token, logprobs)
+        first = int(token.item())
+        lp = token_logprob(logprobs, first, self.sampling.top_logprobs) if wants_logprobs(self.sampling) else None
+        self.result = PrefillResult(first, lp, cache, n, n + int(delta),
+                                    (time.perf_counter() - tic) * 1000.0, hit)
+        return self.result
+
+    def _load_prefix(self) -> tuple[list, int]:
+        n, prefix = len(self.tokens), self.prefix
+        cache, hit = None, 0
+        if self.snapshots:
+            cache, hit = prefix.fetch(self.tokens, self.owner, per_block=self.per_block)
+        elif prefix is not None:
+            cache, hit = prefix.fetch(self.tokens, (n - 1) // prefix.block_size, self.owner,
+                                      per_block=self.per_block)
+        if cache is None:
+            return self.engine.make_cache(), 0
+        return cache, hit
+
+    def _features(self, hit: int):
+        """(ImageBatch of every image, features [n_image_tokens, hidden]):
+        images ending inside the first `hit` tokens get zeros, the others
+        their encoder output (one image at a time)."""
+        eng = self.engine
+        batches = [eng.preprocess([np.asarray(im.pixels, dtype=np.uint8)]) for im in self.images]
+        want = [im.n_tokens for im in self.images]
+        got = [b.tokens_per_image[0] for b in batches]
+        if got != want:
+            raise ValueError(f"the images take {got} tokens, the prompt has {want}")
+        embed = eng.model.language_model.model.embed_tokens.weight
+        parts = []
+        for im, b in zip(self.images, batches):
+            if im.start + im.n_tokens <= hit:
+                parts.append(mx.zeros((im.n_tokens, embed.shape[-1]), dtype=embed.dtype))
+                self.skipped += 1
+                continue
+            cached = None
+            if self.embeddings is not None:
+                cached = self.embeddings.get(im.content_hash, im.n_tokens, embed.shape[-1], self.owner)
+            if cached is not None:
+                parts.append(cached)
+                self.skipped += 1
+                continue
+            t0 = time.perf_counter()
+            features = eng.encode(b)
+            self._dtype = features.dtype
+            self.encode_s += time.perf_counter() - t0
+            self.encoded += 1
+            parts.append(features)
+            if self.embeddings is not None:
+                self.embeddings.put(im.content_hash, features, self.owner)
+        dtype = self._dtype or embed.dtype
+        features = mx.concatenate([p.astype(dtype) for p in parts]) if parts else None
+        from workers.vision import ImageBatch
+
+        return ImageBatch.join(batches), features
+
+    def save_prefix(self) -> int:
+        """Store the prompt's blocks (or snapshot) under image-aware hashes."""
+        if self.prefix is None or self.result is None or self._saved:
+            return 0
+        self._saved = True
+        if self.snapshots:
+            snapshot, self.snapshot = self.snapshot, None
+            return self.prefix.store(self.tokens, snapshot, self.owner, per_block=self.per_block)
+        return self.prefix.store(self.tokens, self.result.cache, self.owner, per_block=self.per_block)
