@@ -76,9 +76,13 @@ ATTN_SHARPNESS = 2.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--like", required=True, choices=list(SHAPES), help="the real model whose shape to copy")
+    from benchmarks import random_vlm
+
+    p.add_argument("--like", required=True, choices=[*SHAPES, *random_vlm.SHAPES],
+                   help="the real model whose shape to copy (a VLM too: benchmarks/random_vlm.py)")
     p.add_argument("--out", required=True, help="folder to write (created; must be empty or absent)")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="weights' dtype (default: bfloat16; the tiny VLM shapes float32)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer-from", default=None,
                    help="model folder to copy the tokenizer from (default: the embedded default model)")
@@ -91,17 +95,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"tandem: {out} is not empty (use --force to overwrite)", file=sys.stderr)
         return 2
     try:
-        tokenizer_dir = Path(args.tokenizer_from) if args.tokenizer_from else _embedded_model_dir()
+        tokenizer_dir = Path(args.tokenizer_from) if args.tokenizer_from else embedded_model_dir()
     except Exception as e:  # ModelError and kin: one line for the user
         print(f"tandem: {e}", file=sys.stderr)
         return 2
-    info = write_random_model(args.like, out, dtype=args.dtype, seed=args.seed, tokenizer_dir=tokenizer_dir)
+    from benchmarks import random_vlm
+
+    if args.like in random_vlm.SHAPES:
+        dtype = args.dtype or random_vlm.SHAPES[args.like]["dtype"]
+        info = random_vlm.make_random_vlm(args.like, out, args.seed, dtype=dtype, tokenizer_dir=tokenizer_dir)
+    else:
+        dtype = args.dtype or "bfloat16"
+        info = write_random_model(args.like, out, dtype=dtype, seed=args.seed, tokenizer_dir=tokenizer_dir)
     print(f"{out}: random {args.like} ({info['model_type']}), {info['params']:,} parameters, "
-          f"{info['weight_bytes'] / 2**20:,.1f} MiB of {args.dtype} weights, seed {args.seed}")
+          f"{info['weight_bytes'] / 2**20:,.1f} MiB of {dtype} weights, seed {args.seed}")
     return 0
 
 
-def _embedded_model_dir() -> Path:
+def embedded_model_dir() -> Path:
     from workers.model_store import resolve_model
 
     return resolve_model(None)
@@ -182,7 +193,7 @@ def write_random_model(like: str, out: Path, *, dtype: str = "bfloat16", seed: i
     from mlx.utils import tree_unflatten
     from mlx_lm.utils import save_config, save_model
 
-    tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else _embedded_model_dir()
+    tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else embedded_model_dir()
     config = build_config(like, dtype, tokenizer_dir, seed)
     model = build_model(config)
     n_params = count_parameters(model)

@@ -13,18 +13,18 @@ architecture needs, appended after its vocabulary; the config's token ids
 eos, pad) are those tokens' ids here, and the chat template renders image
 parts the way the real model's template does.
 
-    python -m benchmarks.random_vlm --like tiny-qwen2.5-vl --out /tmp/tiny-qwen-vl [--seed 0] [--dtype float32]
+    tandem random-model --like qwen2.5-vl-3b|tiny-qwen2.5-vl|tiny-gemma3 --out DIR [--seed 0] [--dtype float32]
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import shutil
-import sys
 import zlib
 from pathlib import Path
+
+from benchmarks.random_model import embedded_model_dir
 
 # ---------------------------------------------------------------------------
 # Per-architecture format: special tokens, the config keys that hold their ids,
@@ -174,7 +174,6 @@ SHAPES: dict[str, dict] = {
     },
 }
 REAL_SHAPES = [name for name in SHAPES if not name.startswith("tiny")]
-DTYPES = ("float16", "bfloat16", "float32")
 
 
 # ---------------------------------------------------------------------------
@@ -331,12 +330,6 @@ def count_parameters(model, config: dict) -> int:
                if not (name.endswith("lm_head.weight") and tied_lm_head(config)))
 
 
-def _embedded_model_dir() -> Path:
-    from workers.model_store import resolve_model
-
-    return resolve_model(None)
-
-
 def make_random_vlm(like: str, out, seed: int = 0, *, dtype: str | None = None,
                     tokenizer_dir: Path | None = None) -> dict:
     """Write the folder `out` (replaced if present). Returns {model_type,
@@ -350,7 +343,7 @@ def make_random_vlm(like: str, out, seed: int = 0, *, dtype: str | None = None,
     out = Path(out)
     dtype = dtype or SHAPES[like]["dtype"]
     model_type = SHAPES[like]["model_type"]
-    tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else _embedded_model_dir()
+    tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else embedded_model_dir()
     tok = build_tokenizer(model_type, tokenizer_dir)
     ids = token_ids(model_type, tok)
     n_tok = tok.get_vocab_size(with_added_tokens=True)
@@ -391,46 +384,3 @@ def make_random_vlm(like: str, out, seed: int = 0, *, dtype: str | None = None,
     write_processor_files(like, out)
     write_generation_config(config, out)
     return {"model_type": model_type, "params": n_params, "weight_bytes": weight_bytes, "token_ids": ids}
-
-
-# ---------------------------------------------------------------------------
-# Command line
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--like", required=True, choices=list(SHAPES), help="the model whose shape to copy")
-    p.add_argument("--out", required=True, help="folder to write (created; must be empty or absent)")
-    p.add_argument("--dtype", default=None, choices=DTYPES, help="weights' dtype (default: the shape's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokenizer-from", default=None,
-                   help="model folder whose tokenizer.json to extend (default: the embedded default model)")
-    p.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
-
-
-def run(args: argparse.Namespace) -> int:
-    out = Path(args.out).expanduser()
-    if out.exists() and any(out.iterdir()) and not args.force:
-        print(f"tandem: {out} is not empty (use --force to overwrite)", file=sys.stderr)
-        return 2
-    from workers.model_store import ModelError
-
-    try:
-        tokenizer_dir = Path(args.tokenizer_from) if args.tokenizer_from else _embedded_model_dir()
-    except ModelError as e:  # one line for the user
-        print(f"tandem: {e}", file=sys.stderr)
-        return 2
-    info = make_random_vlm(args.like, out, args.seed, dtype=args.dtype, tokenizer_dir=tokenizer_dir)
-    dtype = args.dtype or SHAPES[args.like]["dtype"]
-    print(f"{out}: random {args.like} ({info['model_type']}), {info['params']:,} parameters, "
-          f"{info['weight_bytes'] / 2**20:,.1f} MiB of {dtype} weights, seed {args.seed}")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tandem random-vlm", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -208,14 +208,8 @@ class Dispatcher:
             if not await self._send(st.prefill_worker, PrefillRequest(
                     rid, list(req.prompt_tokens), req.sampling, st.prefill_worker if local else "", list(req.images))):
                 raise EngineError(503, "prefill worker unreachable; retry shortly", retry_after=1.0)
-            deadline = st.started + self.settings.request_timeout_s
             while True:
-                try:
-                    item = await asyncio.wait_for(st.events.get(), timeout=max(0.0, deadline - time.monotonic()))
-                except asyncio.TimeoutError:
-                    raise EngineError(504, f"request exceeded {self.settings.request_timeout_s:.0f}s") from None
-                if isinstance(item, EngineError):
-                    raise item
+                item = await self._next_event(st)
                 now = time.monotonic()
                 (m.ttft if last is None else m.itl).observe(now - (st.started if last is None else last))
                 last = now
@@ -233,6 +227,18 @@ class Dispatcher:
             m.requests.labels(status=outcome).inc()
             await self._finish(st)
 
+    async def _next_event(self, st: RequestState):
+        """The request's next event from the workers, within its whole-request
+        deadline; an EngineError event is raised."""
+        deadline = st.started + self.settings.request_timeout_s
+        try:
+            item = await asyncio.wait_for(st.events.get(), timeout=max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise EngineError(504, f"request exceeded {self.settings.request_timeout_s:.0f}s") from None
+        if isinstance(item, EngineError):
+            raise item
+        return item
+
     async def _vision(self, st: RequestState) -> None:
         """Have a vision worker store the images' embeddings (encoding those
         the cache service lacks) before prefill. Without one alive, prefill
@@ -246,13 +252,7 @@ class Dispatcher:
         try:
             if not await self._send(w.hello.worker_id, VisionRequest(rid, list(st.req.images))):
                 return
-            deadline = st.started + self.settings.request_timeout_s
-            try:
-                item = await asyncio.wait_for(st.events.get(), timeout=max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                raise EngineError(504, f"request exceeded {self.settings.request_timeout_s:.0f}s") from None
-            if isinstance(item, EngineError):
-                raise item
+            item = await self._next_event(st)
             st.vision = item
             m = self.metrics
             m.vision_queries.inc(item.encoded + item.cached)

@@ -98,14 +98,14 @@ class _Row:
             return k, v
         return (mx.concatenate([self.prefix.keys, k], axis=2), mx.concatenate([self.prefix.values, v], axis=2))
 
-    def share(self, prefix: SharedKV) -> None:
+    def share(self, prefix: SharedKV, step: int = 256) -> None:
         """Drop the first `prefix.length` tokens of this row's own buffer in
         favour of `prefix` (the same KV, held once for several rows)."""
         if self.prefix is not None:
             raise ValueError("row already has a shared prefix")
         n = self.length
-        self.keys = _with_capacity(self.keys[..., prefix.length:n, :], n - prefix.length, 256)
-        self.values = _with_capacity(self.values[..., prefix.length:n, :], n - prefix.length, 256)
+        self.keys = _with_capacity(self.keys[..., prefix.length:n, :], n - prefix.length, step)
+        self.values = _with_capacity(self.values[..., prefix.length:n, :], n - prefix.length, step)
         self.prefix = prefix
 
 
@@ -349,7 +349,7 @@ class PrefixSharing:
 
     def _join(self, member: _Member, group: _Group) -> None:
         for row, layer in zip(member.rows, group.layers):
-            row.share(layer)
+            row.share(layer, RaggedKVCache.step)
         group.members.add(member.request_id)
         member.group = group
 
