@@ -49,15 +49,23 @@ def chat_body(model: str, messages: list[dict], max_tokens: int) -> dict:
             "stream": True, "stream_options": {"include_usage": True}}
 
 
+def completion_body(model: str, prompt: str | list[int], max_tokens: int) -> dict:
+    """chat_body's twin for /v1/completions (a prompt as text or token ids)."""
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+
 async def stream_chat(client: httpx.AsyncClient, base_url: str, body: dict, timeout: float,
                       headers: dict | None = None, first_token: asyncio.Event | None = None) -> RequestResult:
-    """POST /v1/chat/completions and read the SSE stream to its end (or the
-    deadline). `first_token` is set when the first text arrives."""
+    """POST /v1/chat/completions (/v1/completions for a body with a
+    "prompt") and read the SSE stream to its end (or the deadline).
+    `first_token` is set when the first text arrives."""
     t0 = time.perf_counter()
     res = RequestResult(status=0, sent_at=t0)
+    path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
     try:
         async with asyncio.timeout(timeout):
-            async with client.stream("POST", base_url.rstrip("/") + "/v1/chat/completions", json=body,
+            async with client.stream("POST", base_url.rstrip("/") + path, json=body,
                                      headers=headers, timeout=httpx.Timeout(timeout, connect=min(10.0, timeout))) as r:
                 res.status = r.status_code
                 if r.status_code != 200:
@@ -95,7 +103,7 @@ async def _read_sse(r: httpx.Response, res: RequestResult, t0: float, first_toke
             res.status, res.error = "stream-error", str(chunk["error"])[:300]
             return
         for choice in chunk.get("choices") or []:
-            text = (choice.get("delta") or {}).get("content")
+            text = choice["text"] if "text" in choice else (choice.get("delta") or {}).get("content")
             if text:
                 now = time.perf_counter() - t0
                 if res.ttft is None:

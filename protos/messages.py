@@ -52,7 +52,8 @@ class ArenaSlice:
 
 @dataclass
 class KVHandoff:
-    """What decode needs to rebuild a prompt's KV cache.
+    """What decode needs to rebuild a prompt's KV cache. Prefill worker ->
+    router on its own (after PrefillDone), router -> decode in DecodeRequest.
 
     `arena` names the shared-memory segment; `allocation` is the id the cache
     service gave the reservation (decode frees it once loaded). `layers` holds,
@@ -150,11 +151,17 @@ class VisionDone:
 
 @dataclass
 class PrefillDone:
-    """Prefill worker -> router: the first token and where the KV is."""
+    """Prefill worker -> router: the first token, sent the moment it exists.
+
+    `handoff` is where the KV is when it is already known (kept local with
+    --colocate, or nothing to hand over because the first token ends the
+    request); None when the KV is still being written to the arena: then
+    the KVHandoff follows as a message of its own, so the client's first
+    token never waits for that copy."""
 
     request_id: str
     first_token: int
-    handoff: KVHandoff
+    handoff: Optional[KVHandoff]
     logprob: Optional[TokenLogprob] = None
     finish_reason: Optional[str] = None  # set when the first token already ends it
     prefill_ms: float = 0.0

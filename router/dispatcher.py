@@ -2,9 +2,10 @@
 
 It owns the state of every request in flight and of every worker it has heard
 from. A request goes: PrefillRequest to the least-loaded prefill worker ->
-PrefillDone (first token; KV in the arena, or kept local with --colocate) ->
-DecodeRequest to the least-loaded decode worker -> TokenBatch updates until
-finish. Any worker silent for `heartbeat_timeout_s` is dead: its requests end
+PrefillDone (the first token, streamed at once) -> KVHandoff (the KV is in
+the arena; with --colocate it stays in the worker and PrefillDone carries the
+handoff) -> DecodeRequest to the least-loaded decode worker -> TokenBatch
+updates until finish. Any worker silent for `heartbeat_timeout_s` is dead: its requests end
 with an error at once and it leaves the routing table until it says hello again.
 """
 
@@ -25,6 +26,7 @@ from protos import transport
 from protos.messages import (
     Cancel,
     DecodeRequest,
+    KVHandoff,
     PrefillDone,
     PrefillRequest,
     RequestFailed,
@@ -66,6 +68,7 @@ class RequestState:
     decode_worker: str = ""
     phase: str = "prefill"  # prefill -> decode -> done
     vision: object = None  # the VisionDone of its images, if a vision worker stored them
+    first_token: Optional[int] = None  # from PrefillDone; decode continues after it
     started: float = field(default_factory=time.monotonic)
 
 
@@ -309,6 +312,8 @@ class Dispatcher:
                 st.events.put_nowait(msg)
         elif isinstance(msg, PrefillDone):
             await self._on_prefill_done(wid, msg)
+        elif isinstance(msg, KVHandoff):
+            await self._on_handoff(wid, msg)
         elif isinstance(msg, RequestFailed):
             st = self.requests.get(msg.request_id)
             if st is not None:
@@ -336,9 +341,9 @@ class Dispatcher:
 
     async def _on_prefill_done(self, wid: str, done: PrefillDone) -> None:
         st = self.requests.get(done.request_id)
-        h = done.handoff
-        if st is None:  # the client left while prefill ran: release the KV it wrote
-            await self._free(h)
+        if st is None:  # the client left while prefill ran
+            if done.handoff is not None:
+                await self._free(done.handoff)
             return
         self.metrics.prefix_queries.inc()
         self.metrics.prefix_hit_tokens.inc(done.cached_tokens)
@@ -347,11 +352,19 @@ class Dispatcher:
             self.metrics.vision_hits.inc(done.images_cached)
             if done.images_encoded:
                 self.metrics.vision_encode.observe(done.encode_s)
+        st.events.put_nowait(EngineEvent(done.first_token, done.logprob, done.finish_reason, done.cached_tokens))
+        st.first_token = done.first_token
+        if done.finish_reason is None and done.handoff is not None:
+            await self._on_handoff(wid, done.handoff)
+
+    async def _on_handoff(self, wid: str, h: KVHandoff) -> None:
+        """The prompt's KV is ready: pass the request to a decode worker."""
+        st = self.requests.get(h.request_id)
+        if st is None or st.phase != "prefill" or st.first_token is None:
+            await self._free(h)  # the client left, or the request already failed
+            return
         if not h.local:
             self.metrics.handoff.observe(h.write_ms / 1000)
-        st.events.put_nowait(EngineEvent(done.first_token, done.logprob, done.finish_reason, done.cached_tokens))
-        if done.finish_reason is not None:
-            return
         if h.local:
             decode = self.workers.get(wid)
         else:
@@ -366,10 +379,10 @@ class Dispatcher:
             return
         st.phase, st.decode_worker = "decode", decode.hello.worker_id
         if st.prefill_worker in self.workers:
-            self.workers[st.prefill_worker].assigned.discard(done.request_id)
-        decode.assigned.add(done.request_id)
+            self.workers[st.prefill_worker].assigned.discard(h.request_id)
+        decode.assigned.add(h.request_id)
         ok = await self._send(st.decode_worker, DecodeRequest(
-            done.request_id, list(st.req.prompt_tokens), done.first_token, h, st.req.sampling, generated=1,
+            h.request_id, list(st.req.prompt_tokens), st.first_token, h, st.req.sampling, generated=1,
             media=[im.content_hash for im in st.req.images]))
         if not ok:
             await self._free(h)

@@ -227,3 +227,35 @@ def test_prefill_routing_follows_the_prefix_unless_that_worker_is_swamped():
             await g.aclose()
 
     run(body)
+
+
+def test_first_token_streams_before_the_kv_handoff_arrives():
+    """PrefillDone without a handoff: the client has its first token while
+    the prefill worker still writes the KV; KVHandoff then starts decode."""
+    async def body(disp, worker):
+        pre, dec = worker("prefill-0", ["prefill"]), worker("decode-0", ["decode"])
+        await pre.beat()
+        await dec.beat()
+        await wait_for(lambda: len(disp.workers) == 2)
+        first_seen = asyncio.Event()
+
+        async def play():
+            await pre.next()
+            await transport.asend(pre.sock, PrefillDone("r1", 7, None))
+            await asyncio.wait_for(first_seen.wait(), 5)
+            assert not await dec.sock.poll(100), "decode was asked before the KV was handed over"
+            await transport.asend(pre.sock, KVHandoff("r1", 3, 3))
+            msg = await dec.next()
+            assert isinstance(msg, DecodeRequest) and msg.first_token == 7
+            await transport.asend(dec.sock, TokenBatch([TokenUpdate("r1", 9, finish_reason="length")]))
+
+        player = asyncio.create_task(play())
+        tokens = []
+        async for e in disp.generate(request()):
+            tokens.append(e.token)
+            first_seen.set()
+        await player
+        assert tokens == [7, 9]
+        assert disp.requests == {}
+
+    run(body)

@@ -27,7 +27,7 @@ def _example(cls):
                 kwargs[f.name] = fillers[t]
             elif t == "SamplingParams":
                 kwargs[f.name] = SamplingParams()
-            elif t == "KVHandoff":
+            elif t in ("KVHandoff", "Optional[KVHandoff]"):
                 kwargs[f.name] = KVHandoff("r", 3, 3)
             else:
                 raise AssertionError(f"no filler for {cls.__name__}.{f.name}: {t}")

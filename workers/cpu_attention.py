@@ -17,6 +17,7 @@ caller uses mlx-lm's own attention. A Mac's GPU never comes here.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import mlx.core as mx
@@ -27,8 +28,12 @@ _LN2 = math.log(2.0)
 _COEFFS = [_LN2**k / math.factorial(k) for k in range(8)]
 
 
-def _mantissa_and_exponent(x: mx.array):
-    y = mx.maximum(x * (1.0 / _LN2), -126.0)  # 2^-126: the smallest normal float32
+def _exp_parts(x: mx.array, top: mx.array):
+    """e^(x - top) as p * 2^i: returns p and i's biased exponent bits.
+    y is clamped at -127, whose biased exponent 0 makes 2^i exactly 0: a
+    masked (-inf) score gets weight 0 with no second pass, and results that
+    would be float32 denormals (below e^-87.3) flush to 0."""
+    y = mx.maximum((x - top) * (1.0 / _LN2), -127.0)
     i = mx.round(y)
     f = y - i
     p = _COEFFS[7]
@@ -38,23 +43,45 @@ def _mantissa_and_exponent(x: mx.array):
 
 
 # Shapeless: one compiled kernel for every score shape (decode's grows each step).
-_split = mx.compile(_mantissa_and_exponent, shapeless=True)
+_split = mx.compile(_exp_parts, shapeless=True)
 
 
-def exp_neg(x: mx.array) -> mx.array:
-    """e^x for x <= 0 (float32), to within 1 ulp of mx.exp."""
-    p, biased = _split(x)
+def _exp_from_parts(x: mx.array, top: mx.array) -> mx.array:
+    p, biased = _split(x, top)
     # 2^i from its bits (a bit view cannot be compiled shapeless).
     return p * mx.left_shift(biased, 23).view(mx.float32)
 
 
-def softmax(scores: mx.array, keep: mx.array | None = None) -> mx.array:
-    """Softmax over the last axis (float32 scores); `keep` (broadcastable
-    bools) zeroes masked positions exactly."""
-    e = exp_neg(scores - mx.stop_gradient(scores.max(axis=-1, keepdims=True)))
-    if keep is not None:
-        e = mx.where(keep, e, 0.0)
-    return e / e.sum(axis=-1, keepdims=True)
+def exp_neg(x: mx.array) -> mx.array:
+    """e^x for x <= 0 (float32), to within 1 ulp of mx.exp; -inf gives 0."""
+    return _exp_from_parts(x, _ZERO)
+
+
+_ZERO = mx.array(0.0)
+
+
+def softmax_weights(scores: mx.array) -> tuple[mx.array, mx.array]:
+    """The softmax over the last axis before normalisation: e^(s - max) (-inf
+    scores get exactly 0) and its sums. Callers divide after multiplying by
+    V, which divides D values per row instead of L."""
+    e = _exp_from_parts(scores, mx.stop_gradient(scores.max(axis=-1, keepdims=True)))
+    return e, e.sum(axis=-1, keepdims=True)
+
+
+def softmax(scores: mx.array) -> mx.array:
+    """Softmax over the last axis (float32 scores; -inf entries get exactly 0)."""
+    e, total = softmax_weights(scores)
+    return e / total
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_bias(n: int, length: int) -> mx.array:
+    """0 where the last n of `length` positions may look, -inf after: the
+    same for every layer of a forward pass, so built once per shape."""
+    rows = mx.arange(length - n, length)[:, None]
+    bias = mx.where(rows >= mx.arange(length)[None], 0.0, -mx.inf).astype(mx.float32)
+    mx.eval(bias)
+    return bias
 
 
 def attention(queries, keys, values, scale: float, mask) -> mx.array | None:
@@ -68,11 +95,7 @@ def attention(queries, keys, values, scale: float, mask) -> mx.array | None:
     rep = n_heads // n_kv
     q = (queries * scale).reshape(b, n_kv, rep * n, d)
     scores = q @ keys.swapaxes(-1, -2)  # (B, Hkv, rep*N, L)
-    keep = None
     if mask is not None and n > 1:
-        rows = mx.arange(length - n, length)[:, None]
-        keep = (rows >= mx.arange(length)[None]).reshape(1, 1, 1, n, length)
-        scores = scores.reshape(b, n_kv, rep, n, length)
-        scores = mx.where(keep, scores, -mx.inf)
-    probs = softmax(scores, keep).reshape(b, n_kv, rep * n, length)
-    return (probs @ values).reshape(b, n_heads, n, values.shape[-1])
+        scores = (scores.reshape(b, n_kv, rep, n, length) + _causal_bias(n, length)).reshape(b, n_kv, rep * n, length)
+    e, total = softmax_weights(scores)
+    return ((e @ values) / total).reshape(b, n_heads, n, values.shape[-1])

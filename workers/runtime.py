@@ -201,18 +201,24 @@ class Worker:
         if result is None:
             return
         self.current = None
+        log.debug("prefill %s: %d tokens, %d cached, %.1f ms", req.request_id, result.num_tokens,
+                  result.cached_tokens, result.prefill_ms)
         first = result.first_token
         finish = first_token_finishes(first, req.sampling)
-        if finish is not None:
+        local = finish is not None or (req.decode_worker == self.worker_id and self.decode is not None)
+        if local:  # nothing to hand over, or the KV stays in this process
             handoff = KVHandoff(req.request_id, result.num_tokens, result.rope_offset, local=True)
-        else:
-            handoff = self.hand_off(req, result)
-        self.outbox.send(PrefillDone(req.request_id, first, handoff, result.logprob, finish, result.prefill_ms,
-                                     cached_tokens=result.cached_tokens,
+            if finish is None:
+                self.local_kv[req.request_id] = result.cache
+        self.outbox.send(PrefillDone(req.request_id, first, handoff if local else None, result.logprob, finish,
+                                     result.prefill_ms, cached_tokens=result.cached_tokens,
                                      images_encoded=getattr(job, "encoded", 0),
                                      images_cached=getattr(job, "skipped", 0),
                                      encode_s=getattr(job, "encode_s", 0.0)))
-        # After PrefillDone: storing new blocks never delays the first token.
+        # The first token is on its way; the KV copy to the arena follows.
+        if not local:
+            self.outbox.send(self.hand_off(req, result))
+        # Storing new blocks delays neither the first token nor the handoff.
         self.after_reply("prefix store", job.save_prefix)
 
     # ------------------------------------------------------------- vision --
@@ -254,12 +260,9 @@ class Worker:
             log.exception("%s failed in worker %s", what, self.worker_id)
 
     def hand_off(self, req: PrefillRequest, result) -> KVHandoff:
-        """Put the prompt's KV where the decode worker will find it."""
+        """Put the prompt's KV in the arena, where a decode worker will find it."""
         from workers.kv_transfer import cache_dtype_name, encode_cache, write_encoded
 
-        if req.decode_worker == self.worker_id and self.decode is not None:
-            self.local_kv[req.request_id] = result.cache
-            return KVHandoff(req.request_id, result.num_tokens, result.rope_offset, local=True)
         t0 = time.perf_counter()
         # Any mlx-lm cache: plain KV as [keys, values] per layer (no meta),
         # sliding-window / recurrent layers as class + state (cache_meta).
