@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -47,15 +48,20 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--system-words", type=int, default=850)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--serve-args", default="", help='extra `tandem serve` flags, e.g. "--log-level debug"')
+    ap.add_argument("--log-dir", type=Path, default=None, help="keep the servers' logs here")
     args = ap.parse_args()
     system = {"role": "system", "content": system_prompt(0, "prefix-restart", args.system_words)}
     question = lambda i: {"role": "user", "content": f"Question {i}: which river flows through the city you know best?"}
     tokenizer = load_tokenizer(resolve_model(args.model))
     template = lambda messages: list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
     cache_dir = tempfile.mkdtemp(prefix="tandem-kv-bench-")
-    flags = ["--cache-dir", cache_dir, *(["--model", args.model] if args.model else [])]
+    flags = ["--cache-dir", cache_dir, *(["--model", args.model] if args.model else []), *shlex.split(args.serve_args)]
     rows = {}
-    srv = TandemServer(*flags).start(timeout=300)
+    if args.log_dir:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+    log = lambda i: args.log_dir / f"tandem-{i}.log" if args.log_dir else None
+    srv = TandemServer(*flags, log_path=log(1)).start(timeout=300)
     try:
         rows["cold"] = ttft(srv.base_url, [system, question(0)])
         rows["warm"] = [ttft(srv.base_url, [system, question(i)]) for i in range(1, 1 + args.repeats)]
@@ -64,7 +70,7 @@ def main() -> None:
                                 for i in range(100, 100 + args.repeats)]
     finally:
         srv.stop()
-    srv = TandemServer(*flags).start(timeout=300)
+    srv = TandemServer(*flags, log_path=log(2)).start(timeout=300)
     try:
         rows["after restart"] = ttft(srv.base_url, [system, question(50)])
         rows["after restart, again"] = ttft(srv.base_url, [system, question(51)])
