@@ -7,9 +7,12 @@
     tandem bench --url http://127.0.0.1:8000 --name mine --workload sweep,prefix
     # what disaggregation is for
     tandem bench --systems tandem,mlx_lm --interference
+    # a VLM: multi-turn about one picture, videos cold vs cached (vllm-mlx starts with --mllm)
+    tandem bench --systems tandem,mlx_vlm,vllm-mlx --workload vision --model DIR --image-size 1024
 
-Workloads (--workload, comma-separated, or `all`): sweep, interference,
-prefix, swarm (see benchmarks/workloads.py). Output: a progress line on
+Workloads (--workload, comma-separated, or `all` for the text ones): sweep,
+interference, prefix, swarm (see benchmarks/workloads.py), vision (a VLM
+only, see benchmarks/vision_workload.py). Output: a progress line on
 stderr while it runs, tables on stdout at the end, --json for machines
 (fields in benchmarks/report.py), --plot for a PNG.
 """
@@ -29,10 +32,12 @@ from pathlib import Path
 import httpx
 
 from benchmarks import report as report_mod
+from benchmarks import vision_workload
 from benchmarks import workloads as wl
 from benchmarks.systems import SYSTEMS, ManagedServer, Options, pick_port, server_spec
 
-WORKLOADS = ("sweep", "interference", "prefix", "swarm")
+TEXT_WORKLOADS = ("sweep", "interference", "prefix", "swarm")
+WORKLOADS = (*TEXT_WORKLOADS, "vision")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -45,11 +50,15 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
-def _name_list(known: tuple[str, ...]):
+def _frame_list(text: str) -> tuple[int, ...]:
+    return () if text.strip().lower() in ("none", "0", "") else _int_list(text)
+
+
+def _name_list(known: tuple[str, ...], all_names: tuple[str, ...] | None = None):
     def parse(text: str) -> tuple[str, ...]:
         names = tuple(v.strip() for v in text.split(",") if v.strip())
         if names == ("all",):
-            return known
+            return all_names or known
         bad = [n for n in names if n not in known]
         if bad or not names:
             raise argparse.ArgumentTypeError(f"unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(known)}")
@@ -77,12 +86,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: on MLX's CPU backend the peers load a float32 copy, as Tandem computes")
     s.add_argument("--tandem-args", default="", help='extra `tandem serve` flags, e.g. "--max-batch 64"')
     s.add_argument("--mlx-lm-args", default="", help="extra mlx_lm.server flags")
+    s.add_argument("--mlx-vlm-args", default="", help="extra mlx_vlm.server flags")
     s.add_argument("--vllm-mlx-args", default="", help="extra `vllm-mlx serve` flags")
     s.add_argument("--vllm-mlx-bin", default=None,
                    help="vllm-mlx executable (default: the venv benchmarks/peers/setup_vllm_mlx.sh creates)")
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", type=_name_list(WORKLOADS), default=("sweep",),
-                   help=f"comma-separated from {','.join(WORKLOADS)}, or all (default: sweep)")
+    w.add_argument("--workload", type=_name_list(WORKLOADS, TEXT_WORKLOADS), default=("sweep",),
+                   help=f"comma-separated from {','.join(WORKLOADS)}, or all: the text ones (default: sweep)")
     w.add_argument("--interference", action="store_true", help="shorthand for --workload interference")
     w.add_argument("--concurrency", type=_int_list, default=d.concurrency, help="sweep levels (default: 1,4,16,64)")
     w.add_argument("--requests-per-level", type=int, default=None, help="default: 2 x clients, at least 8")
@@ -103,6 +113,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--prefix-repeats", type=int, default=d.prefix_repeats)
     w.add_argument("--agents", type=int, default=d.agents, help="swarm: concurrent agents")
     w.add_argument("--turns", type=int, default=d.turns, help="swarm: turns per agent")
+    w.add_argument("--image-size", type=int, default=d.image_size, help="vision: the picture's side, pixels")
+    w.add_argument("--video-frames", type=_frame_list, default=d.video_frames,
+                   help="vision: frame counts of the videos (1 fps), or none (default: 4,8,16,32)")
+    w.add_argument("--video-size", type=int, default=d.video_size, help="vision: the video frames' side, pixels")
+    w.add_argument("--vision-repeats", type=int, default=d.vision_repeats,
+                   help="vision: conversations (and videos per frame count), each with new media")
+    w.add_argument("--vision-max-tokens", type=int, default=d.vision_max_tokens, help="vision: answer length")
     o = p.add_argument_group("output")
     o.add_argument("--json", default=None, help="write the results as JSON to this path")
     o.add_argument("--plot", default=None, help="write a PNG of throughput and p99 latency vs clients")
@@ -116,7 +133,9 @@ def workload_config(args: argparse.Namespace) -> wl.WorkloadConfig:
         ttft_budget_s=args.ttft_budget, itl_budget_s=args.itl_budget, warmup_rounds=args.warmup,
         streams=args.streams, stream_tokens=args.stream_tokens, long_prompt_words=args.long_prompt_words,
         long_prompts=args.long_prompts, system_prompt_words=args.system_prompt_words,
-        prefix_repeats=args.prefix_repeats, agents=args.agents, turns=args.turns)
+        prefix_repeats=args.prefix_repeats, agents=args.agents, turns=args.turns, image_size=args.image_size,
+        video_frames=args.video_frames, video_size=args.video_size, vision_repeats=args.vision_repeats,
+        vision_max_tokens=args.vision_max_tokens)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     results: list[dict] = []
     try:
         if systems:
-            opts = _options(args, systems, run_dir)
+            opts = _options(args, systems, run_dir, workloads)
             taken: set[int] = set()
             for name in systems:
                 results.append(_bench_started(name, opts, pick_port(args.port_base, taken), cfg, workloads, args))
@@ -162,12 +181,20 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(r.get("error") for r in results) else 0
 
 
-def _options(args: argparse.Namespace, systems: tuple[str, ...], run_dir: Path) -> Options:
-    from workers.model_store import models_dir, resolve_model
+def _options(args: argparse.Namespace, systems: tuple[str, ...], run_dir: Path,
+             workloads: tuple[str, ...] = ()) -> Options:
+    from workers.model_store import is_vlm, models_dir, resolve_model
 
     model_dir = resolve_model(args.model)
     peer_dir = model_dir
-    if any(s in ("mlx_lm", "vllm-mlx") for s in systems):
+    if is_vlm(model_dir) and any(s in ("mlx_lm", "mlx_vlm", "vllm-mlx") for s in systems):
+        from benchmarks.peer_weights import needs_float32_copy
+
+        # The float32 copy is made with the text loader: it would drop the vision tower.
+        if needs_float32_copy(model_dir) and args.peer_weights != "as-is":
+            print(f"tandem bench: peers load the VLM folder {model_dir} as it is (no float32 copy of a VLM; "
+                  "on the CPU backend make it with `tandem random-model ... --dtype float32`)", file=sys.stderr)
+    elif any(s in ("mlx_lm", "mlx_vlm", "vllm-mlx") for s in systems):
         from benchmarks.peer_weights import peer_model_folder
 
         print("tandem bench: preparing the peers' model folder ...", file=sys.stderr)
@@ -177,7 +204,8 @@ def _options(args: argparse.Namespace, systems: tuple[str, ...], run_dir: Path) 
                   file=sys.stderr)
     return Options(model_spec=args.model, model_dir=model_dir, peer_model_dir=peer_dir, run_dir=run_dir,
                    tandem_args=shlex.split(args.tandem_args), mlx_lm_args=shlex.split(args.mlx_lm_args),
-                   vllm_mlx_args=shlex.split(args.vllm_mlx_args), vllm_mlx_bin=args.vllm_mlx_bin)
+                   mlx_vlm_args=shlex.split(args.mlx_vlm_args), vllm_mlx_args=shlex.split(args.vllm_mlx_args),
+                   vllm_mlx_bin=args.vllm_mlx_bin, vllm_mlx_mllm="vision" in workloads)
 
 
 def _bench_started(name: str, opts: Options, port: int, cfg: wl.WorkloadConfig, workloads, args) -> dict:
@@ -250,6 +278,8 @@ async def _measure(target: wl.Target, cfg: wl.WorkloadConfig, workloads, ready_d
             out["prefix"] = await wl.prefix(target, cfg)
         elif name == "swarm":
             out["swarm"] = await wl.swarm(target, cfg, metrics_url)
+        elif name == "vision":
+            out["vision"] = await vision_workload.vision(target, cfg, metrics_url)
     return out, warmup_failed
 
 

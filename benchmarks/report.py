@@ -31,7 +31,19 @@ JSON (--json PATH), schema "tandem-bench/1":
                       "prompt_tokens", "cached_tokens", "computed_prompt_tokens", "computed_source",
                       "output_tokens", "ttft_p50_s", "ttft_p99_s", ...},
             "single_stream": {"decode_tok_s", "weight_bytes", "copy_bandwidth_bytes_s", "limit_tok_s",
-                              "bandwidth_share"}   (with a one-client sweep level)
+                              "bandwidth_share"}   (with a one-client sweep level),
+            "vision": {"image_size", "video_size", "max_tokens", "warmup_errors": [...], "video_transport": "data" | "http" | null,
+                       "turn1_ttft_s", "turn2_ttft_s", "turn3_ttft_s", "text_ttft_s"  (medians of repeats),
+                       "{turn1,turn2,turn3,text}_prompt_tokens", "..._cached_tokens",
+                       "turn3_added_tokens" (turn 3's prompt less turn 2's: what the text-only request matches),
+                       "turn3_computed_tokens" (prompt less cached, where reported), "template_overhead_tokens",
+                       "turn1_over_turn3", "turn3_over_text", "errors", "first_error",
+                       "repeats": [{"turn1", "turn2", "turn3", "text": {"ok", "status", "ttft_s",
+                                    "prompt_tokens", "cached_tokens", "error"}, "turn3_added_tokens", "text_words"}],
+                       "video": [{"frames", "cold_ttft_s", "cached_ttft_s", "cold_prompt_tokens",
+                                  "cached_cached_tokens", "cold_over_cached", "errors", "first_error",
+                                  "repeats": [{"cold", "cached"}], ...}],
+                       "vision_cache": null | {"queries", "hits"}  (Tandem's /metrics, whole workload)}
           }}],
       "ratios": [{"tandem": "tandem", "peer": "mlx_lm", ...metric: tandem value / peer value}]
     }
@@ -95,6 +107,14 @@ def ratios(systems: list[dict]) -> list[dict]:
             if "prefix" in tr and "prefix" in pr:
                 row["prefix_cold_ttft"] = _ratio(tr["prefix"]["cold_ttft_s"], pr["prefix"]["cold_ttft_s"])
                 row["prefix_warm_ttft"] = _ratio(tr["prefix"]["warm_ttft_s"], pr["prefix"]["warm_ttft_s"])
+            if "vision" in tr and "vision" in pr:
+                tv, pv = tr["vision"], pr["vision"]
+                for key in ("turn1", "turn3", "text"):
+                    row[f"vision_{key}_ttft"] = _ratio(tv[f"{key}_ttft_s"], pv[f"{key}_ttft_s"])
+                peer_video = {v["frames"]: v for v in pv.get("video", [])}
+                row["video"] = {str(v["frames"]): {k: _ratio(v[f"{k}_ttft_s"], peer_video[v["frames"]][f"{k}_ttft_s"])
+                                                   for k in ("cold", "cached")}
+                                for v in tv.get("video", []) if v["frames"] in peer_video}
             if "swarm" in tr and "swarm" in pr:
                 row["swarm_wall"] = _ratio(tr["swarm"]["wall_s"], pr["swarm"]["wall_s"])
                 row["swarm_computed_prompt_tokens"] = _ratio(tr["swarm"]["computed_prompt_tokens"],
@@ -189,6 +209,7 @@ def render(report: dict) -> str:
         parts.append("Swarm: agents x turns, shared system prompt + own history\n" + _table(
             ["system", "agents", "wall s", "ok", "failed", "429", "prompt tok", "computed prompt tok",
              "TTFT p99"], rows))
+    parts += _vision_tables(systems)
     rows = []
     for s in systems:
         b = s.get("results", {}).get("single_stream")
@@ -216,15 +237,68 @@ def render(report: dict) -> str:
         for key, label in (("interference_loud_itl_p99", "interference loud ITL p99"),
                            ("interference_during_long_itl_p99", "interference during-long ITL p99"),
                            ("prefix_cold_ttft", "prefix cold TTFT"), ("prefix_warm_ttft", "prefix warm TTFT"),
+                           ("vision_turn1_ttft", "vision turn 1 TTFT"), ("vision_turn3_ttft", "vision turn 3 TTFT"),
+                           ("vision_text_ttft", "vision text-only TTFT"),
                            ("swarm_wall", "swarm wall time"),
                            ("swarm_computed_prompt_tokens", "swarm computed prompt tokens"),
                            ("memory_peak_total", "peak memory")):
             if key in r:
                 rows.append([f"{r['tandem']} / {r['peer']}", label, _x(r[key]), "", ""])
+        for n, m in (r.get("video") or {}).items():
+            rows.append([f"{r['tandem']} / {r['peer']}", f"video {n} frames cold / cached TTFT",
+                         f"{_x(m['cold'])} / {_x(m['cached'])}", "", ""])
     if rows:
         parts.append("Ratios, Tandem / peer (throughput: higher is better; times, tokens, memory: lower)\n"
                      + _table(["pair", "measure", "value / tok/s", "TTFT p99", "ITL p99"], rows))
     return "\n\n".join(parts)
+
+
+def _vision_tables(systems: list[dict]) -> list[str]:
+    parts, rows, errs = [], [], []
+    runs = [(s["name"], s["results"]["vision"]) for s in systems if s.get("results", {}).get("vision")]
+    for name, v in runs:
+        rows.append([name, _f(v["turn1_prompt_tokens"], "{:.0f}"), _f(v["turn1_ttft_s"]), _f(v["turn2_ttft_s"]),
+                     _f(v["turn3_ttft_s"]), (f"{_f(v['turn3_prompt_tokens'], '{:.0f}')}/"
+                                             f"{_f(v['turn3_cached_tokens'], '{:.0f}', 'not reported')}"),
+                     _f(v["turn3_computed_tokens"], "{:.0f}"), _f(v["text_ttft_s"]),
+                     _f(v["text_prompt_tokens"], "{:.0f}"), _x(v["turn1_over_turn3"]), _x(v["turn3_over_text"]),
+                     v["errors"]])
+        if v["errors"]:
+            errs.append(f"  {name} image: {v['errors']} failed; first: {v['first_error']}")
+        for w in v.get("warmup_errors") or []:
+            errs.append(f"  {name} warm-up {w}"[:300])
+    if rows:
+        v0 = runs[0][1]
+        parts.append(f"Vision: one {v0['image_size']}x{v0['image_size']} picture, 3 turns (each resends the whole "
+                     f"conversation), then text-only with as many new tokens as turn 3 adds; time to first token "
+                     f"(s), median of {len(v0['repeats'])} repeats\n" + _table(
+                         ["system", "turn1 tok", "turn 1", "turn 2", "turn 3", "t3 prompt/cached", "t3 computed",
+                          "text-only", "text tok", "turn1/turn3", "turn3/text", "errors"], rows))
+    rows = []
+    for name, v in runs:
+        for row in v.get("video") or []:
+            rows.append([name, v.get("video_transport") or "-", row["frames"], _f(row["cold_prompt_tokens"], "{:.0f}"),
+                         _f(row["cold_ttft_s"]),
+                         _f(row["cached_ttft_s"]), _f(row["cached_cached_tokens"], "{:.0f}", "not reported"),
+                         _x(row["cold_over_cached"]), row["errors"]])
+            if row["errors"]:
+                errs.append(f"  {name} video {row['frames']} frames: {row['errors']} failed; "
+                            f"first: {row['first_error']}")
+    if rows:
+        v0 = runs[0][1]
+        parts.append(f"Video: {v0['video_size']}x{v0['video_size']} frames at 1 fps, cold then the same video with "
+                     "a new question; time to first token (s), median of repeats\n" + _table(
+                         ["system", "sent as", "frames", "prompt tok", "cold", "cached", "cached tok", "cold/cached",
+                          "errors"],
+                         rows))
+    cache = [[name, f"{v['vision_cache']['hits']:.0f}/{v['vision_cache']['queries']:.0f}"]
+             for name, v in runs if v.get("vision_cache")]
+    if cache:
+        parts.append("Vision embedding cache (Tandem's /metrics over the workload, warm-up included)\n"
+                     + _table(["system", "hits/queries"], cache))
+    if errs:
+        parts.append("Vision errors\n" + "\n".join(errs))
+    return parts
 
 
 # ------------------------------------------------------------------ plot

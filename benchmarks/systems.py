@@ -21,7 +21,7 @@ import httpx
 
 from benchmarks.memory import ProcessTreeMemory
 
-SYSTEMS = ("tandem", "tandem-colocate", "mlx_lm", "vllm-mlx")
+SYSTEMS = ("tandem", "tandem-colocate", "mlx_lm", "mlx_vlm", "vllm-mlx")
 
 
 @dataclass
@@ -48,8 +48,10 @@ class Options:
     run_dir: Path  # logs and per-run state
     tandem_args: list[str] = field(default_factory=list)
     mlx_lm_args: list[str] = field(default_factory=list)
+    mlx_vlm_args: list[str] = field(default_factory=list)
     vllm_mlx_args: list[str] = field(default_factory=list)
     vllm_mlx_bin: str | None = None
+    vllm_mlx_mllm: bool = False  # start vllm-mlx in MLLM mode (--mllm): the vision workload
 
 
 def openblas_env() -> dict[str, str]:
@@ -84,6 +86,17 @@ def server_spec(name: str, port: int, opts: Options) -> ServerSpec:
         argv = [sys.executable, "-m", "mlx_lm.server", "--model", str(opts.peer_model_dir),
                 "--host", "127.0.0.1", "--port", str(port)]
         return ServerSpec(name, argv + opts.mlx_lm_args, openblas_env(), "default_model", port)
+    if name == "mlx_vlm":
+        # The "model" field names the folder it preloaded: any other name makes it load that model.
+        argv = [sys.executable, "-m", "mlx_vlm.server", "--model", str(opts.peer_model_dir),
+                "--host", "127.0.0.1", "--port", str(port)]
+        env = openblas_env()
+        # Its prefix cache (APC, image-aware block hashes) is off by default: on, as Tandem's is,
+        # with a disk tier of its own per start (the default one outlives the run). An
+        # APC_* variable in the bench's environment wins.
+        env.setdefault("APC_ENABLED", "1")
+        env.setdefault("APC_DISK_PATH", str(opts.run_dir / f"{name}-apc"))
+        return ServerSpec(name, argv + opts.mlx_vlm_args, env, str(opts.peer_model_dir), port)
     if name == "vllm-mlx":
         binary = Path(opts.vllm_mlx_bin) if opts.vllm_mlx_bin else default_vllm_mlx_bin()
         if not binary.exists():
@@ -91,7 +104,14 @@ def server_spec(name: str, port: int, opts: Options) -> ServerSpec:
                                f"`bash benchmarks/peers/setup_vllm_mlx.sh`, or pass --vllm-mlx-bin")
         argv = [str(binary), "serve", str(opts.peer_model_dir), "--host", "127.0.0.1", "--port", str(port),
                 "--continuous-batching", "--served-model-name", "default"]
-        return ServerSpec(name, argv + opts.vllm_mlx_args, openblas_env(), "default", port)
+        if opts.vllm_mlx_mllm:
+            argv.append("--mllm")
+        env = openblas_env()
+        # vllm-mlx saves its prefix cache to ~/.cache/vllm-mlx/prefix_cache/<model path> when it
+        # stops and loads it when it starts: a second run of the same seeded prompts would start
+        # warm. A home of its own per start gives it an empty cache, as Tandem's --cache-dir does.
+        env["HOME"] = str(opts.run_dir / f"{name}-home")
+        return ServerSpec(name, argv + opts.vllm_mlx_args, env, "default", port)
     raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
 
 

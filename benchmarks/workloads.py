@@ -1,9 +1,11 @@
-"""What `tandem bench` sends: seeded prompts and the four workloads.
+"""What `tandem bench` sends: seeded prompts and the workloads.
 
 - sweep: closed-loop clients at each concurrency level.
 - interference: decode streams' inter-token latency, quiet vs while long prompts arrive.
 - prefix: one long system prompt, cold then warm time to first token.
 - swarm: agents sharing a system prompt, each with its own growing history.
+- vision: a conversation about one picture, and videos cold vs cached
+  (benchmarks/vision_workload.py; needs a VLM).
 
 Every prompt is a pure function of (seed, salt): the same for every system in a
 run and across runs, and distinct per client, request, level and workload, so
@@ -66,6 +68,12 @@ class WorkloadConfig:
     # swarm
     agents: int = 32
     turns: int = 6
+    # vision (benchmarks/vision_workload.py)
+    image_size: int = 1024
+    video_frames: tuple[int, ...] = (4, 8, 16, 32)
+    video_size: int = 448
+    vision_repeats: int = 3
+    vision_max_tokens: int = 16
 
 
 def words(n: int, seed: int, salt: str) -> str:

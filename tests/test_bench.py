@@ -8,12 +8,15 @@ checked against what they must be; other routes answer 429, 500, or never.
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import io
 import json
 import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 import uvicorn
 from starlette.applications import Starlette
@@ -308,6 +311,245 @@ def _has_matplotlib() -> bool:
     except ImportError:
         return False
     return True
+
+
+# ------------------------------------------------------------ the vision workload
+
+class FakeVLM:
+    """A VLM server in miniature: prompt tokens counted from the messages (5 for the template,
+    a word each, 100 per picture, 25 per video frame), cached tokens the longest prefix shared
+    with an earlier prompt, and a first token after 1 ms per computed token. Modes: "vlm" takes
+    videos as data or http URLs (fetching them), "nodata" only as http URLs, "novideo" refuses
+    videos, "text" refuses all media."""
+
+    def __init__(self):
+        self.prompts: list[list[str]] = []
+        self.fetched: list[int] = []
+
+    async def chat(self, request: Request) -> Response:
+        mode = request.path_params["mode"]
+        body = await request.json()
+        units = ["<tpl>"] * 5
+        for m in body["messages"]:
+            units.append("<" + m["role"] + ">")
+            parts = m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]
+            for part in parts:
+                if part["type"] == "text":
+                    units += part["text"].split()
+                    continue
+                if mode == "text" or (mode == "novideo" and part["type"] == "video_url"):
+                    return JSONResponse({"error": {"message": f"{part['type']} not supported"}}, status_code=400)
+                spec = part[part["type"]]
+                if part["type"] == "image_url":
+                    units += [hashlib.sha256(spec["url"].encode()).hexdigest()] * 100
+                    continue
+                if spec["url"].startswith("data:") and mode == "nodata":
+                    return JSONResponse({"error": {"message": "cannot read video data URLs"}}, status_code=400)
+                if spec["url"].startswith("http"):
+                    async with httpx.AsyncClient() as c:
+                        data = (await c.get(spec["url"])).content
+                    assert data[4:8] == b"ftyp"
+                    self.fetched.append(len(data))
+                units += [hashlib.sha256(spec["url"].encode()).hexdigest()] * (25 * spec["max_frames"])
+        cached = max((_common(units, p) for p in self.prompts), default=0)
+        self.prompts.append(units)
+        usage = {"prompt_tokens": len(units), "completion_tokens": 2, "total_tokens": len(units) + 2,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+
+        async def answer():
+            await asyncio.sleep(0.005 + 0.001 * (len(units) - cached))
+            yield _chunk({"content": "seen"})
+            yield _chunk({"content": " it"})
+            yield _chunk({}, usage)
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(answer(), media_type="text/event-stream")
+
+
+def _common(a: list, b: list) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@pytest.fixture(scope="module")
+def fake_vlm():
+    s = FakeVLM()
+    app = Starlette(routes=[Route("/{mode}/v1/chat/completions", s.chat, methods=["POST"])])
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
+                                           timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started
+    yield f"http://127.0.0.1:{port}", s
+    server.should_exit = True
+    thread.join(timeout=5)
+
+
+def _vision_cfg(**kw) -> workloads.WorkloadConfig:
+    base = {"image_size": 64, "video_size": 32, "video_frames": (4, 8), "vision_repeats": 2,
+            "vision_max_tokens": 4, "timeout_s": 10.0}
+    return workloads.WorkloadConfig(**{**base, **kw})
+
+
+def test_bench_pictures_are_seeded_and_distinct():
+    from PIL import Image
+
+    from benchmarks import vision_workload as vw
+
+    a = vw.bench_picture(96, 0, "x")
+    assert a.shape == (96, 96, 3) and a.dtype == np.uint8
+    assert np.array_equal(a, vw.bench_picture(96, 0, "x"))
+    assert not np.array_equal(a, vw.bench_picture(96, 0, "y")) and not np.array_equal(a, vw.bench_picture(96, 1, "x"))
+    assert not np.array_equal(a, vw.bench_picture(96, 0, "x", step=1))  # a video frame moves its shapes
+    assert len(np.unique(a.reshape(-1, 3), axis=0)) > 50  # a gradient, not a flat colour
+    url = vw.png_data_url(a)
+    assert url.startswith("data:image/png;base64,")
+    back = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB"))
+    assert np.array_equal(back, a)  # PNG: the server sees exactly these pixels
+
+
+def test_bench_video_decodes_as_tandem_samples_it(tmp_path):
+    from benchmarks import vision_workload as vw
+    from router.media import MediaLimits, decode_video_bytes
+
+    path = vw.write_video(tmp_path / "v.mp4", 6, 64, 0, "v")
+    data = path.read_bytes()
+    video = decode_video_bytes(data, MediaLimits(), "v", fps=vw.VIDEO_FPS, max_frames=32)
+    assert len(video.frames) == 6 and (video.frames[0].width, video.frames[0].height) == (64, 64)
+    assert len({f.content_hash for f in video.frames}) == 6
+    with vw.MediaServer(tmp_path) as media:
+        assert httpx.get(media.url("v.mp4")).content == data
+        part = httpx.get(media.url("v.mp4"), headers={"Range": "bytes=8-15"})  # FFmpeg seeks by ranges
+        assert part.status_code == 206 and part.content == data[8:16]
+        assert part.headers["content-range"] == f"bytes 8-15/{len(data)}"
+        assert httpx.get(media.url("v.mp4"), headers={"Range": "bytes=-4"}).content == data[-4:]
+        assert httpx.get(media.url("missing.mp4")).status_code == 404
+        assert vw.video_url(path, "http", media) == media.url("v.mp4")
+        assert base64.b64decode(vw.video_url(path, "data", media).split(",", 1)[1]) == data
+
+
+def test_text_words_match_the_turns_new_tokens():
+    from benchmarks import vision_workload as vw
+
+    assert vw.text_words_for(57, 20, 99) == 37
+    assert vw.text_words_for(10, 20, 99) == 1
+    assert vw.text_words_for(None, 20, 99) == 99
+    assert vw.text_words_for(30, None, 99) == 30
+
+
+def test_vision_workload_turns_ratios_and_video(fake_vlm):
+    from benchmarks import vision_workload as vw
+
+    base, _ = fake_vlm
+    out = asyncio.run(vw.vision(workloads.Target("fake", base + "/vlm", "m"), _vision_cfg()))
+    assert out["warmup_errors"] == [] and out["video_transport"] == "data" and out["errors"] == 0
+    assert out["image_size"] == 64 and len(out["repeats"]) == 2
+    assert out["template_overhead_tokens"] == 6  # the template and the role marker
+    r0 = out["repeats"][0]
+    # turns 2 and 3 resend the picture and the history: the fake finds them as a prefix
+    assert r0["turn1"]["cached_tokens"] <= 6  # the template and role marker at most: a new picture
+    assert r0["turn2"]["cached_tokens"] >= r0["turn1"]["prompt_tokens"] - 1
+    assert r0["turn3"]["cached_tokens"] >= r0["turn2"]["prompt_tokens"] - 1
+    added = r0["turn3"]["prompt_tokens"] - r0["turn2"]["prompt_tokens"]
+    assert r0["turn3_added_tokens"] == added > 0
+    assert r0["text"]["prompt_tokens"] == added  # the text-only request matches what turn 3 adds
+    assert out["turn3_computed_tokens"] == out["turn3_prompt_tokens"] - out["turn3_cached_tokens"]
+    # 1 ms per computed token: turn 1 computes the picture, turn 3 only its new tokens
+    assert out["turn1_over_turn3"] > 2 and out["turn1_over_turn3"] == pytest.approx(
+        out["turn1_ttft_s"] / out["turn3_ttft_s"])
+    assert out["turn3_over_text"] == pytest.approx(out["turn3_ttft_s"] / out["text_ttft_s"])
+    assert [v["frames"] for v in out["video"]] == [4, 8]
+    for v in out["video"]:
+        assert v["errors"] == 0 and len(v["repeats"]) == 2
+        assert v["cold_prompt_tokens"] > 25 * v["frames"] and v["cold_cached_tokens"] <= 6
+        assert v["cached_cached_tokens"] > 25 * v["frames"]  # same video, new question
+        assert v["cold_over_cached"] > 1
+    assert out["video"][1]["cold_ttft_s"] > out["video"][0]["cold_ttft_s"]
+
+
+def test_vision_workload_falls_back_to_http_and_records_refusals(fake_vlm):
+    from benchmarks import vision_workload as vw
+
+    base, fake = fake_vlm
+    cfg = _vision_cfg(video_frames=(4,), vision_repeats=1)
+    fetched = len(fake.fetched)
+    http_only = asyncio.run(vw.vision(workloads.Target("nodata", base + "/nodata", "m"), cfg))
+    assert http_only["video_transport"] == "http" and len(fake.fetched) - fetched == 3  # warm-up, cold, cached
+    assert len(http_only["warmup_errors"]) == 1 and "data URL" in http_only["warmup_errors"][0]
+    assert http_only["video"][0]["errors"] == 0
+    no_video = asyncio.run(vw.vision(workloads.Target("novideo", base + "/novideo", "m"), cfg))
+    assert no_video["video_transport"] is None and no_video["errors"] == 0 and no_video["turn1_ttft_s"] > 0
+    row = no_video["video"][0]
+    assert row["errors"] == 2 and row["cold_ttft_s"] is None and "400" in row["first_error"]
+    text = asyncio.run(vw.vision(workloads.Target("text", base + "/text", "m"), cfg))
+    assert text["errors"] == 1 and text["turn1_ttft_s"] is None and text["turn3_ttft_s"] is None
+    assert text["text_ttft_s"] is not None  # the text-only request still ran (sized by the fallback)
+    assert "400" in text["first_error"] and "image_url not supported" in text["first_error"]
+
+    rep = report.build_report([{"name": "tandem", "error": None, "results": {"vision": http_only}},
+                               {"name": "mlx_vlm", "error": None, "results": {"vision": no_video}}],
+                              {}, "tandem bench --workload vision")
+    (r,) = rep["ratios"]
+    assert r["vision_turn1_ttft"] == pytest.approx(http_only["turn1_ttft_s"] / no_video["turn1_ttft_s"])
+    assert r["video"]["4"] == {"cold": None, "cached": None}
+    rendered = report.render(rep)
+    assert "Vision: one 64x64 picture" in rendered and "turn1/turn3" in rendered
+    assert "Video: 32x32 frames" in rendered and "http" in rendered
+    assert "mlx_vlm video 4 frames: 2 failed" in rendered and "vision turn 3 TTFT" in rendered
+    json.dumps(rep)  # the JSON output
+
+
+def test_vision_options_and_system_specs(tmp_path):
+    import sys
+
+    from benchmarks import systems
+
+    p = bench_cmd.argparse.ArgumentParser()
+    bench_cmd.add_arguments(p)
+    args = p.parse_args(["--workload", "all", "--video-frames", "none", "--image-size", "512"])
+    assert "vision" not in args.workload and "vision" in bench_cmd.WORKLOADS
+    cfg = bench_cmd.workload_config(args)
+    assert (cfg.video_frames, cfg.image_size) == ((), 512)
+    assert p.parse_args(["--workload", "vision", "--video-frames", "4,8"]).video_frames == (4, 8)
+
+    opts = systems.Options(model_spec=str(tmp_path), model_dir=tmp_path, peer_model_dir=tmp_path / "peer",
+                           run_dir=tmp_path / "run", vllm_mlx_bin=sys.executable, vllm_mlx_mllm=True)
+    vlm = systems.server_spec("mlx_vlm", 18000, opts)
+    assert "mlx_vlm.server" in vlm.argv and vlm.request_model == str(tmp_path / "peer")
+    assert vlm.env["APC_DISK_PATH"].startswith(str(tmp_path / "run")) and "APC_ENABLED" in vlm.env
+    vllm = systems.server_spec("vllm-mlx", 18001, opts)
+    assert "--mllm" in vllm.argv and vllm.env["HOME"].startswith(str(tmp_path / "run"))
+    opts.vllm_mlx_mllm = False
+    assert "--mllm" not in systems.server_spec("vllm-mlx", 18001, opts).argv
+
+
+def test_bench_vision_on_a_tiny_vlm(tmp_path, tmp_path_factory, capsys):
+    """The real thing, small: `tandem bench --systems tandem --workload vision` on a tiny Qwen2.5-VL."""
+    from tests.tiny_vlms import tiny_vlm
+
+    model = tiny_vlm(tmp_path_factory)
+    p = bench_cmd.argparse.ArgumentParser()
+    bench_cmd.add_arguments(p)
+    out = tmp_path / "v.json"
+    args = p.parse_args(["--systems", "tandem", "--model", str(model), "--workload", "vision", "--warmup", "0",
+                         "--image-size", "256", "--video-frames", "4", "--vision-repeats", "1",
+                         "--vision-max-tokens", "4", "--timeout", "60", "--start-timeout", "120",
+                         "--port-base", str(free_port()), "--json", str(out), "--log-dir", str(tmp_path / "logs")])
+    assert bench_cmd.run(args) == 0, capsys.readouterr()
+    (system,) = json.loads(out.read_text())["systems"]
+    v = system["results"]["vision"]
+    assert v["errors"] == 0 and v["warmup_errors"] == [] and v["video_transport"] == "data"
+    assert v["turn3_cached_tokens"] > 0 and v["turn1_ttft_s"] > 0 and v["text_ttft_s"] > 0
+    assert v["video"][0]["errors"] == 0 and v["video"][0]["cached_cached_tokens"] > 0
+    assert v["vision_cache"]["hits"] > 0
+    assert "Vision: one 256x256 picture" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------ random models
