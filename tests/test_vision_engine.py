@@ -223,6 +223,21 @@ def test_image_tokens_from_size(qwen):
     assert counts[0] == 4 and max(counts) <= 16  # min/max pixels of the tiny processor
 
 
+
+def test_a_batch_from_the_size_alone_matches_the_processor(setup):
+    """What a cached image's prefill uses instead of the processor's resize
+    and normalise: the same extra data (Qwen: image_grid_thw) and token
+    count, and no pixels."""
+    eng = setup.engine
+    for h, w in [(56, 56), (56, 84), (112, 56), (100, 37), (300, 200), (1024, 768)]:
+        full, sized = eng.preprocess([synthetic_image(h, w, 0)]), eng.sized(h, w)
+        assert sized is not None and sized.pixel_values is None
+        assert sized.tokens_per_image == full.tokens_per_image
+        assert sized.extra.keys() == full.extra.keys()
+        for k in full.extra:
+            assert np.array_equal(np.array(sized.extra[k]), np.array(full.extra[k])), (h, w, k)
+
+
 # ---------------------------------------------------------------- rope shift
 
 

@@ -118,35 +118,37 @@ class VLMPrefillJob:
     def _features(self, hit: int):
         """(ImageBatch of every image, features [n_image_tokens, hidden]):
         images ending inside the first `hit` tokens get zeros, the others
-        their encoder output (one image at a time)."""
+        their cached embeddings or their encoder output (one image at a
+        time). Only an image that is encoded goes through the processor's
+        resize and normalise; the others are known by their size."""
         eng = self.engine
-        batches = [eng.preprocess([np.asarray(im.pixels, dtype=np.uint8)]) for im in self.images]
-        want = [im.n_tokens for im in self.images]
-        got = [b.tokens_per_image[0] for b in batches]
-        if got != want:
-            raise ValueError(f"the images take {got} tokens, the prompt has {want}")
         embed = eng.model.language_model.model.embed_tokens.weight
-        parts = []
-        for im, b in zip(self.images, batches):
+        parts, batches = [], []
+        for im in self.images:
+            pixels = np.asarray(im.pixels, dtype=np.uint8)
+            batch, features = eng.sized(*pixels.shape[:2]), None
             if im.start + im.n_tokens <= hit:
-                parts.append(mx.zeros((im.n_tokens, embed.shape[-1]), dtype=embed.dtype))
+                features = mx.zeros((im.n_tokens, embed.shape[-1]), dtype=embed.dtype)
+            elif self.embeddings is not None:
+                features = self.embeddings.get(im.content_hash, im.n_tokens, embed.shape[-1], self.owner)
+            if features is not None:
                 self.skipped += 1
-                continue
-            cached = None
-            if self.embeddings is not None:
-                cached = self.embeddings.get(im.content_hash, im.n_tokens, embed.shape[-1], self.owner)
-            if cached is not None:
-                parts.append(cached)
-                self.skipped += 1
-                continue
-            t0 = time.perf_counter()
-            features = eng.encode(b)
-            self._dtype = features.dtype
-            self.encode_s += time.perf_counter() - t0
-            self.encoded += 1
+            else:
+                batch = eng.preprocess([pixels])
+                t0 = time.perf_counter()
+                features = eng.encode(batch)
+                self._dtype = features.dtype
+                self.encode_s += time.perf_counter() - t0
+                self.encoded += 1
+                if self.embeddings is not None:
+                    self.embeddings.put(im.content_hash, features, self.owner)
+            if batch is None:  # this architecture needs the pixels even for positions
+                batch = eng.preprocess([pixels])
+            if batch.tokens_per_image[0] != im.n_tokens:
+                raise ValueError(f"an image takes {batch.tokens_per_image[0]} tokens, "
+                                 f"the prompt has {im.n_tokens}")
             parts.append(features)
-            if self.embeddings is not None:
-                self.embeddings.put(im.content_hash, features, self.owner)
+            batches.append(batch)
         dtype = self._dtype or embed.dtype
         features = mx.concatenate([p.astype(dtype) for p in parts]) if parts else None
         from workers.vision import ImageBatch
