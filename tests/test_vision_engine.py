@@ -332,6 +332,39 @@ def test_ragged_decode_rows_carry_the_shift(qwen):
         assert_same(got[uid], wants[uid])
 
 
+
+@pytest.mark.parametrize("ragged", [False, True], ids=["padded batch (GPU)", "ragged rows (CPU)"])
+def test_decode_engine_carries_each_requests_shift(qwen, ragged):
+    """The decode worker's own engine, both batch kinds: two image requests
+    with different rope deltas and a text one, the second image request
+    joining while the others run, each greedy == mlx-vlm generate."""
+    from protos.messages import DecodeRequest, KVHandoff, SamplingParams
+    from workers.decode import DecodeEngine
+
+    requests = [([synthetic_image(56, 84, 1)], [_user(None, "What is in this picture?")]),
+                ([], [_user("Tell me a story about a river.")]),
+                ([synthetic_image(112, 112, 4)], [_user("Please describe", None, "in detail.")])]
+    engine = DecodeEngine(qwen.text_model, max_batch=4, ragged=ragged)
+    got, wants, deltas = {}, {}, []
+    for i, (images, messages) in enumerate(requests):
+        ids, first, cache, delta = _prefill(qwen, messages, images)
+        deltas.append(delta)
+        rid = f"r{i}"
+        wants[rid], got[rid] = reference(qwen, messages, images), [first]
+        engine.add(DecodeRequest(rid, ids, first, KVHandoff(rid, len(ids), len(ids) + delta),
+                                 SamplingParams(max_tokens=N_TOKENS, temperature=0.0)), cache)
+        if i == 1:  # the last request joins a running batch
+            for _ in range(3):
+                for u in engine.step():
+                    got[u.request_id].append(u.token)
+    assert deltas[0] != deltas[2] and deltas[1] == 0 and deltas[0] != 0
+    while engine.has_work:
+        for u in engine.step():
+            got[u.request_id].append(u.token)
+    for rid in got:
+        assert_same(got[rid], wants[rid])
+
+
 # ---------------------------------------------------------------- the random folders
 
 

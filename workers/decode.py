@@ -57,6 +57,7 @@ from protos.messages import DecodeRequest, TokenUpdate
 from workers import attention_hook, ragged_kv
 from workers.loading import on_cpu
 from workers.sampling import GREEDY_SAMPLER, build_sampling, token_logprob, wants_logprobs
+from workers.vision import ShiftedKVCache
 
 log = logging.getLogger(__name__)
 
@@ -164,11 +165,10 @@ class DecodeEngine:
                              "the caller must finish it (never send it to decode)")
         _check_cache(cache, request)
         # M-RoPE prompts (Qwen-VL) leave the next rope position away from the
-        # token count; only ragged rows carry a position of their own.
+        # token count: ragged rows, or the padded batch's per-row offsets
+        # (ShiftedKVCache), carry it.
         shift = request.handoff.rope_offset - request.handoff.num_tokens
-        if shift and not self.ragged:
-            raise NotImplementedError(f"request {rid!r}: rope offset != token count needs ragged decode rows")
-        cache = ragged_kv.rows_of(cache, shift) if self.ragged else list(cache)
+        cache = ragged_kv.rows_of(cache, shift) if self.ragged else ShiftedKVCache.of(cache, shift)
         self._queue.append(_Queued(request, cache, stop_ids))
 
     def cancel(self, request_id: str, save: bool = True) -> bool:

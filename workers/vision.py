@@ -39,7 +39,8 @@ reads the rope position from `cache.offset`:
   rebuild `offset` from the lengths. So a request must get its shift after
   it has joined the batch (BatchGenerator merges on insert;
   `shift_batch_rope` shifts rows of a merged batch), or ride in a cache that
-  carries it (workers/ragged_kv.py's `RowKVCache.rope_shift`).
+  carries it into the merge: `ShiftedKVCache` (the decode worker's padded
+  batches, on a GPU) or workers/ragged_kv.py's rows (on the CPU).
 * Gemma 3 (plain rope, sliding-window layers in a RotatingKVCache) has delta 0.
 
 The mlx-vlm model's language model shares the text model's weight arrays (no
@@ -59,6 +60,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlx import nn
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from workers.model_store import ModelError
 
@@ -428,7 +430,6 @@ def shift_rope(cache: list, delta: int) -> list:
     itself. Otherwise each plain KVCache becomes a batch-of-one BatchKVCache
     over the same buffers (no copy) whose rope offset is `length + delta`; other kinds
     (windows, recurrent state) cannot carry a shift and raise."""
-    from mlx_lm.models.cache import BatchKVCache, KVCache
 
     if not delta:
         return cache
@@ -443,13 +444,46 @@ def shift_rope(cache: list, delta: int) -> list:
     return out
 
 
+class ShiftedKVCache(KVCache):
+    """A request's plain KVCache layer plus its rope shift, which
+    BatchGenerator's merge (`caches[0].merge`) adds to the merged
+    BatchKVCache's per-row offsets; filter and extend then carry it along.
+    Every row of a batch must be one of these (shift 0 for text), since the
+    first row's class does the merge."""
+
+    rope_shift: int = 0
+
+    @classmethod
+    def of(cls, cache: list, delta: int) -> list:
+        """`cache` (per-layer KVCaches, one request) as ShiftedKVCaches over
+        the same buffers; other layer kinds pass through when delta is 0
+        and raise otherwise (a window or recurrent state has no offset to move)."""
+        out = []
+        for c in cache:
+            if type(c) is not KVCache:
+                if delta:
+                    raise TypeError(f"cannot shift the rope of a {type(c).__name__}")
+                out.append(c)
+                continue
+            s = cls()
+            s.keys, s.values, s.offset, s.rope_shift = c.keys, c.values, c.offset, int(delta)
+            out.append(s)
+        return out
+
+    @classmethod
+    def merge(cls, caches):
+        batch = BatchKVCache.merge(caches)
+        shifts = [getattr(c, "rope_shift", 0) for c in caches]
+        if any(shifts):
+            batch.offset = batch.offset + mx.array(shifts)
+        return batch
+
+
 def shift_batch_rope(cache: list, deltas: Sequence[int]) -> list:
     """Per-row rope shifts on a running batch's caches (mlx-lm BatchKVCache
     layers, e.g. after BatchKVCache.merge), in place: row i's rope positions
     move by deltas[i]. Call it once the batch is built: merge and extract
     rebuild offsets from the lengths and drop any shift."""
-    from mlx_lm.models.cache import BatchKVCache
-
     shift = mx.array([int(d) for d in deltas])
     for c in cache:
         if not isinstance(c, BatchKVCache):
