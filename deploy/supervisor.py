@@ -132,8 +132,8 @@ class Supervisor:
         return 1 if self.failed else 0
 
     def _on_exit(self, child: Child) -> None:
-        code = child.process.exitcode
         child.process.join(timeout=1)
+        code = child.process.exitcode  # after join: negative is the signal that killed it
         now = time.monotonic()
         child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW_S] + [now]
         if len(child.restarts) > MAX_RESTARTS:
