@@ -355,6 +355,33 @@ def test_cold_partial_and_full_hits_match_mlx_lm(model, tiny_dir):
     assert prefix.stats.failures == 0
 
 
+
+def test_a_hit_is_recomputed_when_that_is_faster(model, tiny_dir):
+    """With measured costs saying a block loads slower than its tokens
+    compute (a fast GPU, a small model), the hit is left unread: computed,
+    not reported as cached, same tokens; every REPROBE-th such hit is read
+    anyway to refresh the load estimate."""
+    fake = FakeCache()
+    counted = Counting(model)
+    prefix = prefix_for(counted, tiny_dir, fake)
+    a = prompt_of(49, 5)
+    engine = PrefillEngine(counted, chunk_size=16, prefix=prefix)
+    want = engine.run(a, greedy(), owner="cold").first_token  # stores 6 blocks
+    assert engine.compute_s_per_token is None  # 16-token chunks are too short to time
+    res = engine.run(a, greedy(), owner="warm")
+    assert res.cached_tokens == 48 and prefix.load_s_per_block is not None  # unknown cost: load
+    engine.compute_s_per_token = prefix.load_s_per_block / BS / 10  # compute 10x cheaper than loading
+    counted.tokens = 0
+    res = engine.run(a, greedy(), owner="recompute")
+    assert res.cached_tokens == 0 and counted.tokens == 49 and res.first_token == want
+    assert prefix.stats.recomputed_blocks == 6 and not fake.leases
+    for i in range(prefix.REPROBE - 1):
+        assert engine.run(a, greedy(), owner=f"again{i}").cached_tokens == 0
+    assert engine.run(a, greedy(), owner="reprobe").cached_tokens == 48
+    engine.compute_s_per_token = prefix.load_s_per_block  # loading cheaper again
+    assert engine.run(a, greedy(), owner="cheap").cached_tokens == 48
+
+
 def test_second_turn_reuses_prompt_and_answer(model, tiny_dir):
     fake = FakeCache()
     counted = Counting(model)

@@ -17,7 +17,10 @@ Two ways to drive it, both on the worker's single MLX thread:
 With a prefix cache (workers.prefix_cache.PrefixCache) the job's first step
 loads the longest cached run of the prompt's first (n-1)//block_size full
 blocks (at least one token is always computed: its logits give the first
-token) and computes only the rest. `save_prefix` then stores the prompt's
+token) and computes only the rest; a hit is left unread when loading it is
+expected to take longer than computing it (the engine's measured seconds per
+token against the cache's measured seconds per block: on a fast GPU with a
+small model, moving KV through host memory can lose). `save_prefix` then stores the prompt's
 full blocks that the cache lacks; the worker calls it after sending
 PrefillDone, so writing new blocks never delays the first token.
 
@@ -99,9 +102,11 @@ class PrefillJob:
                 n = min(chunk, remaining)
                 if self.snapshot_at > self.processed:  # a chunk ends at the snapshot point
                     n = min(n, self.snapshot_at - self.processed)
+                t_chunk = time.perf_counter()
                 model(self.prompt[None, self.processed : self.processed + n],
                       cache=self.cache)
                 mx.eval([c.state for c in self.cache])
+                self.engine.observe_compute(n, time.perf_counter() - t_chunk)
                 self.processed += n
                 if self.processed == self.snapshot_at:
                     self.snapshot = self.engine.prefix.capture(self.cache, self.processed)
@@ -125,7 +130,8 @@ class PrefillJob:
         elif prefix is not None:
             # (n-1)//bs: the last prompt token is never cached here, it must
             # run to give the first token's logits.
-            cache, hit = prefix.fetch(self.tokens, (self.total - 1) // prefix.block_size, self.owner)
+            cache, hit = prefix.fetch(self.tokens, (self.total - 1) // prefix.block_size, self.owner,
+                                      compute_s_per_token=self.engine.compute_s_per_token)
             if cache is not None:
                 self.cache, self.processed = cache, hit
                 self.cached_tokens = hit
@@ -179,7 +185,20 @@ class PrefillEngine:
         self.model = model
         self.chunk_size = chunk_size
         self.prefix = prefix
+        # Seconds per prompt token (running estimate from chunks of at least
+        # MIN_TIMED_CHUNK tokens; None until one ran): the prefix cache
+        # weighs loading a hit against recomputing it.
+        self.compute_s_per_token: Optional[float] = None
         attention_hook.install(model)  # on the CPU, attention without MLX's slow exp
+
+    MIN_TIMED_CHUNK = 64  # shorter chunks are mostly fixed per-call cost
+
+    def observe_compute(self, tokens: int, seconds: float) -> None:
+        if tokens < self.MIN_TIMED_CHUNK:
+            return
+        rate = seconds / tokens
+        prev = self.compute_s_per_token
+        self.compute_s_per_token = rate if prev is None else 0.3 * rate + 0.7 * prev
 
     def start(self, prompt_tokens: Sequence[int], sampling: SamplingParams, owner: str = "") -> PrefillJob:
         return PrefillJob(self, prompt_tokens, sampling, owner)

@@ -37,6 +37,7 @@ class PrefixStats:
     failures: int = 0  # calls that failed or were refused (requests went on without reuse)
     hit_snapshots: int = 0  # snapshots read (SnapshotCache)
     stored_snapshots: int = 0  # snapshots written and committed (SnapshotCache)
+    recomputed_blocks: int = 0  # hits not loaded: recomputing them was expected to be faster
 
 
 class _ServiceUser:
@@ -93,27 +94,39 @@ class PrefixCache(_ServiceUser):
 
     kind = "blocks"
 
+    # Weight of the newest read in the running load-time estimate.
+    _EWMA = 0.3
+    REPROBE = 8
+
     def __init__(self, client, arena_buf: Callable[[str], object], hasher: BlockHasher,
                  layout: KVLayout, **kw):
         if hasher.block_size != layout.block_size:
             raise ValueError("hasher and layout disagree on the block size")
         super().__init__(client, arena_buf, hasher, **kw)
         self.layout = layout
+        # Seconds to read one block into MLX arrays (running estimate; None
+        # until the first read). On a CPU a block loads ~100x faster than its
+        # tokens compute; on a fast GPU with a small model, recomputing a
+        # prefix can beat moving its KV through host memory.
+        self.load_s_per_block: Optional[float] = None
+        self._unread_hits = 0  # hits left unread since the last read
 
     # ----------------------------------------------------------------- fetch
     def fetch(self, tokens: Sequence[int], max_blocks: int, owner: str,
-              per_block=None) -> Tuple[Optional[List[KVCache]], int]:
+              per_block=None, compute_s_per_token: Optional[float] = None) -> Tuple[Optional[List[KVCache]], int]:
         """KV of the longest cached run among the first `max_blocks` full
         blocks of `tokens`: (per-layer caches, tokens they hold) or (None, 0).
-        `per_block`: extra bytes per block (workers.block_hash.image_block_extra)."""
+        `per_block`: extra bytes per block (workers.block_hash.image_block_extra).
+        `compute_s_per_token`: the caller's prefill cost; a hit whose
+        estimated load time exceeds recomputing it is left unread."""
         try:
-            return self._fetch(tokens, max_blocks, owner, per_block)
+            return self._fetch(tokens, max_blocks, owner, per_block, compute_s_per_token)
         except Exception:  # noqa: BLE001 - an optimisation never fails the request
             self.stats.failures += 1
             log.warning("prefix lookup for %s failed; computing the whole prompt", owner, exc_info=True)
             return None, 0
 
-    def _fetch(self, tokens, max_blocks, owner, per_block=None):
+    def _fetch(self, tokens, max_blocks, owner, per_block=None, compute_s_per_token=None):
         hashes = self.hasher.hashes(tokens, max_blocks, per_block)
         if not hashes or not self._available():
             return None, 0
@@ -132,7 +145,16 @@ class PrefixCache(_ServiceUser):
             refs = self._usable(reply.blocks, hashes)
             if not refs:
                 return None, 0
+            if not self._worth_loading(len(refs), compute_s_per_token):
+                self.stats.recomputed_blocks += len(refs)
+                log.debug("prefix hit %s: %d blocks left unread (load %.2f ms/block, compute %.3f ms/token)",
+                          owner, len(refs), self.load_s_per_block * 1000, compute_s_per_token * 1000)
+                return None, 0
+            t_read = time.perf_counter()
             cache = read_blocks(self.arena_buf(reply.arena), [r.offset for r in refs], self.layout)
+            per_block = (time.perf_counter() - t_read) / len(refs)
+            self.load_s_per_block = per_block if self.load_s_per_block is None else (
+                self._EWMA * per_block + (1 - self._EWMA) * self.load_s_per_block)
         finally:
             # read_blocks returned evaluated copies: the blocks may go now.
             self._release(reply.lease)
@@ -141,6 +163,18 @@ class PrefixCache(_ServiceUser):
                   len(hashes), len(refs) * self.block_size, len(refs) * self.layout.block_nbytes,
                   (time.perf_counter() - t0) * 1000)
         return cache, len(refs) * self.block_size
+
+    def _worth_loading(self, blocks: int, compute_s_per_token: Optional[float]) -> bool:
+        """Load unless both costs are known and loading is the slower. Every
+        `REPROBE`th hit in a row left unread is read anyway, so one slow read
+        (the first touches fresh pages) cannot rule loading out for good."""
+        if self.load_s_per_block is None or not compute_s_per_token:
+            return True
+        if self.load_s_per_block <= self.block_size * compute_s_per_token or self._unread_hits >= self.REPROBE:
+            self._unread_hits = 0
+            return True
+        self._unread_hits += 1
+        return False
 
     def _usable(self, blocks: Sequence, hashes: List[bytes]) -> list:
         """The leading blocks that answer our hashes with our block size."""
