@@ -367,10 +367,11 @@ def test_a_hit_is_recomputed_when_that_is_faster(model, tiny_dir):
     a = prompt_of(49, 5)
     engine = PrefillEngine(counted, chunk_size=16, prefix=prefix)
     want = engine.run(a, greedy(), owner="cold").first_token  # stores 6 blocks
-    assert engine.compute_s_per_token is None  # 16-token chunks are too short to time
+    assert engine.compute_cost.value is None  # 16-token chunks are too short to time
     res = engine.run(a, greedy(), owner="warm")
-    assert res.cached_tokens == 48 and prefix.load_s_per_block is not None  # unknown cost: load
-    engine.compute_s_per_token = prefix.load_s_per_block / BS / 10  # compute 10x cheaper than loading
+    load = prefix.load_cost.value
+    assert res.cached_tokens == 48 and load is not None  # unknown compute cost: load
+    engine.compute_cost.add(load / BS / 10)  # compute 10x cheaper than loading
     counted.tokens = 0
     res = engine.run(a, greedy(), owner="recompute")
     assert res.cached_tokens == 0 and counted.tokens == 49 and res.first_token == want
@@ -378,7 +379,8 @@ def test_a_hit_is_recomputed_when_that_is_faster(model, tiny_dir):
     for i in range(prefix.REPROBE - 1):
         assert engine.run(a, greedy(), owner=f"again{i}").cached_tokens == 0
     assert engine.run(a, greedy(), owner="reprobe").cached_tokens == 48
-    engine.compute_s_per_token = prefix.load_s_per_block  # loading cheaper again
+    for _ in range(8):
+        engine.compute_cost.add(prefix.load_cost.value)  # loading cheaper again
     assert engine.run(a, greedy(), owner="cheap").cached_tokens == 48
 
 

@@ -44,6 +44,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from protos.messages import SamplingParams, TokenLogprob
 from workers import attention_hook
+from workers.prefix_cache import RecentMin
 from workers.sampling import build_sampling, token_logprob, wants_logprobs
 
 
@@ -131,7 +132,7 @@ class PrefillJob:
             # (n-1)//bs: the last prompt token is never cached here, it must
             # run to give the first token's logits.
             cache, hit = prefix.fetch(self.tokens, (self.total - 1) // prefix.block_size, self.owner,
-                                      compute_s_per_token=self.engine.compute_s_per_token)
+                                      compute_s_per_token=self.engine.compute_cost.value)
             if cache is not None:
                 self.cache, self.processed = cache, hit
                 self.cached_tokens = hit
@@ -185,20 +186,16 @@ class PrefillEngine:
         self.model = model
         self.chunk_size = chunk_size
         self.prefix = prefix
-        # Seconds per prompt token (running estimate from chunks of at least
-        # MIN_TIMED_CHUNK tokens; None until one ran): the prefix cache
-        # weighs loading a hit against recomputing it.
-        self.compute_s_per_token: Optional[float] = None
+        # Seconds per prompt token, recent chunks of at least MIN_TIMED_CHUNK
+        # tokens: the prefix cache weighs loading a hit against recomputing it.
+        self.compute_cost = RecentMin()
         attention_hook.install(model)  # on the CPU, attention without MLX's slow exp
 
     MIN_TIMED_CHUNK = 64  # shorter chunks are mostly fixed per-call cost
 
     def observe_compute(self, tokens: int, seconds: float) -> None:
-        if tokens < self.MIN_TIMED_CHUNK:
-            return
-        rate = seconds / tokens
-        prev = self.compute_s_per_token
-        self.compute_s_per_token = rate if prev is None else 0.3 * rate + 0.7 * prev
+        if tokens >= self.MIN_TIMED_CHUNK:
+            self.compute_cost.add(seconds / tokens)
 
     def start(self, prompt_tokens: Sequence[int], sampling: SamplingParams, owner: str = "") -> PrefillJob:
         return PrefillJob(self, prompt_tokens, sampling, owner)

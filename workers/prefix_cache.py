@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -38,6 +39,23 @@ class PrefixStats:
     hit_snapshots: int = 0  # snapshots read (SnapshotCache)
     stored_snapshots: int = 0  # snapshots written and committed (SnapshotCache)
     recomputed_blocks: int = 0  # hits not loaded: recomputing them was expected to be faster
+
+
+class RecentMin:
+    """The smallest of the last `window` samples of a cost: a first-time cost
+    (a GPU kernel's compilation, fresh pages) only ever adds to the true
+    cost, so the minimum shakes it off after one more sample, where a mean
+    would carry it for many."""
+
+    def __init__(self, window: int = 8):
+        self._samples: deque = deque(maxlen=window)
+
+    def add(self, value: float) -> None:
+        self._samples.append(value)
+
+    @property
+    def value(self) -> Optional[float]:
+        return min(self._samples) if self._samples else None
 
 
 class _ServiceUser:
@@ -94,8 +112,6 @@ class PrefixCache(_ServiceUser):
 
     kind = "blocks"
 
-    # Weight of the newest read in the running load-time estimate.
-    _EWMA = 0.3
     REPROBE = 8
 
     def __init__(self, client, arena_buf: Callable[[str], object], hasher: BlockHasher,
@@ -104,11 +120,11 @@ class PrefixCache(_ServiceUser):
             raise ValueError("hasher and layout disagree on the block size")
         super().__init__(client, arena_buf, hasher, **kw)
         self.layout = layout
-        # Seconds to read one block into MLX arrays (running estimate; None
-        # until the first read). On a CPU a block loads ~100x faster than its
-        # tokens compute; on a fast GPU with a small model, recomputing a
-        # prefix can beat moving its KV through host memory.
-        self.load_s_per_block: Optional[float] = None
+        # Seconds to read one block into MLX arrays, recent reads. On a CPU a
+        # block loads ~100x faster than its tokens compute; on a fast GPU
+        # with a small model, recomputing a prefix can beat moving its KV
+        # through host memory.
+        self.load_cost = RecentMin()
         self._unread_hits = 0  # hits left unread since the last read
 
     # ----------------------------------------------------------------- fetch
@@ -148,13 +164,11 @@ class PrefixCache(_ServiceUser):
             if not self._worth_loading(len(refs), compute_s_per_token):
                 self.stats.recomputed_blocks += len(refs)
                 log.debug("prefix hit %s: %d blocks left unread (load %.2f ms/block, compute %.3f ms/token)",
-                          owner, len(refs), self.load_s_per_block * 1000, compute_s_per_token * 1000)
+                          owner, len(refs), self.load_cost.value * 1000, compute_s_per_token * 1000)
                 return None, 0
             t_read = time.perf_counter()
             cache = read_blocks(self.arena_buf(reply.arena), [r.offset for r in refs], self.layout)
-            per_block = (time.perf_counter() - t_read) / len(refs)
-            self.load_s_per_block = per_block if self.load_s_per_block is None else (
-                self._EWMA * per_block + (1 - self._EWMA) * self.load_s_per_block)
+            self.load_cost.add((time.perf_counter() - t_read) / len(refs))
         finally:
             # read_blocks returned evaluated copies: the blocks may go now.
             self._release(reply.lease)
@@ -168,9 +182,10 @@ class PrefixCache(_ServiceUser):
         """Load unless both costs are known and loading is the slower. Every
         `REPROBE`th hit in a row left unread is read anyway, so one slow read
         (the first touches fresh pages) cannot rule loading out for good."""
-        if self.load_s_per_block is None or not compute_s_per_token:
+        load = self.load_cost.value
+        if load is None or not compute_s_per_token:
             return True
-        if self.load_s_per_block <= self.block_size * compute_s_per_token or self._unread_hits >= self.REPROBE:
+        if load <= self.block_size * compute_s_per_token or self._unread_hits >= self.REPROBE:
             self._unread_hits = 0
             return True
         self._unread_hits += 1
