@@ -9,6 +9,10 @@ peak between samples is missed.
 RSS counts shared pages (a shared-memory arena, mapped weights) once per
 process that touches them, so the per-process peaks can add up to more than
 the machine ever used; both the sum of peaks and the peak of the sum are kept.
+On Linux the peak of the summed PSS (proportional set size: a page shared by
+n processes counts 1/n in each, /proc/PID/smaps_rollup) is kept too: what
+the tree really holds, the arena counted once. It is the figure systems are
+compared by when both have it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ class ProcessTreeMemory:
         self.peaks: dict[int, int] = {}  # pid -> peak RSS bytes
         self.names: dict[int, str] = {}
         self.peak_total = 0  # max over samples of the summed current RSS
+        self.peak_total_pss = 0  # max over samples of the summed PSS (Linux; 0 elsewhere)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
 
@@ -44,22 +49,25 @@ class ProcessTreeMemory:
             self.sample()
 
     def sample(self) -> None:
-        total = 0
+        total = total_pss = 0
         for pid in tree_pids(self.root_pid):
             current, peak = rss_bytes(pid)
             if current is None:
                 continue
             total += current
+            total_pss += pss_bytes(pid) or 0
             self.peaks[pid] = max(self.peaks.get(pid, 0), peak or current)
             if pid not in self.names:
                 self.names[pid] = process_name(pid)
         self.peak_total = max(self.peak_total, total)
+        self.peak_total_pss = max(self.peak_total_pss, total_pss)
 
     def report(self) -> dict:
         procs = [{"pid": pid, "name": self.names.get(pid, "?"), "peak_rss_bytes": peak}
                  for pid, peak in sorted(self.peaks.items())]
         return {"processes": procs, "sum_of_peaks_bytes": sum(self.peaks.values()),
                 "peak_total_rss_bytes": self.peak_total,
+                "peak_total_pss_bytes": self.peak_total_pss or None,
                 "method": "VmHWM per process (/proc)" if sys.platform.startswith("linux") else "ps RSS samples"}
 
 
@@ -113,6 +121,18 @@ def rss_bytes(pid: int) -> tuple[int | None, int | None]:
         return (int(out.strip()) * 1024,) * 2 if out.strip() else (None, None)
     except (OSError, subprocess.SubprocessError, ValueError):
         return None, None
+
+
+def pss_bytes(pid: int) -> int | None:
+    """Proportional set size in bytes (Linux), None where unknown."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def process_name(pid: int) -> str:

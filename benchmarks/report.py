@@ -14,7 +14,7 @@ JSON (--json PATH), schema "tandem-bench/1":
           "error": null | "why the system could not run",
           "warmup_failed": 0,
           "memory": null | {"processes": [{"pid", "name", "peak_rss_bytes"}],
-                            "sum_of_peaks_bytes", "peak_total_rss_bytes", "method"},
+                            "sum_of_peaks_bytes", "peak_total_rss_bytes", "peak_total_pss_bytes", "method"},
           "results": {
             "sweep": [{"concurrency", "requests", "ok", "errors": {status: n}, "error_count",
                        "rejected_429", "rejected_latency_p99_s", "wall_s", "output_tokens", "output_tok_s",
@@ -120,8 +120,9 @@ def ratios(systems: list[dict]) -> list[dict]:
                 row["swarm_computed_prompt_tokens"] = _ratio(tr["swarm"]["computed_prompt_tokens"],
                                                              pr["swarm"]["computed_prompt_tokens"])
             if t.get("memory") and p.get("memory"):
-                row["memory_peak_total"] = _ratio(t["memory"]["peak_total_rss_bytes"],
-                                                  p["memory"]["peak_total_rss_bytes"])
+                key = "peak_total_pss_bytes" if t["memory"].get("peak_total_pss_bytes") and \
+                    p["memory"].get("peak_total_pss_bytes") else "peak_total_rss_bytes"
+                row["memory_peak_total"] = _ratio(t["memory"][key], p["memory"][key])
             out.append(row)
     return out
 
@@ -225,10 +226,13 @@ def render(report: dict) -> str:
         m = s.get("memory")
         if m:
             procs = ", ".join(f"{p['name']} {_mib(p['peak_rss_bytes'])}" for p in m["processes"])
-            rows.append([s["name"], _mib(m["peak_total_rss_bytes"]), _mib(m["sum_of_peaks_bytes"]), procs])
+            pss = m.get("peak_total_pss_bytes")
+            rows.append([s["name"], _mib(pss) if pss else "-", _mib(m["peak_total_rss_bytes"]),
+                         _mib(m["sum_of_peaks_bytes"]), procs])
     if rows:
-        parts.append("Peak resident memory (peak of the summed RSS; sum of per-process peaks; each process)\n"
-                     + _table(["system", "peak total", "sum of peaks", "processes"], rows))
+        parts.append("Peak memory: summed PSS (shared pages counted once: what ratios compare), summed RSS "
+                     "(shared pages once per process), sum of per-process RSS peaks, each process's RSS peak\n"
+                     + _table(["system", "peak PSS", "peak RSS", "sum of peaks", "processes"], rows))
     rows = []
     for r in report["ratios"]:
         for c, m in (r.get("sweep") or {}).items():

@@ -12,6 +12,8 @@ import base64
 import hashlib
 import io
 import json
+import os
+import sys
 import threading
 import time
 
@@ -299,6 +301,10 @@ def test_ratios_and_render():
     assert (r["tandem"], r["peer"]) == ("tandem", "mlx_lm")
     assert r["sweep"]["4"]["output_tok_s"] == pytest.approx(1.5) and r["sweep"]["4"]["itl_p99_s"] == pytest.approx(0.5)
     assert r["memory_peak_total"] == pytest.approx(1.0)
+    tandem, peer = system("tandem", 30.0, 0.05), system("mlx_lm", 20.0, 0.1)
+    tandem["memory"]["peak_total_pss_bytes"], peer["memory"]["peak_total_pss_bytes"] = 1 << 20, 2 << 20
+    (with_pss,) = report.build_report([tandem, peer], {"max_tokens": 8}, "tandem bench")["ratios"]
+    assert with_pss["memory_peak_total"] == pytest.approx(0.5)  # PSS, when both have it, not RSS
     text = report.render(rep)
     assert "vllm-mlx: did not run: not installed" in text and "1.50x" in text
     msg = report.plot(rep, "/nonexistent-dir-for-test/x.png") if not _has_matplotlib() else None
@@ -588,3 +594,46 @@ def test_random_model_loads_and_generates_varied_tokens(tmp_path, embedded_model
                                           range(24))]
     assert len(set(tokens)) >= 8, tokens
     assert max(tokens) < random_model.tokenizer_size(embedded_model_dir)
+
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PSS comes from /proc")
+def test_shared_memory_counts_once_in_pss_twice_in_rss():
+    """A 64 MiB shared-memory segment touched by this process and a child:
+    the summed RSS counts it twice, the summed PSS once (the arena case)."""
+    import multiprocessing as mp
+    from multiprocessing import shared_memory
+
+    from benchmarks.memory import ProcessTreeMemory
+
+    size = 64 << 20
+    shm = shared_memory.SharedMemory(create=True, size=size)
+    try:
+        shm.buf[:] = b"\x01" * size
+        ctx = mp.get_context("spawn")
+        ready, done = ctx.Event(), ctx.Event()
+        child = ctx.Process(target=_touch_shared, args=(shm.name, size, ready, done))
+        child.start()
+        try:
+            assert ready.wait(30)
+            mem = ProcessTreeMemory(os.getpid())
+            mem.sample()
+            assert mem.peak_total_pss > size  # the segment is in there once...
+            assert mem.peak_total - mem.peak_total_pss > 0.75 * size  # ...and RSS has it twice
+        finally:
+            done.set()
+            child.join(10)
+    finally:
+        shm.close()
+        shm.unlink()
+
+
+def _touch_shared(name, size, ready, done):
+    from multiprocessing import shared_memory
+
+    shm = shared_memory.SharedMemory(name=name)
+    total = sum(shm.buf[i] for i in range(0, size, 4096))  # read every page
+    assert total == size // 4096
+    ready.set()
+    done.wait(30)
+    shm.close()
