@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
@@ -44,6 +45,8 @@ log = logging.getLogger(__name__)
 # How many more in-flight requests the affine prefill worker may have than the
 # least-loaded one before routing ignores affinity.
 AFFINITY_SLACK = 2
+# Image hashes the router remembers as encoded (a few hundred KB of strings).
+STORED_IMAGES_KEPT = 4096
 
 
 @dataclass
@@ -89,6 +92,11 @@ class Dispatcher:
         self._tasks: list[asyncio.Task] = []
         self.metrics = Metrics(self)
         self.affinity = PrefixAffinity()
+        # Content hashes a vision worker has stored embeddings for, newest
+        # last: a request whose images are all here skips the vision worker
+        # (a follow-up turn never queues behind another user's encoding). If
+        # the cache service evicted one, prefill encodes it itself.
+        self._stored_images: OrderedDict[str, None] = OrderedDict()
 
     # ---------------------------------------------------------- lifecycle --
     async def start(self) -> None:
@@ -244,10 +252,15 @@ class Dispatcher:
 
     async def _vision(self, st: RequestState) -> None:
         """Have a vision worker store the images' embeddings (encoding those
-        the cache service lacks) before prefill. Without one alive, prefill
-        encodes what it needs itself."""
+        the cache service lacks) before prefill. Without one alive, or when
+        a vision worker already stored every one of them, prefill takes what
+        it needs from the cache service (encoding only what was evicted)."""
         ready = self._ready_with("vision")
-        if not ready:
+        hashes = [im.content_hash for im in st.req.images]
+        if not ready or all(h in self._stored_images for h in hashes):
+            for h in hashes:
+                if h in self._stored_images:
+                    self._stored_images.move_to_end(h)
             return
         w = min(ready, key=lambda w: (w.load(), w.hello.running + w.hello.waiting))
         rid = st.req.request_id
@@ -257,6 +270,11 @@ class Dispatcher:
                 return
             item = await self._next_event(st)
             st.vision = item
+            for h in hashes:
+                self._stored_images[h] = None
+                self._stored_images.move_to_end(h)
+            while len(self._stored_images) > STORED_IMAGES_KEPT:
+                self._stored_images.popitem(last=False)
             m = self.metrics
             m.vision_queries.inc(item.encoded + item.cached)
             m.vision_hits.inc(item.cached)

@@ -259,3 +259,35 @@ def test_first_token_streams_before_the_kv_handoff_arrives():
         assert disp.requests == {}
 
     run(body)
+
+
+def test_pictures_a_vision_worker_stored_go_straight_to_prefill():
+    from protos.messages import ImageInput, VisionDone, VisionRequest
+
+    async def body(disp, worker):
+        vis, pre = worker("vision-0", ["vision"]), worker("prefill-0", ["prefill", "decode"])
+        await vis.beat()
+        await pre.beat()
+        await wait_for(lambda: len(disp.workers) == 2)
+
+        def with_image(rid, h):
+            r = request(rid, n=1)
+            r.images = [ImageInput(h, None, 0, 1)]
+            return r
+
+        async def play(rid, h, expect_vision):
+            if expect_vision:
+                msg = await vis.next()
+                assert isinstance(msg, VisionRequest) and msg.images[0].content_hash == h
+                await transport.asend(vis.sock, VisionDone(rid, encoded=1))
+            msg = await pre.next()
+            assert isinstance(msg, PrefillRequest) and msg.request_id == rid
+            await transport.asend(pre.sock, PrefillDone(rid, 7, KVHandoff(rid, 3, 3, local=True), finish_reason="length"))
+
+        for rid, h, expect_vision in (("a", "h1", True), ("b", "h1", False), ("c", "h2", True)):
+            player = asyncio.create_task(play(rid, h, expect_vision))
+            assert [e.token async for e in disp.generate(with_image(rid, h))] == [7]
+            await player
+        assert not await vis.sock.poll(100)  # "b" never reached the vision worker
+
+    run(body)

@@ -206,11 +206,12 @@ class Worker:
         first = result.first_token
         finish = first_token_finishes(first, req.sampling)
         local = finish is not None or (req.decode_worker == self.worker_id and self.decode is not None)
+        handoff = None  # None: the KVHandoff follows PrefillDone
         if local:  # nothing to hand over, or the KV stays in this process
             handoff = KVHandoff(req.request_id, result.num_tokens, result.rope_offset, local=True)
             if finish is None:
                 self.local_kv[req.request_id] = result.cache
-        self.outbox.send(PrefillDone(req.request_id, first, handoff if local else None, result.logprob, finish,
+        self.outbox.send(PrefillDone(req.request_id, first, handoff, result.logprob, finish,
                                      result.prefill_ms, cached_tokens=result.cached_tokens,
                                      images_encoded=getattr(job, "encoded", 0),
                                      images_cached=getattr(job, "skipped", 0),
