@@ -40,11 +40,10 @@ import tempfile
 import threading
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 from benchmarks.loadgen import Progress, RequestResult, percentile
-from benchmarks.workloads import Target, WorkloadConfig, _client, _point, metric_sum, send, words
+from benchmarks.workloads import Target, WorkloadConfig, _client, _point, scrape_counters, send, words
 
 VIDEO_FPS = 1.0  # the videos' frame rate: every system's default sampling (1-2 fps) keeps every frame
 
@@ -354,15 +353,4 @@ def _error_line(point: dict) -> str:
 
 async def _vision_counters(metrics_url: str | None) -> tuple[float, float] | None:
     """(queries, hits) of Tandem's vision embedding cache, or None (a peer: no such counters)."""
-    if not metrics_url:
-        return None
-    try:
-        async with httpx.AsyncClient(timeout=10.0) as c:
-            r = await c.get(metrics_url)
-        if r.status_code != 200:
-            return None
-    except httpx.HTTPError:
-        return None
-    queries = metric_sum(r.text, "tandem_vision_cache_queries_total")
-    hits = metric_sum(r.text, "tandem_vision_cache_hits_total")
-    return (queries, hits or 0.0) if queries is not None else None
+    return await scrape_counters(metrics_url, "tandem_vision_cache_queries_total", "tandem_vision_cache_hits_total")

@@ -286,7 +286,7 @@ async def swarm(target: Target, cfg: WorkloadConfig, metrics_url: str | None = N
     the agent's own history (its previous answers) and a new question. A 429
     is retried after Retry-After (at most 5 times); another failure ends the agent."""
     system = system_prompt(cfg.seed, "swarm", cfg.system_prompt_words)
-    before = await scrape_prompt_counters(metrics_url) if metrics_url else None
+    before = await scrape_prompt_counters(metrics_url)
     progress = Progress(f"{target.name} swarm", cfg.agents * cfg.turns)
     results: list[RequestResult] = []
     per_turn: list[dict] = []  # (agent, turn) rows, to see which turns computed what
@@ -317,7 +317,7 @@ async def swarm(target: Target, cfg: WorkloadConfig, metrics_url: str | None = N
         await asyncio.gather(*(agent(k, client) for k in range(cfg.agents)))
     wall = time.perf_counter() - t0
     progress.close()
-    after = await scrape_prompt_counters(metrics_url) if metrics_url else None
+    after = await scrape_prompt_counters(metrics_url)
     ok = [r for r in results if r.ok]
     prompt_tokens = sum(r.prompt_tokens or 0 for r in ok)
     reported = [r for r in ok if r.cached_tokens is not None]
@@ -344,8 +344,11 @@ async def swarm(target: Target, cfg: WorkloadConfig, metrics_url: str | None = N
     return out
 
 
-async def scrape_prompt_counters(metrics_url: str) -> tuple[float, float] | None:
-    """(tandem_prompt_tokens_total, tandem_prefix_cache_hit_tokens_total), or None."""
+async def scrape_counters(metrics_url: str | None, total: str, hits: str) -> tuple[float, float] | None:
+    """(counter `total`, counter `hits`) from a Prometheus /metrics page, or
+    None when there is no page (a peer) or no `total` counter on it."""
+    if not metrics_url:
+        return None
     try:
         async with httpx.AsyncClient(timeout=10.0) as c:
             r = await c.get(metrics_url)
@@ -353,9 +356,13 @@ async def scrape_prompt_counters(metrics_url: str) -> tuple[float, float] | None
             return None
     except httpx.HTTPError:
         return None
-    prompt = metric_sum(r.text, "tandem_prompt_tokens_total")
-    hits = metric_sum(r.text, "tandem_prefix_cache_hit_tokens_total")
-    return (prompt, hits or 0.0) if prompt is not None else None
+    t = metric_sum(r.text, total)
+    return (t, metric_sum(r.text, hits) or 0.0) if t is not None else None
+
+
+async def scrape_prompt_counters(metrics_url: str | None) -> tuple[float, float] | None:
+    """(tandem_prompt_tokens_total, tandem_prefix_cache_hit_tokens_total), or None."""
+    return await scrape_counters(metrics_url, "tandem_prompt_tokens_total", "tandem_prefix_cache_hit_tokens_total")
 
 
 def metric_sum(text: str, name: str) -> float | None:

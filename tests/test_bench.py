@@ -84,12 +84,8 @@ class Scripted:
                         f"tandem_prefix_cache_hit_tokens_total {self.calls * 3}.0\n", media_type="text/plain")
 
 
-@pytest.fixture(scope="module")
-def scripted():
-    """Base URL of the scripted server; a mode is the first path segment."""
-    s = Scripted()
-    app = Starlette(routes=[Route("/{mode}/v1/chat/completions", s.chat, methods=["POST"]),
-                            Route("/{mode}/v1/models", s.models), Route("/{mode}/metrics", s.metrics)])
+def _serve(app, state):
+    """Run `app` on a free port in a thread; yields (base URL, state) while it serves."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
                                            timeout_graceful_shutdown=1))
@@ -99,9 +95,18 @@ def scripted():
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.started
-    yield f"http://127.0.0.1:{port}", s
+    yield f"http://127.0.0.1:{port}", state
     server.should_exit = True
     thread.join(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    """Base URL of the scripted server; a mode is the first path segment."""
+    s = Scripted()
+    app = Starlette(routes=[Route("/{mode}/v1/chat/completions", s.chat, methods=["POST"]),
+                            Route("/{mode}/v1/models", s.models), Route("/{mode}/metrics", s.metrics)])
+    yield from _serve(app, s)
 
 
 def _one(base: str, timeout: float = 5.0) -> RequestResult:
@@ -384,18 +389,7 @@ def _common(a: list, b: list) -> int:
 def fake_vlm():
     s = FakeVLM()
     app = Starlette(routes=[Route("/{mode}/v1/chat/completions", s.chat, methods=["POST"])])
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
-                                           timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started
-    yield f"http://127.0.0.1:{port}", s
-    server.should_exit = True
-    thread.join(timeout=5)
+    yield from _serve(app, s)
 
 
 def _vision_cfg(**kw) -> workloads.WorkloadConfig:
