@@ -97,6 +97,7 @@ class Dispatcher:
         # (a follow-up turn never queues behind another user's encoding). If
         # the cache service evicted one, prefill encodes it itself.
         self._stored_images: OrderedDict[str, None] = OrderedDict()
+        self._expected_roles = self._expected()  # fixed by the settings: read the model's config once
 
     # ---------------------------------------------------------- lifecycle --
     async def start(self) -> None:
@@ -123,6 +124,7 @@ class Dispatcher:
 
     # ------------------------------------------------------------- health --
     def _expected(self) -> dict[str, int]:
+        """Live workers per role the settings ask for (what /health waits for)."""
         s = self.settings
         from workers.model_store import is_vlm
 
@@ -136,7 +138,7 @@ class Dispatcher:
         return [w for w in self.workers.values() if w.ready and role in w.hello.roles]
 
     def health(self) -> tuple[bool, dict]:
-        expected = self._expected()
+        expected = self._expected_roles
         ready = self.cache_ok and all(len(self._ready_with(r)) >= n for r, n in expected.items())
         workers = [
             {
@@ -381,11 +383,10 @@ class Dispatcher:
         if st is None or st.phase != "prefill" or st.first_token is None:
             await self._free(h)  # the client left, or the request already failed
             return
-        if not h.local:
-            self.metrics.handoff.observe(h.write_ms / 1000)
         if h.local:
             decode = self.workers.get(wid)
         else:
+            self.metrics.handoff.observe(h.write_ms / 1000)
             try:
                 decode = self._pick("decode")
             except EngineError as exc:

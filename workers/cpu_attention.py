@@ -68,12 +68,6 @@ def softmax_weights(scores: mx.array) -> tuple[mx.array, mx.array]:
     return e, e.sum(axis=-1, keepdims=True)
 
 
-def softmax(scores: mx.array) -> mx.array:
-    """Softmax over the last axis (float32 scores; -inf entries get exactly 0)."""
-    e, total = softmax_weights(scores)
-    return e / total
-
-
 @functools.lru_cache(maxsize=8)
 def _causal_bias(n: int, length: int) -> mx.array:
     """0 where the last n of `length` positions may look, -inf after: the

@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, _BaseCache
 
-from workers.cpu_attention import softmax
+from workers.cpu_attention import softmax_weights
 
 
 
@@ -120,22 +120,25 @@ def _group_attention(q, prefix: SharedKV, rows: list[_Row]):
     """One new token per row for rows that share `prefix`; `q` (G, Hkv, rep, D)
     already scaled. The prefix's K and V are read once for the whole group
     (one product with G*rep query rows per KV head), each row's own tokens
-    on their own; one softmax per row over [prefix, own] keeps it exact."""
+    on their own; one softmax per row over [prefix, own] keeps it exact,
+    normalised after the V products (D values per row instead of L)."""
     g, n_kv, rep, d = q.shape
     grouped = q.transpose(1, 0, 2, 3).reshape(1, n_kv, g * rep, d)
     shared = (grouped @ prefix.keys.swapaxes(-1, -2)).reshape(n_kv, g, rep, prefix.length)
-    probs_shared, own_out = [], []
+    weights_shared, own_out, totals = [], [], []
     for j, row in enumerate(rows):
         k, v = row.view()
         scores = shared[:, j][None]  # (1, Hkv, rep, Lp)
         if k.shape[2]:
             scores = mx.concatenate([scores, q[j : j + 1] @ k.swapaxes(-1, -2)], axis=-1)
-        probs = softmax(scores)
-        probs_shared.append(probs[..., : prefix.length])
-        own_out.append(probs[..., prefix.length :] @ v if k.shape[2] else None)
-    probs = mx.concatenate(probs_shared, axis=0).transpose(1, 0, 2, 3).reshape(1, n_kv, g * rep, prefix.length)
-    out = (probs @ prefix.values).reshape(n_kv, g, rep, d).transpose(1, 0, 2, 3)  # (G, Hkv, rep, D)
-    return [out[j : j + 1] + own if own is not None else out[j : j + 1] for j, own in enumerate(own_out)]
+        e, total = softmax_weights(scores)
+        weights_shared.append(e[..., : prefix.length])
+        own_out.append(e[..., prefix.length :] @ v if k.shape[2] else None)
+        totals.append(total)
+    e = mx.concatenate(weights_shared, axis=0).transpose(1, 0, 2, 3).reshape(1, n_kv, g * rep, prefix.length)
+    out = (e @ prefix.values).reshape(n_kv, g, rep, d).transpose(1, 0, 2, 3)  # (G, Hkv, rep, D)
+    return [(out[j : j + 1] + own if own is not None else out[j : j + 1]) / totals[j]
+            for j, own in enumerate(own_out)]
 
 
 class RaggedKVCache(_BaseCache):
@@ -190,8 +193,8 @@ class RaggedKVCache(_BaseCache):
         for i, row in enumerate(self.rows):
             if row.prefix is None:
                 k, v = row.view()
-                scores = softmax(q[i : i + 1] @ k.swapaxes(-1, -2))
-                outputs[i] = scores @ v
+                e, total = softmax_weights(q[i : i + 1] @ k.swapaxes(-1, -2))
+                outputs[i] = (e @ v) / total
             else:
                 groups.setdefault(id(row.prefix), (row.prefix, []))[1].append(i)
         for prefix, members in groups.values():

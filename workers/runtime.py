@@ -229,11 +229,11 @@ class Worker:
 
         done, seen = VisionDone(req.request_id), set()
         for im in req.images:
-            if im.content_hash in seen or self.embeddings.has(im.content_hash, req.request_id):
-                done.cached += 1
-                seen.add(im.content_hash)
-                continue
+            repeated = im.content_hash in seen
             seen.add(im.content_hash)
+            if repeated or self.embeddings.has(im.content_hash, req.request_id):
+                done.cached += 1
+                continue
             t0 = time.perf_counter()
             features = self.vision.encode(self.vision.preprocess([np.asarray(im.pixels, dtype=np.uint8)]))
             done.encode_s += time.perf_counter() - t0
