@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from workers import attention_hook, ragged_kv
+from workers import mlx_hooks, ragged_kv
 from workers.loading import load_model
 from workers.model_store import resolve_model
 
@@ -51,7 +51,7 @@ def run(mode: str, rows: int, context: int, shared_len: int, steps: int) -> dict
     model, _ = load_model(str(resolve_model(None)))
     ragged = mode != "batch"
     if ragged:
-        attention_hook.install(model)
+        mlx_hooks.install(model)
     shared = None
     if shared_len:
         base = filled_cache(model, shared_len, None, 999)

@@ -1,4 +1,4 @@
-"""workers/cpu_attention.py against MLX's own exp and attention."""
+"""workers/cpu_attention.py against MLX's own attention."""
 
 from __future__ import annotations
 
@@ -6,14 +6,6 @@ import mlx.core as mx
 import pytest
 
 from workers import cpu_attention
-
-
-def test_exp_neg_is_within_an_ulp_of_mlx_exp():
-    x = mx.concatenate([mx.linspace(-87.0, 0.0, 100_001), -mx.abs(mx.random.normal((10_000,), key=mx.random.key(0)))])
-    ref, got = mx.exp(x), cpu_attention.exp_neg(x)
-    rel = mx.abs(got - ref) / ref
-    assert rel.max().item() <= 2.5e-7  # ~2 float32 ulps at worst
-    assert (got == ref).mean().item() > 0.5  # most values bit-identical
 
 
 @pytest.mark.parametrize("n,length,heads,kv_heads", [(1, 700, 9, 3), (37, 300, 9, 3), (64, 64, 4, 4), (5, 90, 8, 2)])

@@ -9,7 +9,6 @@ import re
 
 import httpx
 import openai
-import pytest
 
 from tests.test_e2e_pipeline import LONG_SYSTEM, reference
 

@@ -10,7 +10,7 @@ import pytest
 from mlx import nn
 from mlx_lm.models.cache import KVCache
 
-from workers import attention_hook, ragged_kv
+from workers import mlx_hooks, ragged_kv
 from workers.decode import DecodeEngine
 
 try:
@@ -119,8 +119,8 @@ class _OwnAttention(nn.Module):  # a model whose code does not call mlx-lm's att
 
 
 def test_install_refuses_models_without_mlx_lm_attention(model):
-    assert attention_hook.install(model)
-    assert not attention_hook.install(_OwnAttention())
+    assert mlx_hooks.install(model)
+    assert not mlx_hooks.install(_OwnAttention())
 
 
 def test_attention_that_bypasses_the_rows_is_caught(model):

@@ -308,9 +308,9 @@ def test_ragged_decode_rows_carry_the_shift(qwen):
 
     requests = [([synthetic_image(56, 84, 1)], [_user(None, "What is in this picture?")]),
                 ([synthetic_image(112, 112, 4)], [_user("Please describe", None, "in detail.")])]
-    from workers import attention_hook
+    from workers import mlx_hooks
 
-    assert attention_hook.install(qwen.text_model)
+    assert mlx_hooks.install(qwen.text_model)
     gen = BatchGenerator(qwen.text_model, sampler=make_sampler(0.0), completion_batch_size=4,
                          prefill_batch_size=4)
     try:

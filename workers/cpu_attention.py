@@ -4,11 +4,10 @@ On the x86 CPU backend `mx.exp` runs ~70 M values/s (scalar), while plain
 arithmetic runs at billions: for a warm request (62 new tokens over 926 cached
 ones) `mx.fast.scaled_dot_product_attention` spends ~0.3 s of its ~0.33 s in
 exp across 30 layers, more than the rest of the prefill. Here the softmax
-uses `exp_neg`, e^x for x <= 0 from a degree-7 polynomial of 2^f on
-[-0.5, 0.5] times 2^i built from the exponent bits: within 1 ulp of `mx.exp`
-(88% of values bit-identical), ~8x faster once compiled. The query heads that
-share a KV head form one (repeats·N x D) @ (D x L) product per KV head instead
-of a broadcast per query head (~1.5x on this CPU).
+uses workers/cpu_math.py's exponential (within ~2 ulps of `mx.exp`, ~8x
+faster). The query heads that share a KV head form one (repeats·N x D) @
+(D x L) product per KV head instead of a broadcast per query head (~1.5x on
+this CPU).
 
 Only masks of the plain kinds are handled (none, or "causal" aligned to the
 end of the keys); anything else (arrays, sinks, windows) returns None and the
@@ -18,53 +17,17 @@ caller uses mlx-lm's own attention. A Mac's GPU never comes here.
 from __future__ import annotations
 
 import functools
-import math
 
 import mlx.core as mx
 
-_LN2 = math.log(2.0)
-# Taylor coefficients of 2^f = e^(f ln 2); on |f| <= 1/2 the degree-7 remainder
-# is below 1e-8, under float32's half-ulp.
-_COEFFS = [_LN2**k / math.factorial(k) for k in range(8)]
-
-
-def _exp_parts(x: mx.array, top: mx.array):
-    """e^(x - top) as p * 2^i: returns p and i's biased exponent bits.
-    y is clamped at -127, whose biased exponent 0 makes 2^i exactly 0: a
-    masked (-inf) score gets weight 0 with no second pass, and results that
-    would be float32 denormals (below e^-87.3) flush to 0."""
-    y = mx.maximum((x - top) * (1.0 / _LN2), -127.0)
-    i = mx.round(y)
-    f = y - i
-    p = _COEFFS[7]
-    for c in reversed(_COEFFS[:7]):
-        p = p * f + c
-    return p, i.astype(mx.int32) + 127
-
-
-# Shapeless: one compiled kernel for every score shape (decode's grows each step).
-_split = mx.compile(_exp_parts, shapeless=True)
-
-
-def _exp_from_parts(x: mx.array, top: mx.array) -> mx.array:
-    p, biased = _split(x, top)
-    # 2^i from its bits (a bit view cannot be compiled shapeless).
-    return p * mx.left_shift(biased, 23).view(mx.float32)
-
-
-def exp_neg(x: mx.array) -> mx.array:
-    """e^x for x <= 0 (float32), to within 1 ulp of mx.exp; -inf gives 0."""
-    return _exp_from_parts(x, _ZERO)
-
-
-_ZERO = mx.array(0.0)
+from workers.cpu_math import exp_shifted
 
 
 def softmax_weights(scores: mx.array) -> tuple[mx.array, mx.array]:
     """The softmax over the last axis before normalisation: e^(s - max) (-inf
     scores get exactly 0) and its sums. Callers divide after multiplying by
     V, which divides D values per row instead of L."""
-    e = _exp_from_parts(scores, mx.stop_gradient(scores.max(axis=-1, keepdims=True)))
+    e = exp_shifted(scores, mx.stop_gradient(scores.max(axis=-1, keepdims=True)))
     return e, e.sum(axis=-1, keepdims=True)
 
 

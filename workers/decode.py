@@ -54,7 +54,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import ArraysCache, CacheList
 
 from protos.messages import DecodeRequest, TokenUpdate
-from workers import attention_hook, ragged_kv
+from workers import mlx_hooks, ragged_kv
 from workers.loading import on_cpu
 from workers.sampling import GREEDY_SAMPLER, build_sampling, token_logprob, wants_logprobs
 from workers.vision import ShiftedKVCache
@@ -94,7 +94,7 @@ class DecodeEngine:
         # cost more than the copies they save (measured on an H100:
         # BENCHMARKS.md), so there, and for models whose attention cannot
         # take it, the batch is mlx-lm's padded BatchKVCache.
-        self.ragged = attention_hook.install(model) and (on_cpu() if ragged is None else ragged)
+        self.ragged = mlx_hooks.install(model) and (on_cpu() if ragged is None else ragged)
         # Rows whose prompts start alike (a swarm's system prompt) share that
         # prefix's KV: read once per step, held once.
         self.sharing = ragged_kv.PrefixSharing() if self.ragged else None

@@ -43,7 +43,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from protos.messages import SamplingParams, TokenLogprob
-from workers import attention_hook
+from workers import mlx_hooks
 from workers.prefix_cache import RecentMin
 from workers.sampling import build_sampling, token_logprob, wants_logprobs
 
@@ -189,7 +189,7 @@ class PrefillEngine:
         # Seconds per prompt token, recent chunks of at least MIN_TIMED_CHUNK
         # tokens: the prefix cache weighs loading a hit against recomputing it.
         self.compute_cost = RecentMin()
-        attention_hook.install(model)  # on the CPU, attention without MLX's slow exp
+        mlx_hooks.install(model)  # on the CPU, attention and SwiGLU without MLX's slow exp
 
     MIN_TIMED_CHUNK = 64  # shorter chunks are mostly fixed per-call cost
 

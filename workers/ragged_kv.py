@@ -17,7 +17,7 @@ It plugs into BatchGenerator unchanged: the decode worker hands it caches
 whose layers are RowKVCache, and BatchGenerator's `type(c).merge` builds a
 RaggedKVCache from them. The model's attention reaches our rows through
 mlx-lm's `scaled_dot_product_attention`, which every mlx-lm model module
-imports from `mlx_lm.models.base`; workers/attention_hook.py wraps that name
+imports from `mlx_lm.models.base`; workers/mlx_hooks.py wraps that name
 in each model module so that a RaggedKVCache attends row by row. A model whose attention does not call it is
 caught on its next step (RuntimeError), never silently wrong.
 
