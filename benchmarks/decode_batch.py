@@ -47,7 +47,7 @@ def filled_cache(model, length: int, shared, seed: int):
     return cache
 
 
-def run(mode: str, rows: int, context: int, shared_len: int, steps: int) -> dict:
+def run(mode: str, rows: int, context: int, shared_len: int, steps: int, spread: int = 37) -> dict:
     model, _ = load_model(str(resolve_model(None)))
     ragged = mode != "batch"
     if ragged:
@@ -69,7 +69,7 @@ def run(mode: str, rows: int, context: int, shared_len: int, steps: int) -> dict
         return cache
 
     gen = BatchGenerator(model, completion_batch_size=rows + 8, prefill_batch_size=rows + 8)
-    lengths = [context + 37 * i for i in range(rows)]
+    lengths = [context + spread * i for i in range(rows)]
     uids = gen.insert([[5]] * rows, max_tokens=[100_000] * rows, caches=[make(i, n) for i, n in enumerate(lengths)])
     gen.next_generated()
     for _ in range(2):
@@ -99,15 +99,16 @@ def run(mode: str, rows: int, context: int, shared_len: int, steps: int) -> dict
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=16)
-    p.add_argument("--context", type=int, default=1300, help="tokens of the shortest row (row i has 37*i more)")
+    p.add_argument("--context", type=int, default=1300, help="tokens of the shortest row (row i has spread*i more)")
+    p.add_argument("--spread", type=int, default=37, help="tokens between one row's context and the next's")
     p.add_argument("--shared", type=int, default=864, help="tokens every row starts with (0: none)")
     p.add_argument("--steps", type=int, default=10)
     args = p.parse_args(argv)
-    results = [run("batch", args.rows, args.context, 0, args.steps),
-               run("ragged", args.rows, args.context, 0, args.steps)]
+    results = [run("batch", args.rows, args.context, 0, args.steps, args.spread),
+               run("ragged", args.rows, args.context, 0, args.steps, args.spread)]
     if args.shared:
-        results.append(run("ragged+shared", args.rows, args.context, args.shared, args.steps))
-    print(f"{args.rows} rows of {args.context}-{args.context + 37 * (args.rows - 1)} tokens"
+        results.append(run("ragged+shared", args.rows, args.context, args.shared, args.steps, args.spread))
+    print(f"{args.rows} rows of {args.context}-{args.context + args.spread * (args.rows - 1)} tokens"
           + (f", {args.shared} shared" if args.shared else ""))
     print("| batch KV | step | output tok/s | join + step | leave + step |")
     print("|---|---|---|---|---|")

@@ -131,3 +131,70 @@ def test_attention_that_bypasses_the_rows_is_caught(model):
     cache.update_and_fetch(k, k)
     with pytest.raises(RuntimeError, match="scaled_dot_product_attention"):
         cache.update_and_fetch(k, k)  # nobody attended in between
+
+
+def _pool_of(decode):
+    batch = decode._gen._generation_batch.prompt_cache
+    return batch[0].pool if batch and isinstance(batch[0], ragged_kv.RaggedKVCache) else None
+
+
+def test_rows_without_a_prefix_decode_in_one_pool_and_match_mlx_lm(model):
+    """Short rows go into the batch's pool (one scatter, one masked attention
+    per step); leaving frees a slot that the next row to join reuses."""
+    jobs = [(f"r{i}", [0, 0, 0, 2, 5, 9, 12, 12][i], prompt_of(6 + 7 * i, 30 + i), greedy(6 + 2 * i))
+            for i in range(8)]
+    seen = {"pooled": 0, "slots": 0}
+
+    def observe(step, decode):
+        pool = _pool_of(decode)
+        if pool is not None:
+            seen["pooled"] = max(seen["pooled"], sum(pool.holds(i) for i in range(len(pool.occupants))))
+            seen["slots"] = max(seen["slots"], len(pool.occupants))
+
+    outs = drive(model, jobs, max_batch=8, observe=observe)
+    for rid, _, prompt, sp in jobs:
+        assert outs[rid].tokens == reference(model, prompt, sp.max_tokens).tokens, rid
+    assert seen["pooled"] >= 4  # rows really decoded from the pool, several at once
+    assert seen["slots"] == ragged_kv._Pool.SLOTS_STEP  # 8 rows over time, slots reused: never grown
+
+
+def test_a_row_that_outgrows_the_pool_leaves_it_and_stays_exact(model, monkeypatch):
+    monkeypatch.setattr(ragged_kv._Pool, "MAX_TOKENS", 24)
+    jobs = [(f"r{i}", i, prompt_of(10 + 3 * i, 50 + i), greedy(18)) for i in range(3)]
+    own = []
+
+    def observe(step, decode):
+        batch = decode._gen._generation_batch.prompt_cache
+        if batch:
+            own.append(sum(r.pool is None for r in batch[0].rows))
+
+    outs = drive(model, jobs, max_batch=4, observe=observe)
+    for rid, _, prompt, sp in jobs:
+        assert outs[rid].tokens == reference(model, prompt, sp.max_tokens).tokens, rid
+    assert own[0] == 0 and max(own) >= 1  # pooled at first, then some row outgrew 24 tokens
+
+
+def test_a_split_batch_keeps_every_rows_kv(model):
+    """BatchGenerator splits a batch by deep-copying it and filtering both:
+    rows that leave a pool take their KV with them."""
+    import copy
+
+    caches = [ragged_kv.rows_of(filled(model, 10 + i, i)) for i in range(4)]
+    expected = [mx.array(c[0].keys[..., : 10 + i, :]) for i, c in enumerate(caches)]
+    batch = type(caches[0][0]).merge([c[0] for c in caches])
+    k = mx.zeros((4, expected[0].shape[1], 1, expected[0].shape[3]))
+    batch.update_and_fetch(k, k)  # a step: every row into the pool
+    batch.attend(k, 1.0)
+    assert all(r.pool is batch.pool for r in batch.rows)
+    other = copy.deepcopy(batch)
+    batch.filter([0, 2])
+    other.filter([1, 3])
+    for cache in (other, batch):  # the copy's rows go into a pool of its own
+        cache.update_and_fetch(k[:2], k[:2])
+        cache.attend(k[:2], 1.0)
+    assert other.pool is not batch.pool and all(r.pool is other.pool for r in other.rows)
+    for cache, picks in ((batch, [0, 2]), (other, [1, 3])):
+        for j, i in enumerate(picks):
+            got = cache.extract(j).keys
+            assert got.shape[2] == 10 + i + 2
+            assert mx.array_equal(got[..., : 10 + i, :], expected[i]).item()

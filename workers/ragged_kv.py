@@ -1,4 +1,4 @@
-"""A decode batch whose rows keep their own KV buffers: joining and leaving copy nothing.
+"""A decode batch whose rows join and leave without copying the others' KV.
 
 mlx-lm's BatchKVCache keeps the batch's KV in one left-padded array. Every
 request that joins is padded and concatenated into it, every one that leaves
@@ -7,11 +7,14 @@ padded to the longest context. With a swarm of agents (16 conversations of
 1–2k tokens, ~1 GB of fp32 KV on the embedded model) a join or a leave costs
 more than a decode step, and they happen every few steps.
 
-Here each row keeps the buffer it arrived with (the handoff's KVCache) and
-grows it on its own; attention runs row by row over exactly that row's
-tokens, while everything else in the layer (projections, MLP, lm_head) still
-runs batched, which is where batching pays. Joining appends a row, leaving
-drops one: no KV moves.
+Here a row's KV never moves with the others'. Rows up to _Pool.MAX_TOKENS
+(512) without a shared prefix each take a slot of the batch's pool: joining
+copies that one row in, leaving frees its slot, and a step writes every
+row's token with one scatter and attends with one masked product (on the CPU
+per-row ops cost more than the arithmetic). Longer rows, and rows sharing a
+prompt prefix, keep the buffer they arrived with (the handoff's KVCache) and
+grow it alone; attention runs row by row over exactly that row's tokens.
+Everything else in the layer (projections, MLP, lm_head) runs batched.
 
 It plugs into BatchGenerator unchanged: the decode worker hands it caches
 whose layers are RowKVCache, and BatchGenerator's `type(c).merge` builds a
@@ -28,6 +31,7 @@ token count).
 
 from __future__ import annotations
 
+import functools
 
 import mlx.core as mx
 import numpy as np
@@ -61,21 +65,27 @@ class SharedKV:
 
 class _Row:
     """One request's KV in a RaggedKVCache layer: an optional shared prefix,
-    then its own tokens in a buffer it grows alone."""
+    then its own tokens, either in a buffer it grows alone or, for rows
+    without a prefix while they decode, in a slot of the batch's _Pool."""
 
-    __slots__ = ("keys", "length", "prefix", "rope_shift", "values")
+    __slots__ = ("keys", "length", "pool", "prefix", "rope_shift", "slot", "values")
 
     def __init__(self, keys, values, length: int, rope_shift: int = 0, prefix: SharedKV | None = None):
         self.prefix = prefix
         self.keys, self.values = keys, values
         self.length = length  # all tokens, the prefix's included
         self.rope_shift = rope_shift
+        self.pool: _Pool | None = None  # when set, keys/values are None: the KV is in pool[slot]
+        self.slot = -1
 
     @property
     def own_length(self) -> int:
         return self.length - (self.prefix.length if self.prefix is not None else 0)
 
     def append(self, keys, values, step: int) -> None:
+        if self.pool is not None:
+            self.pool.append(self, keys, values)
+            return
         start = self.own_length
         end = start + keys.shape[2]
         if end > self.keys.shape[2]:
@@ -89,6 +99,8 @@ class _Row:
     def view(self):
         """This row's own tokens (after the prefix)."""
         n = self.own_length
+        if self.pool is not None:
+            return self.pool.keys[self.slot : self.slot + 1, :, :n, :], self.pool.values[self.slot : self.slot + 1, :, :n, :]
         return self.keys[..., :n, :], self.values[..., :n, :]
 
     def full(self):
@@ -98,15 +110,123 @@ class _Row:
             return k, v
         return (mx.concatenate([self.prefix.keys, k], axis=2), mx.concatenate([self.prefix.values, v], axis=2))
 
+    def detach(self) -> None:
+        """Out of its pool slot into a buffer of its own (a copy, evaluated now,
+        so that the slot can be reused and the pool's buffer is not kept)."""
+        if self.pool is None:
+            return
+        k, v = self.view()
+        self.keys, self.values = mx.contiguous(k), mx.contiguous(v)
+        mx.eval(self.keys, self.values)
+        self.pool, self.slot = None, -1
+
     def share(self, prefix: SharedKV, step: int = 256) -> None:
         """Drop the first `prefix.length` tokens of this row's own buffer in
         favour of `prefix` (the same KV, held once for several rows)."""
         if self.prefix is not None:
             raise ValueError("row already has a shared prefix")
+        self.detach()
         n = self.length
         self.keys = _with_capacity(self.keys[..., prefix.length:n, :], n - prefix.length, step)
         self.values = _with_capacity(self.values[..., prefix.length:n, :], n - prefix.length, step)
         self.prefix = prefix
+
+
+class _Pool:
+    """The KV of one batch layer's rows that have no shared prefix, a slot per
+    row: (slots, Hkv, capacity, D) keys and values. A decode step then writes
+    every row's new token with one scatter and attends over all of them with
+    one masked product (_pool_attention) instead of ~10 small ops per row,
+    which on the CPU cost more than the arithmetic (16 rows of ~200 tokens:
+    93 ms of attention per step row by row). Joining copies the newcomer's KV
+    into a free slot once; leaving frees the slot (its KV is copied out only
+    if the row lives on elsewhere). Capacity grows for all slots at once, by
+    `step` tokens, like a row's own buffer, up to MAX_TOKENS: every slot has
+    the capacity of the longest row, so longer rows (where the per-row ops
+    matter less than the arithmetic) keep buffers of their own."""
+
+    SLOTS_STEP = 8
+    MAX_TOKENS = 512
+
+    def __init__(self, step: int):
+        self.step = step
+        self.keys = self.values = None
+        self.occupants: list = []  # slot -> the _Row that was put there (it may have left)
+
+    def holds(self, slot: int) -> bool:
+        row = self.occupants[slot]
+        return row is not None and row.pool is self and row.slot == slot
+
+    def place(self, rows: list) -> None:
+        """Copy `rows` (in a buffer of their own or another pool) into free slots."""
+        free = [i for i in range(len(self.occupants)) if not self.holds(i)]
+        need = len(rows) - len(free)
+        template = rows[0].view()[0]
+        if need > 0:
+            add = -(-need // self.SLOTS_STEP) * self.SLOTS_STEP
+            free += list(range(len(self.occupants), len(self.occupants) + add))
+            self.occupants += [None] * add
+            self._grow(slots=len(self.occupants), template=template)
+        self.reserve(max(r.length for r in rows), template)
+        for row, slot in zip(rows, free):
+            k, v = row.view()
+            n = row.length
+            self.keys[slot : slot + 1, :, :n, :] = k
+            self.values[slot : slot + 1, :, :n, :] = v
+            row.keys = row.values = None
+            row.pool, row.slot = self, slot
+            self.occupants[slot] = row
+
+    def reserve(self, length: int, template=None) -> None:
+        """Room for `length` tokens in every slot."""
+        if self.keys.shape[2] < length:
+            room = ((length + self.step - 1) // self.step + 1) * self.step
+            self._grow(capacity=max(length, min(room, self.MAX_TOKENS)), template=template)
+
+    def _grow(self, slots: int | None = None, capacity: int | None = None, template=None) -> None:
+        if self.keys is None:
+            _, h, _, d = template.shape
+            shape = (slots, h, capacity or self.step, d)
+            self.keys, self.values = mx.zeros(shape, template.dtype), mx.zeros(shape, template.dtype)
+            return
+        s, h, c, d = self.keys.shape
+        if slots is not None and slots > s:
+            pad = mx.zeros((slots - s, h, c, d), self.keys.dtype)
+            self.keys, self.values = mx.concatenate([self.keys, pad]), mx.concatenate([self.values, pad])
+        if capacity is not None and capacity > c:
+            pad = mx.zeros((self.keys.shape[0], h, capacity - c, d), self.keys.dtype)
+            self.keys = mx.concatenate([self.keys, pad], axis=2)
+            self.values = mx.concatenate([self.values, pad], axis=2)
+
+    def append(self, row: _Row, keys, values) -> None:
+        """One row's new tokens (not a decode step's path: see write_step)."""
+        start, end = row.length, row.length + keys.shape[2]
+        self.reserve(end)
+        self.keys[row.slot : row.slot + 1, :, start:end, :] = keys
+        self.values[row.slot : row.slot + 1, :, start:end, :] = values
+        row.length = end
+
+    def write_step(self, rows: list, keys, values) -> None:
+        """One new token for each of `rows` ((G, Hkv, 1, D) keys and values, in
+        the order of `rows`), written at each row's length with one scatter."""
+        self.reserve(max(r.length for r in rows) + 1)
+        slots = len(self.occupants)
+        if sum(self.holds(i) for i in range(slots)) != len(rows):
+            raise RuntimeError("a pool slot is held by a row outside this step")
+        src = [0] * slots
+        pos = [0] * slots  # free slots get a harmless write at position 0
+        for j, row in enumerate(rows):
+            src[row.slot], pos[row.slot] = j, row.length
+        order = mx.array(src)
+        index = mx.broadcast_to(mx.array(pos)[:, None, None, None], (slots, *keys.shape[1:]))
+        self.keys = mx.put_along_axis(self.keys, index, keys[order], axis=2)
+        self.values = mx.put_along_axis(self.values, index, values[order], axis=2)
+        for row in rows:
+            row.length += 1
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
 def _with_capacity(buf, needed: int, step: int):
@@ -141,6 +261,35 @@ def _group_attention(q, prefix: SharedKV, rows: list[_Row]):
             for j, own in enumerate(own_out)]
 
 
+def _pool_attention(q, pool: _Pool, rows: list[_Row]):
+    """One new token per row for `rows`, all in `pool`; `q` (G, Hkv, rep, D),
+    already scaled, in the order of `rows`. One masked product over the
+    pool's slots, cut at the longest row; free slots attend to one zero
+    token and are dropped. Returns (G, Hkv, rep, D) in the order of `rows`."""
+    slots = max(row.slot for row in rows) + 1  # free slots above the last row cost nothing
+    src, lengths = [0] * slots, [1] * slots
+    for j, row in enumerate(rows):
+        src[row.slot], lengths[row.slot] = j, row.length
+    longest = max(lengths)
+    in_order = src == list(range(slots))
+    q_slots = q if in_order else q[mx.array(src)]
+    keys, values = pool.keys[:slots, :, :longest, :], pool.values[:slots, :, :longest, :]
+    scores = q_slots @ keys.swapaxes(-1, -2) + _length_bias(tuple(lengths), longest)
+    e, total = softmax_weights(scores)  # past a row's length: weight exactly 0
+    out = (e @ values) / total
+    return out if in_order else out[mx.array([row.slot for row in rows])]
+
+
+@functools.lru_cache(maxsize=4)
+def _length_bias(lengths: tuple, longest: int) -> mx.array:
+    """(G, 1, 1, longest): 0 for each row's own positions, -inf after (the
+    same for every layer of a step, so built once)."""
+    bias = mx.where(mx.arange(longest)[None] < mx.array(lengths)[:, None], 0.0, -mx.inf)
+    bias = bias.astype(mx.float32)[:, None, None, :]
+    mx.eval(bias)
+    return bias
+
+
 class RaggedKVCache(_BaseCache):
     """The KV of a decode batch, one buffer per row (see the module doc)."""
 
@@ -148,6 +297,7 @@ class RaggedKVCache(_BaseCache):
 
     def __init__(self, rows: list[_Row]):
         self.rows = rows
+        self.pool = _Pool(self.step)  # rows without a prefix, from their first step here
         # Set by update_and_fetch, cleared when attention reads the rows: a
         # model that bypassed mlx-lm's attention function is caught next step.
         self._unread = False
@@ -164,8 +314,24 @@ class RaggedKVCache(_BaseCache):
                                "scaled_dot_product_attention; it cannot use RaggedKVCache")
         if keys.shape[0] != len(self.rows):
             raise ValueError(f"{keys.shape[0]} rows of keys for a batch of {len(self.rows)}")
+        for r in self.rows:
+            if r.pool is self.pool and r.length + keys.shape[2] > _Pool.MAX_TOKENS:
+                r.detach()  # grown past the pool: a buffer of its own from now on
+        newcomers = [r for r in self.rows if r.prefix is None and r.pool is not self.pool
+                     and r.length + keys.shape[2] <= _Pool.MAX_TOKENS]
+        if newcomers:
+            self.pool.place(newcomers)
+        for r in self.rows:
+            if r.pool is not None and r.pool is not self.pool:
+                r.detach()  # never write into another batch's pool
+        pooled = [i for i, r in enumerate(self.rows) if r.pool is self.pool]
+        if keys.shape[2] == 1 and pooled:
+            index = None if len(pooled) == len(self.rows) else mx.array(pooled)
+            self.pool.write_step([self.rows[i] for i in pooled],
+                                 keys if index is None else keys[index], values if index is None else values[index])
         for i, row in enumerate(self.rows):
-            row.append(keys[i : i + 1], values[i : i + 1], self.step)
+            if keys.shape[2] > 1 or row.pool is not self.pool:
+                row.append(keys[i : i + 1], values[i : i + 1], self.step)
         self._unread = True
         # Attention reads the rows (attend); these are returned only so that
         # code between the cache and attention sees arrays of the usual kind.
@@ -186,23 +352,39 @@ class RaggedKVCache(_BaseCache):
         # product per KV head: on the CPU backend ~1.5x faster than
         # mx.fast.scaled_dot_product_attention, whose grouped-query path
         # multiplies each query head alone against a broadcast copy of K and V.
-        n_kv = self.rows[0].keys.shape[1]
+        n_kv = self.rows[0].view()[0].shape[1]
         q = (queries * scale).reshape(b, n_kv, n_heads // n_kv, d)
-        outputs: list = [None] * b
+        pooled: list = []
         groups: dict = {}
         for i, row in enumerate(self.rows):
-            if row.prefix is None:
-                k, v = row.view()
-                e, total = softmax_weights(q[i : i + 1] @ k.swapaxes(-1, -2))
-                outputs[i] = (e @ v) / total
+            if row.pool is self.pool:
+                pooled.append(i)
             else:
                 groups.setdefault(id(row.prefix), (row.prefix, []))[1].append(i)
+        order, blocks = [], []
+        if pooled:
+            order += pooled
+            whole = len(pooled) == b
+            blocks.append(_pool_attention(q if whole else q[mx.array(pooled)], self.pool,
+                                          [self.rows[i] for i in pooled]))
         for prefix, members in groups.values():
             index = mx.array(members) if len(members) > 1 else None
             group_q = q[index] if index is not None else q[members[0] : members[0] + 1]
-            for i, out in zip(members, _group_attention(group_q, prefix, [self.rows[i] for i in members])):
-                outputs[i] = out
-        return mx.concatenate(outputs, axis=0).reshape(b, n_heads, 1, d)
+            rows = [self.rows[i] for i in members]
+            if prefix is None:  # a row alone outside the pool (never a decode step's usual case)
+                outs = []
+                for j, row in enumerate(rows):
+                    k, v = row.view()
+                    e, total = softmax_weights(group_q[j : j + 1] @ k.swapaxes(-1, -2))
+                    outs.append((e @ v) / total)
+            else:
+                outs = _group_attention(group_q, prefix, rows)
+            order += members
+            blocks.append(mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0])
+        out = mx.concatenate(blocks, axis=0) if len(blocks) > 1 else blocks[0]
+        if order != list(range(b)):
+            out = out[mx.array(sorted(range(b), key=order.__getitem__))]
+        return out.reshape(b, n_heads, 1, d)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **kwargs):
         if window_size is not None:
@@ -212,7 +394,15 @@ class RaggedKVCache(_BaseCache):
     # -- what BatchGenerator does with a batch cache ----------------------------
     def filter(self, batch_indices):
         indices = batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices
-        self.rows = [self.rows[int(i)] for i in indices]
+        kept = [self.rows[int(i)] for i in indices]
+        # Rows that leave take their KV out of this batch's pool: they may
+        # live on (BatchGenerator splits a batch by copying it and filtering
+        # both), and their slots are then free for the next newcomers.
+        keep = {id(r) for r in kept}
+        for row in self.rows:
+            if id(row) not in keep and row.pool is self.pool:
+                row.detach()
+        self.rows = kept
 
     def extend(self, other: RaggedKVCache):
         if not isinstance(other, RaggedKVCache):
@@ -238,12 +428,14 @@ class RaggedKVCache(_BaseCache):
 
     def __deepcopy__(self, memo):
         # BatchGenerator's split() deep-copies a batch, then keeps disjoint rows
-        # in each copy: sharing the row objects is safe and copies no KV.
+        # in each copy: sharing the row objects is safe and copies no KV (the
+        # copy has a pool of its own; the original's filter detaches its rows).
         return RaggedKVCache(list(self.rows))
 
     @property
     def state(self):
-        return [a for r in self.rows for a in (r.keys, r.values)]
+        own = [a for r in self.rows if r.pool is None for a in (r.keys, r.values)]
+        return own + ([self.pool.keys, self.pool.values] if self.pool.keys is not None else [])
 
     def _prefixes(self) -> list[SharedKV]:
         return list({id(r.prefix): r.prefix for r in self.rows if r.prefix is not None}.values())
@@ -259,8 +451,8 @@ class RaggedKVCache(_BaseCache):
 
     @property
     def nbytes(self):
-        own = sum(r.keys.nbytes + r.values.nbytes for r in self.rows)
-        return own + sum(p.keys.nbytes + p.values.nbytes for p in self._prefixes())
+        own = sum(r.keys.nbytes + r.values.nbytes for r in self.rows if r.pool is None)
+        return own + self.pool.nbytes + sum(p.keys.nbytes + p.values.nbytes for p in self._prefixes())
 
 
 def rows_of(cache: list, rope_shift: int = 0) -> list:
@@ -334,7 +526,7 @@ class PrefixSharing:
                     best_group, best_member, best_len = None, m, n
         if best_member is not None:  # the first two rows of a new group
             best_group = _Group(tokens[:best_len], [
-                SharedKV(mx.contiguous(r.keys[..., :best_len, :]), mx.contiguous(r.values[..., :best_len, :]))
+                SharedKV(*(mx.contiguous(a[..., :best_len, :]) for a in r.view()))
                 for r in best_member.rows])
             self._join(best_member, best_group)
             self.groups_formed += 1
