@@ -95,6 +95,11 @@ class _Api:
 
         self.vision = VisionPrompter(settings.model_dir) if settings.model_dir and is_vlm(settings.model_dir) else None
         self.media_limits = settings.media_limits()
+        self.recent_images = None
+        if self.vision is not None:
+            from router.media import RecentImages
+
+            self.recent_images = RecentImages()
 
     async def chat_completions(self, request: Request) -> "GenerationResponse":
         body = await read_json(request, self.settings.max_request_bytes)
@@ -109,7 +114,7 @@ class _Api:
         the part on any refusal), then template and tokenize in a thread."""
         from router.media import DecodedVideo, load_media_parts
 
-        media = await load_media_parts(body["messages"], self.media_limits)
+        media = await load_media_parts(body["messages"], self.media_limits, self.recent_images)
         images, it = [], iter(media)
         for message in body["messages"]:
             for part in message.get("content") if isinstance(message.get("content"), list) else []:

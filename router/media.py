@@ -36,7 +36,8 @@ import stat
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, unquote_to_bytes, urlsplit
@@ -174,6 +175,43 @@ def _too_many_bytes(where: str, what: str, limit: int) -> MediaError:
 # --------------------------------------------------------------------------- #
 
 
+class RecentImages:
+    """Pictures this router decoded lately, by the SHA-256 of their encoded
+    bytes. A conversation resends its picture on every turn; decoding it
+    again (inflate, orientation, RGB, the pixel hash: ~30 ms for a 1024² PNG
+    on the CPU) was most of what a cached picture turn cost. Bounded by the
+    pixels' bytes, least recently used first out; thread-safe (images are
+    decoded in threads)."""
+
+    def __init__(self, max_bytes: int = 256 * MiB):
+        self.max_bytes = max_bytes
+        self.hits = 0
+        self._images: OrderedDict[bytes, DecodedImage] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: bytes) -> DecodedImage | None:
+        with self._lock:
+            image = self._images.get(key)
+            if image is not None:
+                self._images.move_to_end(key)
+                self.hits += 1
+            return image
+
+    def put(self, key: bytes, image: DecodedImage) -> None:
+        size = image.pixels.nbytes
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            if key in self._images:
+                return
+            self._images[key] = image
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, old = self._images.popitem(last=False)
+                self._bytes -= old.pixels.nbytes
+
+
 def decode_image_bytes(
     data: bytes,
     limits: MediaLimits,
@@ -181,10 +219,19 @@ def decode_image_bytes(
     source: str = "data",
     detail: str = "auto",
     budget: PixelBudget | None = None,
+    recent: RecentImages | None = None,
 ) -> DecodedImage:
-    """Encoded image → RGB pixels. Blocking (a 48 MP JPEG takes ~1 s): call it in a thread."""
+    """Encoded image → RGB pixels. Blocking (a 48 MP JPEG takes ~1 s): call it in a thread.
+    With `recent`, bytes decoded lately are not decoded again (same pixels, same hash)."""
     if len(data) > limits.max_image_bytes:
         raise _too_many_bytes(where, "image", limits.max_image_bytes)
+    key = hashlib.sha256(data).digest() if recent is not None else b""
+    known = recent.get(key) if recent is not None else None
+    if known is not None:
+        _check_pixels(known.width, known.height, limits, where)
+        if budget is not None:
+            budget.take(known.width * known.height, where)
+        return replace(known, source=source, where=where, detail=detail)
     try:
         with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
             # Image.open reads only the header: refuse by size before decoding anything.
@@ -203,7 +250,10 @@ def decode_image_bytes(
     except Exception as exc:  # noqa: BLE001 - Pillow's decoders raise many types on bad data
         raise MediaError(where, f"the image could not be decoded: {exc}")
     height, width, _ = pixels.shape
-    return DecodedImage(pixels, width, height, image_content_hash(pixels), source, where, detail)
+    image = DecodedImage(pixels, width, height, image_content_hash(pixels), source, where, detail)
+    if recent is not None:
+        recent.put(key, image)
+    return image
 
 
 def _rgb_pixels(image: Image.Image) -> np.ndarray:
@@ -543,25 +593,29 @@ def _media_part(kind: str, part: dict, where: str, limits: MediaLimits) -> Media
 
 
 async def load_part(
-    part: MediaPart, limits: MediaLimits, budget: PixelBudget | None = None
+    part: MediaPart, limits: MediaLimits, budget: PixelBudget | None = None, recent: RecentImages | None = None
 ) -> DecodedImage | DecodedVideo:
     if part.kind == "image":
         data, source = await fetch_url(part.url, limits, part.where, limits.max_image_bytes)
-        return await asyncio.to_thread(decode_image_bytes, data, limits, part.where, source, part.detail, budget)
+        return await asyncio.to_thread(decode_image_bytes, data, limits, part.where, source, part.detail, budget,
+                                       recent)
     data, source = await fetch_url(part.url, limits, part.where, limits.max_video_bytes)
     return await asyncio.to_thread(
         decode_video_bytes, data, limits, part.where, part.fps, part.max_frames, source, budget
     )
 
 
-async def load_media_parts(messages: list[dict], limits: MediaLimits) -> list[DecodedImage | DecodedVideo]:
-    """Every image and video of a chat request, decoded, in message order. Parts load
-    concurrently; the first refusal cancels the rest and is raised as a MediaError."""
+async def load_media_parts(
+    messages: list[dict], limits: MediaLimits, recent: RecentImages | None = None
+) -> list[DecodedImage | DecodedVideo]:
+    """Every image and video of a chat request, decoded (images found in `recent`
+    are not decoded again), in message order. Parts load concurrently; the first
+    refusal cancels the rest and is raised as a MediaError."""
     parts = find_media_parts(messages, limits)
     budget = PixelBudget(limits.max_total_pixels)
     try:
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(load_part(part, limits, budget)) for part in parts]
+            tasks = [group.create_task(load_part(part, limits, budget, recent)) for part in parts]
     except BaseExceptionGroup as failed:
         media_errors = [e for e in failed.exceptions if isinstance(e, MediaError)]
         raise (media_errors or list(failed.exceptions))[0] from None

@@ -23,6 +23,7 @@ from PIL import Image
 
 from router.errors import ApiError
 from router.media import (
+    RecentImages,
     DecodedImage,
     DecodedVideo,
     MediaError,
@@ -222,6 +223,29 @@ def test_lossless_reencoding_keeps_the_hash_and_resizing_changes_it():
     # Same pixel bytes, other shape: width and height are part of the hash.
     flat = np.asarray(image).reshape(32, 128, 3)
     assert decode_image_bytes(encode(Image.fromarray(flat)), LIMITS, "x").content_hash != hashes[0]
+
+
+def test_recent_images_skip_decoding_the_same_bytes_again():
+    recent = RecentImages(max_bytes=2 * 64 * 64 * 3)
+    png = encode(picture(64, 64))
+    first = decode_image_bytes(png, LIMITS, "a", recent=recent)
+    again = decode_image_bytes(png, LIMITS, "messages[2].content[0].image_url", "http", "low", recent=recent)
+    assert recent.hits == 1
+    assert again.pixels is first.pixels and again.content_hash == first.content_hash
+    assert (again.where, again.source, again.detail) == ("messages[2].content[0].image_url", "http", "low")
+    # Other bytes of the same pixels decode (and hash) to the same picture.
+    other = decode_image_bytes(encode(picture(64, 64), compress_level=0), LIMITS, "b", recent=recent)
+    assert recent.hits == 1 and other.content_hash == first.content_hash
+    # Limits still apply to a remembered picture, and the oldest one leaves first.
+    with pytest.raises(MediaError, match="pixels"):
+        decode_image_bytes(png, replace(LIMITS, max_pixels=100), "c", recent=recent)
+    assert recent.hits == 2
+    decode_image_bytes(encode(picture(64, 64, seed=3)), LIMITS, "d", recent=recent)
+    decode_image_bytes(png, LIMITS, "e", recent=recent)
+    assert recent.hits == 3  # png was used last: kept over the compress_level=0 copy
+    hits = recent.hits
+    decode_image_bytes(encode(picture(64, 64), compress_level=0), LIMITS, "f", recent=recent)
+    assert recent.hits == hits  # evicted: decoded again
 
 
 # --------------------------------------------------------------------------- #
