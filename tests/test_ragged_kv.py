@@ -160,7 +160,7 @@ def test_rows_without_a_prefix_decode_in_one_pool_and_match_mlx_lm(model):
 
 def test_a_row_that_outgrows_the_pool_leaves_it_and_stays_exact(model, monkeypatch):
     monkeypatch.setattr(ragged_kv._Pool, "MAX_TOKENS", 24)
-    jobs = [(f"r{i}", i, prompt_of(10 + 3 * i, 50 + i), greedy(18)) for i in range(3)]
+    jobs = [(f"r{i}", 0, prompt_of(10 + 3 * i, 50 + i), greedy(18)) for i in range(3)]
     own = []
 
     def observe(step, decode):
@@ -198,3 +198,12 @@ def test_a_split_batch_keeps_every_rows_kv(model):
             got = cache.extract(j).keys
             assert got.shape[2] == 10 + i + 2
             assert mx.array_equal(got[..., : 10 + i, :], expected[i]).item()
+
+
+def test_a_row_alone_keeps_its_own_buffer(model):
+    """One row has nothing to batch its attention with: the pool would only add bookkeeping."""
+    held = []
+    outs = drive(model, [("solo", 0, prompt_of(12, 70), greedy(8))],
+                 observe=lambda step, d: held.append(_pool_of(d) and _pool_of(d).occupants))
+    assert outs["solo"].tokens == reference(model, prompt_of(12, 70), 8).tokens
+    assert not any(held)

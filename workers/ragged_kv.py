@@ -317,10 +317,13 @@ class RaggedKVCache(_BaseCache):
         for r in self.rows:
             if r.pool is self.pool and r.length + keys.shape[2] > _Pool.MAX_TOKENS:
                 r.detach()  # grown past the pool: a buffer of its own from now on
-        newcomers = [r for r in self.rows if r.prefix is None and r.pool is not self.pool
-                     and r.length + keys.shape[2] <= _Pool.MAX_TOKENS]
-        if newcomers:
-            self.pool.place(newcomers)
+        fits = [r for r in self.rows if r.prefix is None and r.length + keys.shape[2] <= _Pool.MAX_TOKENS]
+        if len(fits) == 1:  # one row alone: its own buffer is cheaper than the pool's bookkeeping
+            fits[0].detach() if fits[0].pool is self.pool else None
+        else:
+            newcomers = [r for r in fits if r.pool is not self.pool]
+            if newcomers:
+                self.pool.place(newcomers)
         for r in self.rows:
             if r.pool is not None and r.pool is not self.pool:
                 r.detach()  # never write into another batch's pool
