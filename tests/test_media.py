@@ -552,3 +552,16 @@ def test_video_refusals(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "cv2", None)  # as if opencv-python were not installed
     error = refused([user(video_part(data_url(mp4)))])
     assert "opencv-python" in str(error) and error.status == 400
+
+
+def test_a_data_url_seen_lately_is_not_even_base64_decoded(monkeypatch):
+    import router.media as media
+
+    recent = RecentImages()
+    url = data_url(encode(picture(40, 30)))
+    first = asyncio.run(load_media_parts([user(image_part(url))], LIMITS, recent))[0]
+    monkeypatch.setattr(media, "_read_data_url", lambda *a: pytest.fail("decoded the data URL again"))
+    again = asyncio.run(load_media_parts([user(image_part(url, detail="low"))], LIMITS, recent))[0]
+    assert recent.hits == 1 and again.content_hash == first.content_hash and again.detail == "low"
+    with pytest.raises(MediaError, match="pixels"):  # this request's limits still apply
+        asyncio.run(load_media_parts([user(image_part(url))], replace(LIMITS, max_pixels=100), recent))

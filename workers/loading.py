@@ -27,7 +27,7 @@ def on_cpu() -> bool:
 # MLP activations then come from fresh pages every layer, and the page faults
 # cost more than the arithmetic (prefill of 512 tokens 2.85 s -> 1.32 s with
 # 128 MB; BENCHMARKS.md). On a GPU MLX's default is already the memory limit.
-CPU_BUFFER_CACHE = 256 << 20
+CPU_BUFFER_CACHE = 128 << 20
 
 
 def keep_freed_buffers() -> None:
