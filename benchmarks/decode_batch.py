@@ -24,7 +24,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from workers import mlx_hooks, ragged_kv
-from workers.loading import load_model
+from workers.loading import load_model, size_buffer_cache
 from workers.model_store import resolve_model
 
 
@@ -49,6 +49,7 @@ def filled_cache(model, length: int, shared, seed: int):
 
 def run(mode: str, rows: int, context: int, shared_len: int, steps: int, spread: int = 37) -> dict:
     model, _ = load_model(str(resolve_model(None)))
+    size_buffer_cache()  # as a worker sizes it
     ragged = mode != "batch"
     if ragged:
         mlx_hooks.install(model)

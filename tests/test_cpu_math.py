@@ -61,12 +61,19 @@ def test_install_puts_the_cpu_functions_in_mlx_lm_place(embedded_model):
     assert mx.logsumexp is not cpu_math.logsumexp
 
 
-def test_loading_a_model_on_the_cpu_keeps_more_freed_buffers(embedded_model):
-    """MLX's CPU default (32 MB) makes big prefill chunks page-fault fresh
-    buffers; load_model raises it (and leaves a larger limit alone)."""
-    from workers.loading import CPU_BUFFER_CACHE, keep_freed_buffers
+def test_each_worker_process_keeps_a_bounded_share_of_freed_buffers():
+    """CPU: 128 MB (MLX's 32 MB default made big prefill chunks page-fault fresh
+    buffers). GPU: MLX's default is the whole memory limit in every process, so
+    workers sharing a device get 1/(2 x processes) of its memory each; the
+    platform call is MLX's, fed here with an H100's and an M-series Mac's info."""
+    from workers.loading import CPU_BUFFER_CACHE, buffer_cache_bytes, size_buffer_cache
 
-    assert mx.set_cache_limit(CPU_BUFFER_CACHE) == CPU_BUFFER_CACHE
+    assert buffer_cache_bytes(True, {}, 3) == CPU_BUFFER_CACHE
+    h100 = {"total_memory": 85520809984, "device_name": "NVIDIA H100 80GB HBM3"}
+    assert buffer_cache_bytes(False, h100, 2) == 85520809984 // 4
+    mac = {"memory_size": 68719476736, "max_recommended_working_set_size": 51539607552}
+    assert buffer_cache_bytes(False, mac, 3) == 51539607552 // 6  # the working set, not all RAM
+    assert buffer_cache_bytes(False, {"device_name": "?"}, 2) is None  # unknown: MLX's default stays
     mx.set_cache_limit(4 * CPU_BUFFER_CACHE)
-    keep_freed_buffers()
-    assert mx.set_cache_limit(CPU_BUFFER_CACHE) == 4 * CPU_BUFFER_CACHE
+    size_buffer_cache(5)  # this machine: MLX's CPU backend
+    assert mx.set_cache_limit(CPU_BUFFER_CACHE) == CPU_BUFFER_CACHE

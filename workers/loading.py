@@ -3,7 +3,7 @@
 On MLX's CPU backend quantized matmuls are far slower than float32 matmuls
 through BLAS, so quantized layers are expanded to float32 at load; on a GPU
 (Metal or CUDA) they stay quantized, which is both smaller and faster there.
-On the CPU the allocator also keeps more freed buffers (`keep_freed_buffers`).
+How many freed buffers MLX keeps per process is sized here too (`size_buffer_cache`).
 """
 
 from __future__ import annotations
@@ -25,18 +25,31 @@ def on_cpu() -> bool:
 # MLX's CPU allocator keeps only 32 MB of freed buffers by default: a 512-token
 # prefill chunk's attention scores (9 MB per layer for the embedded model) and
 # MLP activations then come from fresh pages every layer, and the page faults
-# cost more than the arithmetic (prefill of 512 tokens 2.85 s -> 1.32 s with
-# 128 MB; BENCHMARKS.md). On a GPU MLX's default is already the memory limit.
+# cost more than the arithmetic (prefill of 512 tokens ~2.1 s -> ~1.4 s with
+# 128 MB; BENCHMARKS.md).
 CPU_BUFFER_CACHE = 128 << 20
 
 
-def keep_freed_buffers() -> None:
-    """On the CPU backend, let MLX reuse up to CPU_BUFFER_CACHE of freed
-    buffers (never lowers a larger limit)."""
-    if on_cpu():
-        previous = mx.set_cache_limit(CPU_BUFFER_CACHE)
-        if previous > CPU_BUFFER_CACHE:
-            mx.set_cache_limit(previous)
+def buffer_cache_bytes(cpu: bool, device: dict, processes: int = 1) -> int | None:
+    """How many bytes of freed buffers one of `processes` model processes on
+    this machine should let MLX keep for reuse (None: leave MLX's default).
+    On a GPU MLX's default is its whole memory limit, in every process: workers
+    sharing one GPU (or a Mac's unified memory) each hoarded freed buffers up
+    to it until another's allocation failed (a 32-agent swarm on an H100 grew
+    the decode worker to 78 GB in seconds; both workers then failed with out
+    of memory). There each keeps at most 1/(2 x processes) of the device's
+    memory."""
+    if cpu:
+        return CPU_BUFFER_CACHE
+    total = device.get("max_recommended_working_set_size") or device.get("total_memory") or device.get("memory_size")
+    return int(total) // (2 * max(1, processes)) if total else None
+
+
+def size_buffer_cache(processes: int = 1) -> None:
+    """Apply buffer_cache_bytes to this process (idempotent)."""
+    limit = buffer_cache_bytes(on_cpu(), mx.device_info(), processes)
+    if limit is not None:
+        mx.set_cache_limit(limit)
 
 
 def load_model(folder: str | os.PathLike, dequantize: bool | None = None):
@@ -58,7 +71,6 @@ def load_model(folder: str | os.PathLike, dequantize: bool | None = None):
             model = dequantize_model(model)
         model.set_dtype(mx.float32)  # float16 checkpoints too: no fast fp16 BLAS
         mx.eval(model.parameters())
-    keep_freed_buffers()
     return model, tokenizer
 
 

@@ -262,7 +262,7 @@ class VisionEngine:
                  encoder_only: bool = False):
         from mlx_vlm.utils import get_model_and_args, load_model, load_processor
 
-        from workers.loading import keep_freed_buffers, on_cpu
+        from workers.loading import on_cpu
 
         self.folder = Path(folder)
         try:
@@ -282,7 +282,6 @@ class VisionEngine:
         self.model = load_model(self.folder, lazy=True)
         if on_cpu() if dequantize is None else dequantize:
             _to_float32(self.model)
-        keep_freed_buffers()
         self.text_model = text_model
         self.shared_params = _share_language_weights(self.model, text_model) if text_model is not None else 0
         if encoder_only:
