@@ -47,8 +47,8 @@ def filled_cache(model, length: int, shared, seed: int):
     return cache
 
 
-def run(mode: str, rows: int, context: int, shared_len: int, steps: int, spread: int = 37) -> dict:
-    model, _ = load_model(str(resolve_model(None)))
+def run(mode: str, rows: int, context: int, shared_len: int, steps: int, spread: int = 37, model_dir=None) -> dict:
+    model, _ = load_model(str(resolve_model(model_dir)))
     size_buffer_cache()  # as a worker sizes it
     ragged = mode != "batch"
     if ragged:
@@ -99,16 +99,17 @@ def run(mode: str, rows: int, context: int, shared_len: int, steps: int, spread:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model folder or id (default: the embedded model)")
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--context", type=int, default=1300, help="tokens of the shortest row (row i has spread*i more)")
     p.add_argument("--spread", type=int, default=37, help="tokens between one row's context and the next's")
     p.add_argument("--shared", type=int, default=864, help="tokens every row starts with (0: none)")
     p.add_argument("--steps", type=int, default=10)
     args = p.parse_args(argv)
-    results = [run("batch", args.rows, args.context, 0, args.steps, args.spread),
-               run("ragged", args.rows, args.context, 0, args.steps, args.spread)]
+    results = [run("batch", args.rows, args.context, 0, args.steps, args.spread, args.model),
+               run("ragged", args.rows, args.context, 0, args.steps, args.spread, args.model)]
     if args.shared:
-        results.append(run("ragged+shared", args.rows, args.context, args.shared, args.steps, args.spread))
+        results.append(run("ragged+shared", args.rows, args.context, args.shared, args.steps, args.spread, args.model))
     print(f"{args.rows} rows of {args.context}-{args.context + args.spread * (args.rows - 1)} tokens"
           + (f", {args.shared} shared" if args.shared else ""))
     print("| batch KV | step | output tok/s | join + step | leave + step |")
