@@ -24,7 +24,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from workers import mlx_hooks, ragged_kv
-from workers.loading import load_model, on_cpu, size_buffer_cache
+from workers.loading import load_model, size_buffer_cache
 from workers.model_store import resolve_model
 
 
@@ -53,7 +53,6 @@ def run(mode: str, rows: int, context: int, shared_len: int, steps: int, spread:
     ragged = mode != "batch"
     if ragged:
         mlx_hooks.install(model)
-        ragged_kv._Pool.for_backend(on_cpu())  # as the decode engine sets it
     shared = None
     if shared_len:
         base = filled_cache(model, shared_len, None, 999)

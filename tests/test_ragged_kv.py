@@ -159,7 +159,7 @@ def test_rows_without_a_prefix_decode_in_one_pool_and_match_mlx_lm(model):
 
 
 def test_a_row_that_outgrows_the_pool_leaves_it_and_stays_exact(model, monkeypatch):
-    monkeypatch.setattr(ragged_kv._Pool, "CPU_MAX_TOKENS", 24)
+    monkeypatch.setattr(ragged_kv._Pool, "MAX_TOKENS", 24)
     jobs = [(f"r{i}", 0, prompt_of(10 + 3 * i, 50 + i), greedy(18)) for i in range(3)]
     own = []
 
@@ -207,20 +207,3 @@ def test_a_row_alone_keeps_its_own_buffer(model):
                  observe=lambda step, d: held.append(_pool_of(d) and _pool_of(d).occupants))
     assert outs["solo"].tokens == reference(model, prompt_of(12, 70), 8).tokens
     assert not any(held)
-
-
-def test_the_gpu_pool_every_row_and_fused_attention_matches_mlx_lm(model, monkeypatch):
-    """On a GPU every row pools, whatever its length, and attends through MLX's
-    fused kernel with the length mask; run here on the CPU, same tokens."""
-    plain = ragged_kv._Pool.for_backend.__func__
-    for name in ("MAX_TOKENS", "FUSED"):  # restored after the test
-        monkeypatch.setattr(ragged_kv._Pool, name, getattr(ragged_kv._Pool, name))
-    monkeypatch.setattr(ragged_kv._Pool, "for_backend", classmethod(lambda cls, cpu: plain(cls, False)))
-    monkeypatch.setattr(ragged_kv._Pool, "CPU_MAX_TOKENS", 16)  # would keep these rows out on the CPU
-    jobs = [(f"g{i}", [0, 0, 1, 3, 4][i], prompt_of(20 + 9 * i, 80 + i), greedy(10 + i)) for i in range(5)]
-    seen = []
-    outs = drive(model, jobs, observe=lambda step, d: seen.append(
-        _pool_of(d) is not None and all(r.pool is _pool_of(d) for r in d._gen._generation_batch.prompt_cache[0].rows)))
-    for rid, _, prompt, sp in jobs:
-        assert outs[rid].tokens == reference(model, prompt, sp.max_tokens).tokens, rid
-    assert ragged_kv._Pool.FUSED and any(seen)

@@ -94,12 +94,10 @@ class DecodeEngine:
         # cost more than the copies they save (measured on an H100:
         # BENCHMARKS.md), so there, and for models whose attention cannot
         # take it, the batch is mlx-lm's padded BatchKVCache.
-        self.ragged = mlx_hooks.install(model) and (True if ragged is None else ragged)
-        ragged_kv._Pool.for_backend(on_cpu())
+        self.ragged = mlx_hooks.install(model) and (on_cpu() if ragged is None else ragged)
         # Rows whose prompts start alike (a swarm's system prompt) share that
-        # prefix's KV: read once per step, held once (on the CPU; on a GPU the
-        # group's per-row kernels cost more than reading the prefix again).
-        self.sharing = ragged_kv.PrefixSharing() if self.ragged and on_cpu() else None
+        # prefix's KV: read once per step, held once.
+        self.sharing = ragged_kv.PrefixSharing() if self.ragged else None
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         # Only block caches take a finished conversation (see the module doc).
         self.prefix = prefix if getattr(prefix, "kind", "blocks") == "blocks" else None

@@ -146,17 +146,7 @@ class _Pool:
     matter less than the arithmetic) keep buffers of their own."""
 
     SLOTS_STEP = 8
-    CPU_MAX_TOKENS = 512
-    MAX_TOKENS = CPU_MAX_TOKENS
-    FUSED = False  # attend with mx.fast.scaled_dot_product_attention (see for_backend)
-
-    @classmethod
-    def for_backend(cls, cpu: bool) -> None:
-        """On the CPU: rows up to 512 tokens, attention without MLX's exp. On
-        a GPU every row without a shared prefix pools (per-row kernels cost
-        more there than padding does: BENCHMARKS.md) and attends with MLX's
-        fused kernel; joining and leaving then copy one row, not the batch."""
-        cls.MAX_TOKENS, cls.FUSED = (cls.CPU_MAX_TOKENS, False) if cpu else (1 << 30, True)
+    MAX_TOKENS = 512
 
     def __init__(self, step: int):
         self.step = step
@@ -284,15 +274,9 @@ def _pool_attention(q, pool: _Pool, rows: list[_Row]):
     in_order = src == list(range(slots))
     q_slots = q if in_order else q[mx.array(src)]
     keys, values = pool.keys[:slots, :, :longest, :], pool.values[:slots, :, :longest, :]
-    bias = _length_bias(tuple(lengths), longest)
-    if _Pool.FUSED:  # a GPU: MLX's fused kernel, queries (S, Hkv * rep, 1, D)
-        s, n_kv, rep, d = q_slots.shape
-        out = mx.fast.scaled_dot_product_attention(q_slots.reshape(s, n_kv * rep, 1, d), keys, values,
-                                                   scale=1.0, mask=bias.astype(keys.dtype))
-        out = out.reshape(s, n_kv, rep, d)
-    else:
-        e, total = softmax_weights(q_slots @ keys.swapaxes(-1, -2) + bias)  # past a row's length: exactly 0
-        out = (e @ values) / total
+    scores = q_slots @ keys.swapaxes(-1, -2) + _length_bias(tuple(lengths), longest)
+    e, total = softmax_weights(scores)  # past a row's length: weight exactly 0
+    out = (e @ values) / total
     return out if in_order else out[mx.array([row.slot for row in rows])]
 
 
