@@ -69,6 +69,20 @@ class Settings:
     media_fetch_timeout_s: float = 10.0  # a whole http(s) download
     max_video_frames: int = 32
 
+    def worker_plan(self) -> list[tuple[str, list[str]]]:
+        """The model worker processes these settings ask for: (name, roles),
+        what the supervisor starts, /health waits for, and each worker sizes
+        its share of the accelerator's memory by."""
+        from workers.model_store import is_vlm
+
+        vlm = bool(self.model_dir) and is_vlm(self.model_dir)
+        if self.colocate:
+            return [(f"worker-{i}", ["prefill", "decode"] + (["vision"] if vlm else []))
+                    for i in range(self.prefill_workers)]
+        return ([(f"prefill-{i}", ["prefill"]) for i in range(self.prefill_workers)]
+                + [(f"decode-{i}", ["decode"]) for i in range(self.decode_workers)]
+                + ([("vision-0", ["vision"])] if vlm else []))  # the image encoder: embeddings into the cache
+
     def media_limits(self):
         """router/media.py's limits from these settings."""
         from pathlib import Path

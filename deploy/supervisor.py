@@ -71,21 +71,9 @@ class Supervisor:
         self.settings = replace(self.settings, arena_name=f"tandem-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
     def _plan(self) -> None:
-        s = self.settings
         self.children.append(Child("cache", "cache_service.service:run", lambda: (self.settings,)))
-        from workers.model_store import is_vlm
-
-        vlm = is_vlm(s.model_dir)
-        if s.colocate:
-            for i in range(s.prefill_workers):
-                self._worker(f"worker-{i}", ["prefill", "decode"] + (["vision"] if vlm else []))
-        else:
-            for i in range(s.prefill_workers):
-                self._worker(f"prefill-{i}", ["prefill"])
-            for i in range(s.decode_workers):
-                self._worker(f"decode-{i}", ["decode"])
-            if vlm:  # the image encoder: embeddings into the cache service
-                self._worker("vision-0", ["vision"])
+        for name, roles in self.settings.worker_plan():
+            self._worker(name, roles)
         self.children.append(Child("router", "router.server:run", lambda: (self.settings,)))
 
     def _worker(self, name: str, roles: list[str]) -> None:

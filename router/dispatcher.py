@@ -125,14 +125,11 @@ class Dispatcher:
     # ------------------------------------------------------------- health --
     def _expected(self) -> dict[str, int]:
         """Live workers per role the settings ask for (what /health waits for)."""
-        s = self.settings
-        from workers.model_store import is_vlm
-
-        vision = ({"vision": s.prefill_workers if s.colocate else 1}
-                  if s.model_dir and is_vlm(s.model_dir) else {})
-        if s.colocate:
-            return {"prefill": s.prefill_workers, "decode": s.prefill_workers, **vision}
-        return {"prefill": s.prefill_workers, "decode": s.decode_workers, **vision}
+        expected: dict[str, int] = {}
+        for _, roles in self.settings.worker_plan():
+            for role in roles:
+                expected[role] = expected.get(role, 0) + 1
+        return expected
 
     def _ready_with(self, role: str) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.ready and role in w.hello.roles]

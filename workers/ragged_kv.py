@@ -319,7 +319,8 @@ class RaggedKVCache(_BaseCache):
                 r.detach()  # grown past the pool: a buffer of its own from now on
         fits = [r for r in self.rows if r.prefix is None and r.length + keys.shape[2] <= _Pool.MAX_TOKENS]
         if len(fits) == 1:  # one row alone: its own buffer is cheaper than the pool's bookkeeping
-            fits[0].detach() if fits[0].pool is self.pool else None
+            if fits[0].pool is self.pool:
+                fits[0].detach()
         else:
             newcomers = [r for r in fits if r.pool is not self.pool]
             if newcomers:

@@ -85,7 +85,7 @@ class Worker:
         from workers.prefill_mlx import PrefillEngine
 
         t0 = time.perf_counter()
-        size_buffer_cache(model_processes(self.settings))
+        size_buffer_cache(len(self.settings.worker_plan()))
         self.cache = CacheClient(self.settings)
         self.prefix_client = CacheClient(
             self.settings, timeout_s=min(self.settings.cache_call_timeout_s, PREFIX_CALL_TIMEOUT_S))
@@ -327,13 +327,6 @@ class Worker:
         if self.prefix_client:
             self.prefix_client.close()
         self.arenas.close()
-
-
-def model_processes(settings: Settings) -> int:
-    """Worker processes holding a model on this machine (the supervisor's plan)."""
-    if settings.colocate:
-        return settings.prefill_workers
-    return settings.prefill_workers + settings.decode_workers + int(bool(is_vlm(settings.model_dir)))
 
 
 def run(settings: Settings, roles: list[str], worker_id: str) -> None:
