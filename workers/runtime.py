@@ -39,6 +39,7 @@ from protos.messages import (
     VisionRequest,
     WorkerHello,
 )
+from workers.loop_clock import LoopClock
 from workers.model_store import is_vlm
 from workers.prefill_mlx import first_token_finishes
 from workers.socket_loop import Outbox, SocketLoop
@@ -76,6 +77,7 @@ class Worker:
         self.current = None  # (PrefillRequest, incremental prefill job)
         self.local_kv: dict[str, list] = {}  # colocated handoffs: the KV never leaves the process
         self.stopping = False
+        self.clock = LoopClock(f"worker {worker_id}")
 
     # ------------------------------------------------------------ set-up --
     def load(self) -> None:
@@ -122,19 +124,23 @@ class Worker:
 
     # ---------------------------------------------------------- main loop --
     def serve(self) -> None:
+        self.clock = LoopClock(f"worker {self.worker_id}")  # from here: loading is not the loop's time
         while not self.stopping:
             self.drain_inbox(block=not self.has_work())
             if self.stopping:
                 break
             if self.vision_queue:
                 req = self.vision_queue.popleft()
-                self.guarded(req.request_id, self.encode_images, req)
+                with self.clock.phase("vision"):
+                    self.guarded(req.request_id, self.encode_images, req)
             if self.prefill is not None and (self.current or self.prefill_queue):
-                self.guarded(self.current[0].request_id if self.current else self.prefill_queue[0].request_id,
-                             self.prefill_chunk)
+                with self.clock.phase("prefill"):
+                    self.guarded(self.current[0].request_id if self.current else self.prefill_queue[0].request_id,
+                                 self.prefill_chunk)
             if self.decode is not None and self.decode.has_work:
                 self.decode_step()
             self.update_load()
+            self.clock.maybe_report()
 
     def has_work(self) -> bool:
         return bool(self.current or self.prefill_queue or self.vision_queue
@@ -144,14 +150,17 @@ class Worker:
         timeout = 0.25 if block else None
         while True:
             try:
-                msg = self.loop.inbox.get(block=block, timeout=timeout) if block else self.loop.inbox.get_nowait()
+                with self.clock.phase("wait"):
+                    msg = self.loop.inbox.get(block=block, timeout=timeout) if block else self.loop.inbox.get_nowait()
             except queue.Empty:
                 return
             block = False
             if msg is None:  # stop signal from the socket loop or SIGTERM
                 self.stopping = True
                 return
-            self.handle(msg)
+            # Taking in a handoff (reading its KV from the arena) is timed here.
+            with self.clock.phase(f"handle {type(msg).__name__}"):
+                self.handle(msg)
 
     def handle(self, msg) -> None:
         if isinstance(msg, PrefillRequest) and self.prefill is not None:
@@ -300,7 +309,8 @@ class Worker:
 
     def decode_step(self) -> None:
         try:
-            updates = self.decode.step()
+            with self.clock.phase("decode step"):
+                updates = self.decode.step()
         except Exception as exc:  # noqa: BLE001 - a broken batch fails its requests, not the worker
             log.exception("decode step failed in worker %s", self.worker_id)
             for rid in self.decode.request_ids():
@@ -313,9 +323,11 @@ class Worker:
         # other requests' tokens go first, so the commit delays no one else.
         ongoing = [u for u in updates if u.finish_reason is None]
         ending = [u for u in updates if u.finish_reason is not None]
+        self.clock.count("tokens", len(updates))
         if ongoing:
             self.outbox.send(TokenBatch(ongoing))
-        self.after_reply("prefix commit", self.decode.commit_finished)
+        with self.clock.phase("prefix commit"):
+            self.after_reply("prefix commit", self.decode.commit_finished)
         if ending:
             self.outbox.send(TokenBatch(ending))
 
@@ -347,10 +359,29 @@ def run(settings: Settings, roles: list[str], worker_id: str) -> None:
     loop.start()
     try:
         worker.load()
-        worker.serve()
+        _serve_profiled(worker, os.environ.get("TANDEM_PROFILE_DIR"))
     finally:
         loop.stopping.set()
         loop.join(timeout=2)
         worker.close()
         ctx.term() if not loop.is_alive() else None
         log.info("worker %s stopped", worker_id)
+
+
+def _serve_profiled(worker: Worker, profile_dir: str | None) -> None:
+    """Serve; with TANDEM_PROFILE_DIR set, under cProfile, its stats written
+    there at stop (worker-<id>-<pid>.pstats): where a slow loop's time goes,
+    function by function, on a machine that has no other profiler."""
+    if not profile_dir:
+        worker.serve()
+        return
+    import cProfile
+
+    prof = cProfile.Profile()
+    try:
+        prof.runcall(worker.serve)
+    finally:
+        os.makedirs(profile_dir, exist_ok=True)
+        path = os.path.join(profile_dir, f"worker-{worker.worker_id}-{os.getpid()}.pstats")
+        prof.dump_stats(path)
+        log.info("profile written to %s", path)
