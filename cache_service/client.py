@@ -242,6 +242,12 @@ class AsyncCacheClient:
                    arena: Optional[str] = None) -> CacheReply:
         return await self._call(self._calls.free(allocations, owner, arena))
 
+    async def release(self, lease: int) -> None:
+        """Give a lease back (-1: nothing leased, no call)."""
+        if lease < 0:
+            return None
+        return await self._call(self._calls.release(lease))
+
     async def stats(self) -> dict:
         return await self._call(self._calls.stats())
 

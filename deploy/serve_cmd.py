@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=d.cache_dir, help="disk tier for KV blocks, kept across restarts")
     p.add_argument("--no-disk-cache", action="store_true", help="keep KV blocks in memory only")
     p.add_argument("--cache-disk-bytes", type=_bytes, default=d.cache_disk_bytes, help="disk tier size limit, e.g. 8G")
+    p.add_argument("--hot-kv-memory", type=_bytes, default=None,
+                   help="KV blocks each model worker keeps in its own (GPU) memory, e.g. 2G; 0 for none "
+                        "(default: an eighth of the GPU's memory per worker, 256M on a CPU)")
     p.add_argument("--block-size", type=_positive, default=d.block_size, help="tokens per KV block")
     p.add_argument("--max-batch", type=_positive, default=d.max_batch, help="decode batch size per decode worker")
     p.add_argument("--prefill-chunk", type=_positive, default=d.prefill_chunk, help="tokens per prefill step")
@@ -72,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_key=args.api_key,
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, colocate=args.colocate,
         cache_memory_bytes=args.cache_memory, cache_dir=None if args.no_disk_cache else args.cache_dir,
-        cache_disk_bytes=args.cache_disk_bytes, block_size=args.block_size, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
+        cache_disk_bytes=args.cache_disk_bytes, hot_kv_bytes=args.hot_kv_memory, block_size=args.block_size, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
         max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, log_level=args.log_level,
         allow_local_media=args.allow_local_media, max_images=args.max_images,
         max_image_pixels=args.max_image_pixels, media_fetch_timeout_s=args.media_fetch_timeout,

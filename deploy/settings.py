@@ -51,6 +51,9 @@ class Settings:
     block_size: int = 16  # tokens per KV block (benchmarks/block_size.py: 16 recomputes least, loads as fast)
     cache_dir: str | None = field(default_factory=lambda: os.path.join(default_cache_dir(), "kv"))  # None: no disk tier
     cache_disk_bytes: int = 8 << 30
+    # Blocks each model worker keeps as MLX arrays (workers/hot_blocks.py);
+    # None: sized by the device (workers.loading.hot_kv_bytes), 0: none.
+    hot_kv_bytes: int | None = None
     # Scheduling and admission
     max_batch: int = 32  # decode batch size per decode worker
     prefill_chunk: int = 512  # tokens per prefill step (bounds how long decode waits in --colocate)

@@ -79,6 +79,17 @@ class KVHandoff:
     bytes_moved: int = 0
     write_ms: float = 0.0
     cache_meta: list = field(default_factory=list)  # per-layer cache class + state spec; [] for plain KV
+    # By reference: the prompt's first `block_tokens` tokens are full prefix
+    # cache blocks (`block_hashes`, in order, at `block_offsets` in
+    # `block_arena`), leased for this request (`block_lease`) so that none is
+    # evicted before decode takes them, from its own memory where it holds
+    # them. `layers` then covers only the tokens after them (none, and no
+    # allocation, when the prompt ends on a block boundary).
+    block_hashes: list = field(default_factory=list)
+    block_offsets: list = field(default_factory=list)
+    block_arena: str = ""
+    block_lease: int = -1
+    block_tokens: int = 0
 
 
 @dataclass
@@ -106,6 +117,8 @@ class WorkerHello:
     waiting: int = 0  # requests queued inside the worker
     kv_bytes: int = 0  # bytes of KV the worker holds for live requests
     max_context: int = 0
+    hot_kv_bytes: int = 0  # prefix-cache blocks it keeps as MLX arrays (workers/hot_blocks.py)
+    hot_kv_hits: int = 0  # blocks it took from there instead of the arena, since start
 
 
 @dataclass

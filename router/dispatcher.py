@@ -381,9 +381,12 @@ class Dispatcher:
             await self._free(h)  # the client left, or the request already failed
             return
         if h.local:
+            self.metrics.handoff_tokens.labels("local").inc(h.num_tokens)
             decode = self.workers.get(wid)
         else:
             self.metrics.handoff.observe(h.write_ms / 1000)
+            self.metrics.handoff_tokens.labels("copied").inc(h.num_tokens - h.block_tokens)
+            self.metrics.handoff_tokens.labels("referenced").inc(h.block_tokens)
             try:
                 decode = self._pick("decode")
             except EngineError as exc:
@@ -405,12 +408,16 @@ class Dispatcher:
             st.events.put_nowait(EngineError(502, "decode worker unreachable"))
 
     async def _free(self, handoff) -> None:
-        if handoff.local or handoff.allocation < 0:
+        """A handoff that no decode worker will take: its allocation and its
+        blocks' lease go back now rather than when their TTL ends."""
+        if handoff.local:
             return
         try:
-            await self._cache.free(allocations=[handoff.allocation], arena=handoff.arena)
+            if handoff.allocation >= 0:
+                await self._cache.free(allocations=[handoff.allocation], arena=handoff.arena)
+            await self._cache.release(handoff.block_lease)
         except CacheUnavailable:
-            pass  # the reservation's TTL frees it
+            pass  # the reservation's and the lease's TTLs free them
 
     # ---------------------------------------------------------- watchdog --
     def _drop_worker(self, wid: str, why: str) -> None:

@@ -28,12 +28,19 @@ class _LiveState:
                                     labels=["role", "pid"])
         kv = GaugeMetricFamily("tandem_worker_kv_bytes", "KV bytes a worker holds for live requests",
                                labels=["role", "pid"])
+        hot = GaugeMetricFamily("tandem_worker_hot_kv_bytes", "Prefix-cache KV a worker keeps in its own memory",
+                                labels=["role", "pid"])
+        hot_hits = CounterMetricFamily("tandem_worker_hot_kv_hit_blocks",
+                                       "KV blocks a worker took from its own memory instead of the arena",
+                                       labels=["role", "pid"])
         for w in d.workers.values():
             labels = ["+".join(w.hello.roles), str(w.hello.pid)]
             running.add_metric(labels, w.hello.running)
             waiting.add_metric(labels, w.hello.waiting)
             kv.add_metric(labels, w.hello.kv_bytes)
-        yield from (running, waiting, kv)
+            hot.add_metric(labels, w.hello.hot_kv_bytes)
+            hot_hits.add_metric(labels, w.hello.hot_kv_hits)
+        yield from (running, waiting, kv, hot, hot_hits)
 
         in_prefill = sum(1 for st in d.requests.values() if st.phase == "prefill")
         yield GaugeMetricFamily("tandem_requests_running", "Requests decoding", value=len(d.requests) - in_prefill)
@@ -64,6 +71,10 @@ class Metrics:
                                   buckets=_LATENCY_BUCKETS, registry=r)
         self.handoff = Histogram("tandem_kv_handoff_seconds", "Prefill-side time to hand the prompt's KV over",
                                  buckets=_LATENCY_BUCKETS, registry=r)
+        # How each prompt's KV reached decode: copied through the arena,
+        # referred to as prefix-cache blocks, or kept in one process (local).
+        self.handoff_tokens = Counter("tandem_kv_handoff_tokens", "Prompt tokens handed from prefill to decode",
+                                      ["path"], registry=r)
         self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generation_tokens = Counter("tandem_generation_tokens", "Tokens generated", registry=r)
         self.requests = Counter("tandem_requests", "Finished requests by outcome", ["status"], registry=r)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import re
+import time
 
 import httpx
 import openai
@@ -24,6 +25,19 @@ def metric(srv, name: str, labels: str = "") -> float:
     m = re.search(rf"^{re.escape(name + labels)} ([0-9.e+]+)$", text, re.M)
     assert m, f"{name}{labels} not in /metrics"
     return float(m.group(1))
+
+
+def worker_metric(srv, name: str, role: str, at_least: float = 1, wait_s: float = 5.0) -> float:
+    """A per-worker metric of the worker with `role`; workers report in
+    heartbeats, so wait (up to `wait_s`) for it to reach `at_least`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        text = httpx.get(srv.base_url + "/metrics", timeout=10).text
+        m = re.search(rf'^{re.escape(name)}{{pid="\d+",role="{role}"}} ([0-9.e+]+)$', text, re.M)
+        assert m, f"{name} of the {role} worker not in /metrics"
+        if float(m.group(1)) >= at_least or time.monotonic() > deadline:
+            return float(m.group(1))
+        time.sleep(0.2)
 
 
 def ask(client, messages, max_tokens=24):
@@ -66,6 +80,13 @@ def test_reuse_across_requests_turns_and_restart(server_factory, embedded_model,
     assert metric(srv, "tandem_prefix_cache_hit_tokens_total") >= usage.prompt_tokens_details.cached_tokens
     assert metric(srv, "tandem_prefix_cache_queries_total") == 4
     assert metric(srv, "tandem_cache_bytes", '{tier="memory"}') > 0
+    # Each handoff referred to the prompt's full blocks instead of copying
+    # them; decode took the repeated ones from its own memory.
+    referenced = metric(srv, "tandem_kv_handoff_tokens_total", '{path="referenced"}')
+    copied = metric(srv, "tandem_kv_handoff_tokens_total", '{path="copied"}')
+    assert referenced >= (n1 // BLOCK + n2 // BLOCK) * BLOCK and copied < 4 * BLOCK
+    assert worker_metric(srv, "tandem_worker_hot_kv_hit_blocks_total", "decode", n1 // BLOCK) >= n1 // BLOCK
+    assert worker_metric(srv, "tandem_worker_hot_kv_bytes", "decode") > 0
 
     # Restart: the disk tier brings the warm prefix back.
     srv.stop()

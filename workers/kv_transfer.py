@@ -366,7 +366,8 @@ def read_blocks(buf, offsets: Sequence[int], layout: KVLayout) -> List[KVCache]:
         # memory), few numpy calls: per-call overhead, not bandwidth, is what
         # makes small blocks slow.
         if len(set(layout.layers)) == 1:
-            pairs = _gather_uniform(mv, offsets, layout)
+            k, v = _gather_uniform(mv, offsets, layout)
+            pairs = [(k[i:i + 1], v[i:i + 1]) for i in range(k.shape[0])]
         else:
             pairs = _gather_per_layer(mv, offsets, layout)
     finally:
@@ -424,8 +425,23 @@ def _gather_uniform(mv, offsets, layout: KVLayout):
         keys[:, :, j * bs:(j + 1) * bs, :] = block[:, :split].reshape(n_layers, h, bs, dk)
         values[:, :, j * bs:(j + 1) * bs, :] = block[:, split:].reshape(n_layers, h, bs, dv)
         del block
-    k, v = _to_mlx(keys, layout.dtype), _to_mlx(values, layout.dtype)
-    return [(k[i:i + 1], v[i:i + 1]) for i in range(n_layers)]
+    return _to_mlx(keys, layout.dtype), _to_mlx(values, layout.dtype)
+
+
+def read_blocks_stacked(buf, offsets: Sequence[int], layout: KVLayout) -> Tuple[mx.array, mx.array]:
+    """Like read_blocks, for a layout whose layers are alike: keys and values
+    of every layer stacked, (layers, kv_heads, tokens, head_dim), evaluated."""
+    if not offsets:
+        raise ValueError("read_blocks_stacked needs at least one block")
+    if len(set(layout.layers)) != 1:
+        raise ValueError("read_blocks_stacked needs layers of one shape")
+    mv = memoryview(buf).cast("B")
+    try:
+        k, v = _gather_uniform(mv, offsets, layout)
+    finally:
+        _release(mv)
+    mx.eval(k, v)
+    return k, v
 
 
 def _gather_per_layer(mv, offsets, layout: KVLayout):

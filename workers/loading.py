@@ -45,6 +45,23 @@ def buffer_cache_bytes(cpu: bool, device: dict, processes: int = 1) -> int | Non
     return int(total) // (2 * max(1, processes)) if total else None
 
 
+# A CPU worker's hot KV blocks: there an arena read is only a memcpy, so a
+# small tier (the shared system prompt, a few conversations) is enough.
+CPU_HOT_KV = 256 << 20
+
+
+def hot_kv_bytes(cpu: bool, device: dict, processes: int = 1) -> int:
+    """Bytes of prefix-cache blocks one of `processes` model processes keeps
+    as MLX arrays (workers/hot_blocks.py). On a GPU, an eighth of the device's
+    memory per process: on a discrete GPU every block taken from the host
+    arena crosses PCIe from pageable memory (~3.5 GB/s measured on an H100),
+    and on a Mac it saves two copies per block."""
+    if cpu:
+        return CPU_HOT_KV
+    total = device.get("max_recommended_working_set_size") or device.get("total_memory") or device.get("memory_size")
+    return int(total) // (8 * max(1, processes)) if total else CPU_HOT_KV
+
+
 def size_buffer_cache(processes: int = 1) -> None:
     """Apply buffer_cache_bytes to this process (idempotent)."""
     limit = buffer_cache_bytes(on_cpu(), mx.device_info(), processes)

@@ -17,15 +17,18 @@ import hashlib
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
 
+import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from cache_service.client import CacheUnavailable
 from workers.block_hash import BlockHasher, block_extra, model_fingerprint
+from workers.hot_blocks import HotBlocks, block_of, caches_of, concat_blocks, stacked_of_cache
 from workers.kv_transfer import (KVLayout, Snapshot, cache_dtype_name, capture_snapshot, probe_kv_layout,
-                                 read_blocks, read_snapshot, unblockable_reason, write_blocks, write_snapshot)
+                                 read_blocks, read_blocks_stacked, read_snapshot, unblockable_reason, write_blocks,
+                                 write_snapshot)
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +42,7 @@ class PrefixStats:
     hit_snapshots: int = 0  # snapshots read (SnapshotCache)
     stored_snapshots: int = 0  # snapshots written and committed (SnapshotCache)
     recomputed_blocks: int = 0  # hits not loaded: recomputing them was expected to be faster
+    hot_blocks: int = 0  # of the hits, blocks this worker held in its own memory (no arena read)
 
 
 class RecentMin:
@@ -79,7 +83,7 @@ class _ServiceUser:
     def block_size(self) -> int:
         return self.hasher.block_size
 
-    def _release(self, lease: int) -> None:
+    def release(self, lease: int) -> None:
         if lease is None or lease < 0:
             return
         try:
@@ -115,11 +119,13 @@ class PrefixCache(_ServiceUser):
     REPROBE = 8
 
     def __init__(self, client, arena_buf: Callable[[str], object], hasher: BlockHasher,
-                 layout: KVLayout, **kw):
+                 layout: KVLayout, hot_bytes: int = 0, **kw):
         if hasher.block_size != layout.block_size:
             raise ValueError("hasher and layout disagree on the block size")
         super().__init__(client, arena_buf, hasher, **kw)
         self.layout = layout
+        # Blocks this worker used lately, as MLX arrays (workers/hot_blocks.py).
+        self.hot = HotBlocks.for_layout(hot_bytes, layout)
         # Seconds to read one block into MLX arrays, recent reads. On a CPU a
         # block loads ~100x faster than its tokens compute; on a fast GPU
         # with a small model, recomputing a prefix can beat moving its KV
@@ -144,39 +150,132 @@ class PrefixCache(_ServiceUser):
 
     def _fetch(self, tokens, max_blocks, owner, per_block=None, compute_s_per_token=None):
         hashes = self.hasher.hashes(tokens, max_blocks, per_block)
-        if not hashes or not self._available():
+        if not hashes:
             return None, 0
         t0 = time.perf_counter()
         self.stats.lookups += 1
+        # The leading blocks this worker holds need no lookup and no read
+        # (and no cache service: they serve even while it is away).
+        n_hot = self.hot.leading(hashes)
+        blocks = [self.hot.get(h) for h in hashes[:n_hot]]
+        n_read = 0
+        if n_hot < len(hashes) and self._available():
+            read = self._read_run(hashes[n_hot:], owner, compute_s_per_token)
+            if read is not None and not self.hot.enabled:  # per-layer caches, as read
+                n = read[0].offset // self.block_size
+                self.stats.hit_blocks += n
+                return read, n * self.block_size
+            if read is not None:
+                n_read = read[0].shape[2] // self.block_size
+                self._keep(hashes[n_hot:n_hot + n_read], *read)
+                blocks.append(read)
+        n = n_hot + n_read
+        if n == 0:
+            return None, 0
+        self.hot.touch(hashes[:n])
+        self.stats.hit_blocks += n
+        self.stats.hot_blocks += n_hot
+        log.debug("prefix hit %s: %d of %d blocks (%d from this worker's memory; %d tokens) in %.2f ms",
+                  owner, n, len(hashes), n_hot, n * self.block_size, (time.perf_counter() - t0) * 1000)
+        return caches_of(*concat_blocks(blocks)), n * self.block_size
+
+    def _read_run(self, hashes, owner, compute_s_per_token=None):
+        """The longest leading run of `hashes` the cache service has, read
+        from the arena: stacked (keys, values) when the hot tier is on,
+        else per-layer caches; None when there is none (or it is not worth
+        loading)."""
         try:
             reply = self.client.lookup(hashes, owner, lease_s=self.lease_s)
         except CacheUnavailable as exc:
             self._unavailable(exc)
-            return None, 0
+            return None
         if not reply.ok:
             self.stats.failures += 1
             log.warning("prefix lookup for %s refused: %s", owner, reply.error)
-            return None, 0
+            return None
         try:
             refs = self._usable(reply.blocks, hashes)
             if not refs:
-                return None, 0
+                return None
             if not self._worth_loading(len(refs), compute_s_per_token):
                 self.stats.recomputed_blocks += len(refs)
                 log.debug("prefix hit %s: %d blocks left unread (load %.2f ms/block, compute %.3f ms/token)",
                           owner, len(refs), self.load_cost.value * 1000, compute_s_per_token * 1000)
-                return None, 0
+                return None
             t_read = time.perf_counter()
-            cache = read_blocks(self.arena_buf(reply.arena), [r.offset for r in refs], self.layout)
+            read = self._read(reply.arena, [r.offset for r in refs])
             self.load_cost.add((time.perf_counter() - t_read) / len(refs))
+            return read
         finally:
-            # read_blocks returned evaluated copies: the blocks may go now.
-            self._release(reply.lease)
-        self.stats.hit_blocks += len(refs)
-        log.debug("prefix hit %s: %d of %d blocks (%d tokens, %d bytes) in %.2f ms", owner, len(refs),
-                  len(hashes), len(refs) * self.block_size, len(refs) * self.layout.block_nbytes,
-                  (time.perf_counter() - t0) * 1000)
-        return cache, len(refs) * self.block_size
+            # The read returned evaluated copies: the blocks may go now.
+            self.release(reply.lease)
+
+    def _read(self, arena: str, offsets: Sequence[int]):
+        if self.hot.enabled:
+            return read_blocks_stacked(self.arena_buf(arena), offsets, self.layout)
+        return read_blocks(self.arena_buf(arena), offsets, self.layout)
+
+    def _keep(self, hashes: Sequence[bytes], *read) -> None:
+        """Blocks just read from the arena (stacked keys, values) into the hot tier."""
+        if not self.hot.enabled or not hashes:
+            return
+        keys, values = read
+        bs = self.block_size
+        kept = [block_of(keys, values, j * bs, (j + 1) * bs) for j in range(len(hashes))]
+        mx.eval(kept)
+        for h, (k, v) in zip(hashes, kept):
+            self.hot.put(h, k, v)
+        self.hot.touch(hashes)
+
+    # --------------------------------------------------------------- handoff
+    def hold(self, tokens: Sequence[int], owner: str, lease_s: float):
+        """For a handoff by reference: the leading full blocks of `tokens`
+        that the cache service has, leased to `owner` for `lease_s` so that
+        none is evicted before decode takes them. Returns a BlockHold (no
+        blocks when the service is away or has none)."""
+        hashes = self.hasher.hashes(tokens, len(tokens) // self.block_size)
+        if not hashes or not self._available():
+            return BlockHold()
+        try:
+            reply = self.client.lookup(hashes, owner, lease_s=lease_s)
+        except CacheUnavailable as exc:
+            self._unavailable(exc)
+            return BlockHold()
+        if not reply.ok:
+            self.stats.failures += 1
+            return BlockHold()
+        refs = self._usable(reply.blocks, hashes)
+        if not refs:
+            self.release(reply.lease)
+            return BlockHold()
+        return BlockHold([bytes(r.hash) for r in refs], reply.arena, [int(r.offset) for r in refs],
+                         int(reply.lease))
+
+    def take(self, hashes: Sequence[bytes], arena: str, offsets: Sequence[int], lease: int):
+        """The KV of blocks a handoff holds for us (`hold` in the prefill
+        worker): those in the hot tier from there, the others read from the
+        arena at `offsets`; then the lease is released. Per-layer caches;
+        raises when a block cannot be had (the request fails)."""
+        try:
+            if len(offsets) != len(hashes):
+                raise ValueError(f"{len(hashes)} block hashes, {len(offsets)} offsets")
+            if not self.hot.enabled:
+                return read_blocks(self.arena_buf(arena), offsets, self.layout)
+            have = {h: self.hot.get(h) for h in hashes if h in self.hot}
+            missing = [j for j, h in enumerate(hashes) if h not in have]
+            if missing:
+                keys, values = read_blocks_stacked(self.arena_buf(arena), [offsets[j] for j in missing], self.layout)
+                bs = self.block_size
+                read = [block_of(keys, values, i * bs, (i + 1) * bs) for i in range(len(missing))]
+                mx.eval(read)
+                for j, block in zip(missing, read):
+                    have[hashes[j]] = block
+                    self.hot.put(hashes[j], *block)
+            self.hot.touch(hashes)
+            self.stats.hot_blocks += len(hashes) - len(missing)
+            return caches_of(*concat_blocks([have[h] for h in hashes]))
+        finally:
+            self.release(lease)
 
     def _worth_loading(self, blocks: int, compute_s_per_token: Optional[float]) -> bool:
         """Load unless both costs are known and loading is the slower. Every
@@ -221,6 +320,7 @@ class PrefixCache(_ServiceUser):
     def _store(self, tokens, cache, owner, per_block=None):
         held = min(min(c.offset for c in cache), len(tokens))
         hashes = self.hasher.hashes(tokens, held // self.block_size, per_block)
+        self._keep_cache(hashes, cache)
         if not hashes or not self._available():
             return 0
         t0 = time.perf_counter()
@@ -261,6 +361,34 @@ class PrefixCache(_ServiceUser):
         log.debug("prefix store %s: %d of %d blocks new (%d bytes) in %.2f ms", owner, done, len(hashes),
                   len(todo) * nbytes, (time.perf_counter() - t0) * 1000)
         return done
+
+
+    def _keep_cache(self, hashes: Sequence[bytes], cache: Sequence) -> None:
+        """The blocks of `cache` the hot tier lacks, into it (copies on the device)."""
+        if not self.hot.enabled or not hashes:
+            return
+        bs = self.block_size
+        new = [j for j, h in enumerate(hashes) if h not in self.hot]
+        if new:
+            # One stacking of the span, then a copy per block: a stacking per
+            # block would be layers x blocks small ops.
+            first = new[0]
+            keys, values = stacked_of_cache(cache, first * bs, (new[-1] + 1) * bs)
+            kept = [block_of(keys, values, (j - first) * bs, (j - first + 1) * bs) for j in new]
+            mx.eval(kept)
+            for j, (k, v) in zip(new, kept):
+                self.hot.put(hashes[j], k, v)
+        self.hot.touch(hashes)
+
+
+@dataclass
+class BlockHold:
+    """Leading blocks of a prompt leased in the cache service for a handoff."""
+
+    hashes: List[bytes] = field(default_factory=list)
+    arena: str = ""
+    offsets: List[int] = field(default_factory=list)
+    lease: int = -1
 
 
 def _consecutive_runs(indexed: list) -> List[list]:
@@ -360,7 +488,7 @@ class SnapshotCache(_ServiceUser):
                 log.warning("snapshot lookup for %s refused: %s", owner, reply.error)
                 return None, 0
             if not reply.blocks:
-                self._release(reply.lease)  # -1 from the real service: no call
+                self.release(reply.lease)  # -1 from the real service: no call
                 continue
             try:
                 ref = reply.blocks[0]
@@ -369,7 +497,7 @@ class SnapshotCache(_ServiceUser):
                 cache, held = read_snapshot(self.arena_buf(reply.arena), ref.offset, ref.nbytes)
             finally:
                 # read_snapshot returned evaluated copies: the entry may go now.
-                self._release(reply.lease)
+                self.release(reply.lease)
             self._check(cache, held, k * self.block_size)
             self.stats.hit_snapshots += 1
             log.debug("snapshot hit %s: %d of %d tokens (%d bytes, %d lookups) in %.2f ms", owner, held,
@@ -437,7 +565,7 @@ class SnapshotCache(_ServiceUser):
 
 
 def make_prefix_cache(model, model_dir: str, block_size: int, client,
-                      arena_buf: Callable[[str], object], **kw):
+                      arena_buf: Callable[[str], object], hot_bytes: int = 0, **kw):
     """The prefix cache for this model: a PrefixCache (KV blocks) when its
     cache is plain attention KV, a SnapshotCache when it is not (sliding
     window, recurrent), or None (logged once, with the reason) when caching
@@ -456,7 +584,7 @@ def make_prefix_cache(model, model_dir: str, block_size: int, client,
     layout = probe_kv_layout(model, block_size)
     hasher = BlockHasher(block_extra(model_fingerprint(model_dir), layout.dtype, block_size), block_size)
     log.info("prefix cache: %d-token blocks of %d bytes (%s KV)", block_size, layout.block_nbytes, layout.dtype)
-    return PrefixCache(client, arena_buf, hasher, layout, **kw)
+    return PrefixCache(client, arena_buf, hasher, layout, hot_bytes=hot_bytes, **kw)
 
 
 def _make_snapshot_cache(model, model_dir, block_size, client, arena_buf, reason, **kw):

@@ -83,7 +83,7 @@ class Worker:
     def load(self) -> None:
         from workers.decode import DecodeEngine
         from workers.prefix_cache import make_prefix_cache
-        from workers.loading import context_length, load_model, size_buffer_cache
+        from workers.loading import context_length, hot_kv_bytes, load_model, on_cpu, size_buffer_cache
         from workers.prefill_mlx import PrefillEngine
 
         t0 = time.perf_counter()
@@ -94,8 +94,14 @@ class Worker:
         model = None
         if "prefill" in self.roles or "decode" in self.roles:
             model, _tokenizer = load_model(self.settings.model_dir)
+            hot = self.settings.hot_kv_bytes
+            if hot is None:
+                import mlx.core as mx
+
+                hot = hot_kv_bytes(on_cpu(), mx.device_info(), len(self.settings.worker_plan()))
             self.prefix = make_prefix_cache(model, self.settings.model_dir, self.settings.block_size,
-                                            self.prefix_client, lambda name: self.arenas.get(name).buf)
+                                            self.prefix_client, lambda name: self.arenas.get(name).buf,
+                                            hot_bytes=hot)
         if "prefill" in self.roles:
             self.prefill = PrefillEngine(model, chunk_size=self.settings.prefill_chunk, prefix=self.prefix)
         if ("prefill" in self.roles or "vision" in self.roles) and is_vlm(self.settings.model_dir):
@@ -200,6 +206,9 @@ class Worker:
         self.hello.waiting = (len(self.prefill_queue) + len(self.vision_queue)
                               + (self.decode.waiting if self.decode else 0))
         self.hello.kv_bytes = self.decode.kv_bytes if self.decode else 0
+        hot = getattr(self.prefix, "hot", None)
+        if hot is not None:
+            self.hello.hot_kv_bytes, self.hello.hot_kv_hits = hot.nbytes, hot.hits
 
     # ------------------------------------------------------------ prefill --
     def prefill_chunk(self) -> None:
@@ -228,8 +237,9 @@ class Worker:
                                      encode_s=getattr(job, "encode_s", 0.0)))
         # The first token is on its way; the KV copy to the arena follows.
         if not local:
-            self.outbox.send(self.hand_off(req, result))
-        # Storing new blocks delays neither the first token nor the handoff.
+            self.outbox.send(self.hand_off(req, result, self.hold_blocks(req, job, result)))
+        # Storing new blocks delays neither the first token nor (unless the
+        # handoff refers to them) the handoff.
         self.after_reply("prefix store", job.save_prefix)
 
     # ------------------------------------------------------------- vision --
@@ -270,27 +280,59 @@ class Worker:
         except Exception:  # noqa: BLE001
             log.exception("%s failed in worker %s", what, self.worker_id)
 
-    def hand_off(self, req: PrefillRequest, result) -> KVHandoff:
-        """Put the prompt's KV in the arena, where a decode worker will find it."""
+    def hold_blocks(self, req: PrefillRequest, job, result):
+        """For a handoff by reference: store the prompt's new blocks now, then
+        lease its leading full blocks for the request. The decode worker takes
+        most of them from its own memory (a swarm's system prompt, the
+        conversation it answered last turn), so only the rest crosses the
+        arena. None when the handoff must carry all the KV: no block cache,
+        a prompt with images (its keys need the images' hashes), a cache that
+        is not plain KV."""
+        from workers.kv_transfer import is_plain_kv
+
+        if (self.prefix is None or getattr(self.prefix, "kind", "") != "blocks" or req.images
+                or not is_plain_kv(result.cache) or len(req.prompt_tokens) != result.num_tokens):
+            return None
+        self.after_reply("prefix store", job.save_prefix)
+        hold = self.prefix.hold(req.prompt_tokens, owner=req.request_id, lease_s=HANDOFF_TTL_S)
+        return hold if hold.hashes else None
+
+    def hand_off(self, req: PrefillRequest, result, hold=None) -> KVHandoff:
+        """Put the prompt's KV in the arena, where a decode worker will find it
+        (after `hold`'s blocks only, when given: those are referred to)."""
+        from workers.hot_blocks import tail_of
         from workers.kv_transfer import cache_dtype_name, encode_cache, write_encoded
 
         t0 = time.perf_counter()
+        cache, by_ref = result.cache, {}
+        if hold is not None:
+            skip = len(hold.hashes) * self.prefix.block_size
+            cache = tail_of(cache, skip) if skip < result.num_tokens else None
+            by_ref = dict(block_hashes=hold.hashes, block_offsets=hold.offsets, block_arena=hold.arena,
+                          block_lease=hold.lease, block_tokens=skip)
+        dtype = cache_dtype_name(result.cache)
+        if cache is None:  # the prompt ends on a block boundary: all of it is referred to
+            return KVHandoff(req.request_id, result.num_tokens, result.rope_offset, kv_dtype=dtype, **by_ref)
         # Any mlx-lm cache: plain KV as [keys, values] per layer (no meta),
         # sliding-window / recurrent layers as class + state (cache_meta).
-        enc = encode_cache(result.cache)
+        enc = encode_cache(cache)
         nbytes = enc.nbytes
         reply = self.cache.alloc(nbytes, owner=req.request_id, ttl_s=HANDOFF_TTL_S)
         if not reply.ok:
+            if hold is not None:
+                self.prefix.release(hold.lease)
             raise CacheUnavailable(f"KV handoff of {nbytes} bytes refused: {reply.error}")
         layers = write_encoded(self.arenas.get(reply.arena).buf, reply.offset, enc)
         write_ms = (time.perf_counter() - t0) * 1000
-        log.debug("handoff %s: wrote %d bytes in %.2f ms", req.request_id, nbytes, write_ms)
+        log.debug("handoff %s: wrote %d bytes in %.2f ms (%d tokens by reference)", req.request_id, nbytes,
+                  write_ms, by_ref.get("block_tokens", 0))
         return KVHandoff(req.request_id, result.num_tokens, result.rope_offset, arena=reply.arena,
-                         allocation=reply.allocation, layers=layers, kv_dtype=cache_dtype_name(result.cache),
-                         bytes_moved=nbytes, write_ms=write_ms, cache_meta=enc.meta)
+                         allocation=reply.allocation, layers=layers, kv_dtype=dtype,
+                         bytes_moved=nbytes, write_ms=write_ms, cache_meta=enc.meta, **by_ref)
 
     # ------------------------------------------------------------- decode --
     def start_decode(self, req: DecodeRequest) -> None:
+        from workers.hot_blocks import join
         from workers.kv_transfer import read_cache
 
         h = req.handoff
@@ -300,12 +342,28 @@ class Worker:
                 raise RuntimeError("colocated KV for this request is gone (cancelled or never prefilled here)")
         else:
             t0 = time.perf_counter()
-            cache = read_cache(self.arenas.get(h.arena).buf, h.layers, h.cache_meta)
-            # The arena slot is free to reuse once the KV is ours.
-            self.cache.free(allocations=[h.allocation], arena=h.arena)
-            log.debug("handoff %s: read %d bytes in %.2f ms (write took %.2f ms)", req.request_id,
-                      h.bytes_moved, (time.perf_counter() - t0) * 1000, h.write_ms)
+            cache = None
+            if h.layers:
+                cache = read_cache(self.arenas.get(h.arena).buf, h.layers, h.cache_meta)
+            if h.allocation >= 0:  # the arena slot is free to reuse once the KV is ours
+                self.cache.free(allocations=[h.allocation], arena=h.arena)
+            if h.block_hashes:
+                cache = join(self.take_blocks(h), cache)
+            log.debug("handoff %s: read %d bytes and %d tokens by reference in %.2f ms (write took %.2f ms)",
+                      req.request_id, h.bytes_moved, h.block_tokens, (time.perf_counter() - t0) * 1000, h.write_ms)
         self.decode.add(req, cache)
+
+    def take_blocks(self, h: KVHandoff) -> list:
+        """The blocks a handoff refers to (see KVHandoff.block_hashes)."""
+        bs = getattr(self.prefix, "block_size", 0)
+        if getattr(self.prefix, "kind", "") != "blocks" or h.block_tokens != len(h.block_hashes) * bs:
+            try:
+                self.cache.release(h.block_lease)
+            except CacheUnavailable:
+                pass  # its TTL ends it
+            raise ValueError(f"handoff refers to {len(h.block_hashes)} blocks of {h.block_tokens} tokens; "
+                             f"this worker's prefix cache has blocks of {bs}")
+        return self.prefix.take([bytes(x) for x in h.block_hashes], h.block_arena, h.block_offsets, h.block_lease)
 
     def decode_step(self) -> None:
         try:
