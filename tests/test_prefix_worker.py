@@ -264,8 +264,18 @@ def _filled(dtype, tokens, seed, layers=3, heads=2, dk=16, dv=8):
     return out
 
 
+@pytest.fixture(params=["host", "device"])
+def copy_path(request, monkeypatch):
+    """Both ways blocks are rearranged: with numpy on the host (MLX's CPU
+    backend) and with MLX ops (a GPU); they must write the same bytes."""
+    import workers.kv_transfer as kv
+
+    monkeypatch.setattr(kv, "_on_cpu", lambda: request.param == "host")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-def test_blocks_roundtrip_exact(dtype):
+def test_blocks_roundtrip_exact(dtype, copy_path):
     cache = _filled(dtype, 45, 0)
     layout = kv_layout(cache, BS)
     item = {mx.float32: 4, mx.float16: 2, mx.bfloat16: 2}[dtype]
@@ -291,7 +301,30 @@ def test_blocks_roundtrip_exact(dtype):
         write_blocks(buf, [0], cache, 0, KVLayout(layout.layers, "float32" if item == 2 else "float16", BS))
 
 
-def test_blocks_roundtrip_layers_of_different_shapes():
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_both_copy_paths_write_the_same_bytes_and_read_them_back(dtype, monkeypatch):
+    import workers.kv_transfer as kv
+
+    cache = _filled(dtype, 40, 3)
+    layout = kv_layout(cache, BS)
+    nb = block_nbytes(layout)
+    written = {}
+    for host in (True, False):
+        monkeypatch.setattr(kv, "_on_cpu", lambda host=host: host)
+        buf = bytearray(6 * nb)
+        write_blocks(buf, [4 * nb, 0, 2 * nb], cache, 1, layout)  # blocks 1..3, scattered
+        written[host] = bytes(buf)
+    assert written[True] == written[False]
+    for host in (True, False):
+        monkeypatch.setattr(kv, "_on_cpu", lambda host=host: host)
+        keys, values = kv.read_blocks_stacked(bytearray(written[not host]), [4 * nb, 0, 2 * nb], layout)
+        assert keys.shape == (3, 2, 3 * BS, 16) and values.shape == (3, 2, 3 * BS, 8)
+        for i, c in enumerate(cache):
+            assert mx.array_equal(keys[i:i + 1], c.keys[..., BS:4 * BS, :])
+            assert mx.array_equal(values[i:i + 1], c.values[..., BS:4 * BS, :])
+
+
+def test_blocks_roundtrip_layers_of_different_shapes(copy_path):
     cache = _filled(mx.float16, 20, 1, layers=1) + _filled(mx.float16, 20, 2, layers=1, heads=4, dk=8, dv=32)
     layout = kv_layout(cache, BS)
     assert len(set(layout.layers)) == 2
