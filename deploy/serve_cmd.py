@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-disk-bytes", type=_bytes, default=d.cache_disk_bytes, help="disk tier size limit, e.g. 8G")
     p.add_argument("--hot-kv-memory", type=_bytes, default=None,
                    help="KV blocks each model worker keeps in its own (GPU) memory, e.g. 2G; 0 for none "
-                        "(default: an eighth of the GPU's memory per worker, 256M on a CPU)")
+                        "(default: an eighth of the GPU's memory per worker, 64M on a CPU)")
     p.add_argument("--block-size", type=_positive, default=d.block_size, help="tokens per KV block")
     p.add_argument("--max-batch", type=_positive, default=d.max_batch, help="decode batch size per decode worker")
     p.add_argument("--prefill-chunk", type=_positive, default=d.prefill_chunk, help="tokens per prefill step")

@@ -186,3 +186,31 @@ def test_a_block_neither_hot_nor_readable_fails_the_take(model, tiny_dir):
     with pytest.raises(ValueError):
         other.take(hold.hashes, hold.arena, [len(fake.buf)] * len(hold.hashes), hold.lease)
     assert not fake.leases  # released all the same
+
+
+def test_without_a_hot_tier_the_handoff_still_refers_to_blocks(model, tiny_dir):
+    """--hot-kv-memory 0: fetch and take read the arena every time, exactly."""
+    fake = FakeCache()
+    prefill_side = hot_prefix(model, tiny_dir, fake, hot_bytes=0)
+    decode_side = hot_prefix(model, tiny_dir, fake, hot_bytes=0)
+    prompt = prompt_of(36, 14)
+    res = PrefillEngine(model, chunk_size=16, prefix=prefill_side).run(prompt, greedy(), owner="a")
+    again = PrefillEngine(model, chunk_size=16, prefix=prefill_side).run(prompt, greedy(), owner="b")
+    assert again.cached_tokens == 32 and again.first_token == res.first_token
+    hold = prefill_side.hold(prompt, owner="c", lease_s=60)
+    kv = join(decode_side.take(hold.hashes, hold.arena, hold.offsets, hold.lease), tail_of(res.cache, 32))
+    for got, want in zip(kv, res.cache):
+        np.testing.assert_array_equal(np.array(got.keys[..., :36, :]), np.array(want.keys[..., :36, :]))
+    assert len(decode_side.hot) == 0 and decode_side.stats.hot_blocks == 0 and not fake.leases
+
+
+def test_hot_tier_size_per_worker():
+    """An eighth of the GPU's memory per model process (the working set on a
+    Mac), a small fixed tier on a CPU; fed an H100's and a Mac's device info."""
+    from workers.loading import CPU_HOT_KV, hot_kv_bytes
+
+    assert hot_kv_bytes(True, {}, 2) == CPU_HOT_KV
+    assert hot_kv_bytes(False, {"total_memory": 85520809984}, 2) == 85520809984 // 16
+    mac = {"memory_size": 68719476736, "max_recommended_working_set_size": 51539607552}
+    assert hot_kv_bytes(False, mac, 3) == 51539607552 // 24
+    assert hot_kv_bytes(False, {}, 1) == CPU_HOT_KV  # unknown device: the small tier

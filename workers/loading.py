@@ -45,9 +45,10 @@ def buffer_cache_bytes(cpu: bool, device: dict, processes: int = 1) -> int | Non
     return int(total) // (2 * max(1, processes)) if total else None
 
 
-# A CPU worker's hot KV blocks: there an arena read is only a memcpy, so a
-# small tier (the shared system prompt, a few conversations) is enough.
-CPU_HOT_KV = 256 << 20
+# A CPU worker's hot KV blocks: there an arena read is only a memcpy (a warm
+# request measured the same with and without the tier), so it is kept small:
+# a system prompt's worth, not to add to the memory a small machine lacks.
+CPU_HOT_KV = 64 << 20
 
 
 def hot_kv_bytes(cpu: bool, device: dict, processes: int = 1) -> int:
