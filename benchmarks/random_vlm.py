@@ -13,7 +13,8 @@ architecture needs, appended after its vocabulary; the config's token ids
 eos, pad) are those tokens' ids here, and the chat template renders image
 parts the way the real model's template does.
 
-    tandem random-model --like qwen2.5-vl-3b|tiny-qwen2.5-vl|tiny-gemma3 --out DIR [--seed 0] [--dtype float32]
+    tandem random-model --like qwen2.5-vl-3b|qwen3-vl-2b|tiny-qwen2.5-vl|tiny-qwen3-vl|tiny-gemma3 --out DIR
+                        [--seed 0] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ _QWEN_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+# Qwen3-VL's template: Qwen2.5-VL's without the default system turn.
+_QWEN3_VL_TEMPLATE = _QWEN_TEMPLATE.replace(
+    "{% if loop.first and m['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}", "")
 
 # Gemma 3: no system role (its text opens the first user turn), the assistant
 # is "model", an image part is <start_of_image> (the processor expands it).
@@ -89,6 +96,18 @@ ARCHS: dict[str, dict] = {
         "eos_tokens": ["<|im_end|>", "<|endoftext|>"],
         "chat_template": _QWEN_TEMPLATE,
         "processor_class": "Qwen2_5_VLProcessor",
+    },
+    # Qwen2.5-VL's tokens and ids; its own template and processor.
+    "qwen3_vl": {
+        "special_tokens": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                           "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"],
+        "tokenizer": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None},
+        "config_ids": {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
+                       "vision_token_id": "<|vision_pad|>", "image_token_id": "<|image_pad|>",
+                       "video_token_id": "<|video_pad|>"},
+        "eos_tokens": ["<|im_end|>", "<|endoftext|>"],
+        "chat_template": _QWEN3_VL_TEMPLATE,
+        "processor_class": "Qwen3VLProcessor",
     },
     "gemma3": {
         "special_tokens": ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>",
@@ -155,6 +174,56 @@ SHAPES: dict[str, dict] = {
                   "merge_size": 2, "image_mean": _CLIP_MEAN, "image_std": _CLIP_STD},
         "init": {"embed_std": 0.05, "lm_head_gain": 1.0}, "dtype": "float32",
     },
+    # https://huggingface.co/Qwen/Qwen3-VL-2B-Instruct/blob/main/config.json,
+    # preprocessor_config.json and video_preprocessor_config.json (pixel
+    # budgets: size.shortest_edge / longest_edge). DeepStack: the outputs of
+    # vision blocks 5, 11 and 17 are merged and added to the hidden states of
+    # text layers 0-2 at the image tokens. mlx-vlm builds 2,127,532,032
+    # parameters for it (the tied embedding once), 406,957,056 in the vision tower.
+    "qwen3-vl-2b": {
+        "model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"],
+        "tie_word_embeddings": True,
+        "text_config": {"model_type": "qwen3_vl_text", "hidden_size": 2048, "intermediate_size": 6144,
+                        "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+                        "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 262144,
+                        "rope_theta": 5000000, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+                        "attention_bias": False, "hidden_act": "silu",
+                        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20],
+                                         "rope_type": "default"}},
+        "vision_config": {"model_type": "qwen3_vl", "depth": 24, "hidden_size": 1024, "intermediate_size": 4096,
+                          "num_heads": 16, "in_channels": 3, "out_hidden_size": 2048, "patch_size": 16,
+                          "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 2304,
+                          "deepstack_visual_indexes": [5, 11, 17], "hidden_act": "gelu_pytorch_tanh"},
+        "image": {"min_pixels": 65536, "max_pixels": 16777216, "patch_size": 16, "temporal_patch_size": 2,
+                  "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]},
+        "video": {"min_pixels": 4096, "max_pixels": 25165824, "fps": 2, "min_frames": 4, "max_frames": 768},
+        "init": {"embed_std": 0.1, "lm_head_gain": 1.0}, "dtype": "bfloat16", "params": 2_127_532_032,
+    },
+    # Not a real model: a few-MB Qwen3-VL for tests. Head dim 16: interleaved
+    # M-RoPE gives its 8 frequencies to t, h, w as t h w t h w t t ([4, 2, 2]);
+    # vision blocks 0 and 1 feed DeepStack into text layers 0 and 1 of 3.
+    # 16 px patches, merged 2x2: images are resized to 64..128 px a side
+    # (multiples of 32), 4 to 16 image tokens; a video frame pair of 64x64 px
+    # is 4 tokens.
+    "tiny-qwen3-vl": {
+        "model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"],
+        "tie_word_embeddings": True,
+        "text_config": {"model_type": "qwen3_vl_text", "hidden_size": 64, "intermediate_size": 128,
+                        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+                        "head_dim": 16, "vocab_size": 0, "max_position_embeddings": 4096,
+                        "rope_theta": 5000000, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+                        "attention_bias": False, "hidden_act": "silu",
+                        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [4, 2, 2],
+                                         "rope_type": "default"}},
+        "vision_config": {"model_type": "qwen3_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+                          "num_heads": 2, "in_channels": 3, "out_hidden_size": 64, "patch_size": 16,
+                          "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 64,
+                          "deepstack_visual_indexes": [0, 1], "hidden_act": "gelu_pytorch_tanh"},
+        "image": {"min_pixels": 64 * 64, "max_pixels": 128 * 128, "patch_size": 16, "temporal_patch_size": 2,
+                  "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]},
+        "video": {"min_pixels": 64 * 64, "max_pixels": 64 * 64 * 8, "fps": 2, "min_frames": 2, "max_frames": 8},
+        "init": {"embed_std": 0.05, "lm_head_gain": 1.0}, "dtype": "float32",
+    },
     # Not a real model: a few-MB Gemma 3 for tests. SigLIP on 84 px images
     # (6x6 patches of 14 px), pooled to 3x3 = 9 image tokens; text layers
     # alternate a 32-token sliding window (RotatingKVCache) and global attention.
@@ -213,7 +282,7 @@ def write_tokenizer(arch: str, tok, out: Path) -> None:
 
 def build_config(like: str, ids: dict[str, int], n_tok: int, dtype: str, seed: int) -> dict:
     shape = copy.deepcopy(SHAPES[like])
-    for key in ("init", "image", "dtype", "params"):
+    for key in ("init", "image", "video", "dtype", "params"):
         shape.pop(key, None)
     arch = ARCHS[shape["model_type"]]
     text = shape.get("text_config", shape)
@@ -241,6 +310,21 @@ def write_processor_files(like: str, out: Path) -> None:
         video = {**pre, "video_processor_type": "Qwen2VLVideoProcessor"}
         video.pop("image_processor_type")
         (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
+        (out / "processor_config.json").write_text(json.dumps({"processor_class": proc_class}, indent=2))
+    elif model_type == "qwen3_vl":
+        # Qwen3-VL's files give the pixel budgets as size.shortest_edge /
+        # longest_edge (mlx-vlm reads both forms).
+        common = {k: image[k] for k in ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std")}
+        common.update({"processor_class": proc_class, "do_rescale": True, "rescale_factor": 1 / 255,
+                       "do_normalize": True, "do_convert_rgb": True, "resample": 3})
+        pre = {**common, "image_processor_type": "Qwen2VLImageProcessorFast",
+               "size": {"shortest_edge": image["min_pixels"], "longest_edge": image["max_pixels"]}}
+        (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
+        video = shape["video"]
+        vid = {**common, "video_processor_type": "Qwen3VLVideoProcessor",
+               "size": {"shortest_edge": video["min_pixels"], "longest_edge": video["max_pixels"]},
+               **{k: video[k] for k in ("fps", "min_frames", "max_frames")}}
+        (out / "video_preprocessor_config.json").write_text(json.dumps(vid, indent=2))
         (out / "processor_config.json").write_text(json.dumps({"processor_class": proc_class}, indent=2))
     elif model_type == "gemma3":
         size = image["size"]

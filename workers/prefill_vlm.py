@@ -116,21 +116,22 @@ class VLMPrefillJob:
         return cache, hit
 
     def _features(self, hit: int):
-        """(ImageBatch of every image, features [n_image_tokens, hidden]):
+        """(ImageBatch of every image, features [n_image_tokens, feature_dim]):
         images ending inside the first `hit` tokens get zeros, the others
         their cached embeddings or their encoder output (one image at a
         time). Only an image that is encoded goes through the processor's
         resize and normalise; the others are known by their size."""
         eng = self.engine
         embed = eng.model.language_model.model.embed_tokens.weight
+        width = eng.feature_dim  # hidden; Qwen3-VL: its DeepStack rows too
         parts, batches = [], []
         for im in self.images:
             pixels = np.asarray(im.pixels, dtype=np.uint8)
             batch, features = eng.sized(*pixels.shape[:2]), None
             if im.start + im.n_tokens <= hit:
-                features = mx.zeros((im.n_tokens, embed.shape[-1]), dtype=embed.dtype)
+                features = mx.zeros((im.n_tokens, width), dtype=embed.dtype)
             elif self.embeddings is not None:
-                features = self.embeddings.get(im.content_hash, im.n_tokens, embed.shape[-1], self.owner)
+                features = self.embeddings.get(im.content_hash, im.n_tokens, width, self.owner)
             if features is not None:
                 self.skipped += 1
             else:

@@ -137,6 +137,20 @@ class _Arch:
     def merge_kwargs(self, extra: dict[str, mx.array]) -> dict[str, Any]:
         return {}
 
+    def feature_dim(self, model) -> int:
+        """Columns of `encode`'s output (what the cache service stores per image token)."""
+        return model.language_model.model.embed_tokens.weight.shape[-1]
+
+    def split_features(self, model, features: mx.array) -> tuple[mx.array, mx.array | None]:
+        """(what get_input_embeddings merges, per-token rows that ride along
+        beside the input embeddings into prefill, or None)."""
+        return features, None
+
+    def prefill_inputs(self, model, input_ids: mx.array, embeddings: mx.array) -> tuple[mx.array, dict[str, Any]]:
+        """(inputs_embeds, other language-model kwargs) for one chunk of
+        `input_embeddings`' output."""
+        return embeddings, {}
+
     def rope_positions(self, model, input_ids: mx.array, extra: dict[str, mx.array]) -> tuple[mx.array | None, int]:
         """(positions for the language model, or None where it derives them
         from the cache offset; rope delta)."""
@@ -201,6 +215,71 @@ class _QwenVL(_Arch):
         return positions, int(np.array(delta).reshape(-1)[0])
 
 
+class _Qwen3VL(_QwenVL):
+    """Qwen3-VL: Qwen2.5-VL's prompt format and get_rope_index (16 px
+    patches; interleaved M-RoPE, which is plain RoPE once the three
+    components agree, as after the last image), plus DeepStack: the outputs
+    of a few vision blocks (`deepstack_visual_indexes`), each through its
+    own merger, are added to the hidden states after text layers 0..k-1 at
+    the image tokens.
+
+    mlx-lm's qwen3_vl text model (mlx-lm's qwen3) cannot prefill an image
+    prompt even with a wrapper feeding DeepStack: its rope takes one scalar
+    position per token (the cache offset), not three. So, as for Qwen2.5-VL,
+    prefill runs mlx-vlm's language model (over the text model's weights),
+    which takes `visual_pos_masks` and `deepstack_visual_embeds` itself; the
+    text model decodes from its cache with the rope shifted by the delta.
+
+    The DeepStack features travel with the image's features: `encode`
+    returns [tokens, (1 + k) * hidden] (the merger's output, then each
+    DeepStack layer's, side by side), so the cache service stores and
+    returns them like any features, and `input_embeddings` returns
+    [1, n, (1 + k) * hidden]: the input embeddings, then each token's
+    DeepStack additions (zero off the image tokens). Slicing that by token
+    (a cached prefix, chunks) keeps them together; `prefill_inputs` splits
+    each chunk back into what the language model takes."""
+
+    def _hidden(self, model) -> int:
+        return model.language_model.model.embed_tokens.weight.shape[-1]
+
+    def _deepstack_layers(self, model) -> int:
+        return len(model.config.vision_config.deepstack_visual_indexes)
+
+    def encode(self, model, pixel_values, extra):
+        dtype = model.vision_tower.patch_embed.proj.weight.dtype
+        features, deepstack = model.vision_tower(pixel_values.astype(dtype), extra["image_grid_thw"])
+        return mx.concatenate([features, *deepstack], axis=-1)
+
+    def feature_dim(self, model):
+        return self._hidden(model) * (1 + self._deepstack_layers(model))
+
+    def split_features(self, model, features):
+        hidden = self._hidden(model)
+        if features.shape[-1] == hidden:
+            return features, None
+        return features[:, :hidden], features[:, hidden:]
+
+    def visual_mask(self, model, input_ids):
+        """Where get_input_embeddings puts features: image and video tokens."""
+        cfg = model.config
+        return (input_ids == cfg.image_token_id) | (input_ids == cfg.video_token_id)
+
+    def prefill_inputs(self, model, input_ids, embeddings):
+        hidden = self._hidden(model)
+        if embeddings.shape[-1] == hidden:
+            return embeddings, {}
+        inputs, deep = embeddings[..., :hidden], embeddings[..., hidden:]
+        mask = self.visual_mask(model, input_ids)
+        where = np.flatnonzero(np.array(mask[0]))
+        if where.size == 0:
+            return inputs, {}
+        rows = deep[0, mx.array(where, dtype=mx.uint32)]  # [visual tokens, k * hidden]
+        k = rows.shape[-1] // hidden
+        # mlx-vlm's layout: per DeepStack layer, the visual tokens' rows in order.
+        layers = rows.reshape(rows.shape[0], k, hidden).transpose(1, 0, 2)
+        return inputs, {"visual_pos_masks": mask, "deepstack_visual_embeds": layers}
+
+
 class _Gemma3(_Arch):
     """Gemma 3: fixed-size SigLIP images, pooled to mm_tokens_per_image soft
     tokens between <start_of_image> and <end_of_image>; plain rope."""
@@ -240,6 +319,7 @@ class _Gemma3(_Arch):
 # Keyed by mlx-vlm's model package (mlx_vlm.models.<name>, the config's model_type).
 ARCHS: dict[str, _Arch] = {
     "qwen2_5_vl": _QwenVL(),
+    "qwen3_vl": _Qwen3VL(),
     "gemma3": _Gemma3(),
 }
 
@@ -330,8 +410,13 @@ class VisionEngine:
             return None
         return ImageBatch(None, extra, self.image_tokens([(height, width)]))
 
+    @property
+    def feature_dim(self) -> int:
+        """Columns of an image's features (hidden; Qwen3-VL: (1 + DeepStack layers) * hidden)."""
+        return self.arch.feature_dim(self.model)
+
     def encode(self, batch: ImageBatch) -> mx.array:
-        """Image features [n_image_tokens, hidden] (vision tower + projector), evaluated."""
+        """Image features [n_image_tokens, feature_dim] (vision tower + projector), evaluated."""
         features = self.arch.encode(self.model, batch.pixel_values, batch.extra)
         if features.shape[0] != sum(batch.tokens_per_image):
             raise RuntimeError(f"{features.shape[0]} image features for {sum(batch.tokens_per_image)} placeholders")
@@ -360,19 +445,30 @@ class VisionEngine:
     def input_embeddings(self, token_ids: Sequence[int], features: mx.array | None,
                          batch: ImageBatch | None = None) -> mx.array:
         """[1, n, hidden]: token embeddings, image features in the placeholders.
-        `batch` carries the images' extra data (Qwen: image_grid_thw)."""
+        `batch` carries the images' extra data (Qwen: image_grid_thw).
+        Qwen3-VL with images: [1, n, (1 + k) * hidden], each token's DeepStack
+        rows beside its embedding (see _Qwen3VL); `prefill` takes either."""
         ids = mx.array([list(token_ids)], dtype=mx.int32)
         kwargs: dict[str, Any] = {"mask": mx.ones_like(ids)}
         if features is None:
-            out = self.model.get_input_embeddings(ids, None, **kwargs)
-        else:
-            extra = batch.extra if batch is not None else {}
-            kwargs.update(self.arch.merge_kwargs(extra))
-            kwargs["cached_image_features"] = self.arch.cached_features(features, extra)
-            # The features are passed in (cached_image_features, mlx-vlm's own
-            # vision-cache hook); pixel_values must only be non-None.
-            out = self.model.get_input_embeddings(ids, mx.zeros((1,)), **kwargs)
-        return out.inputs_embeds
+            return self.model.get_input_embeddings(ids, None, **kwargs).inputs_embeds
+        extra = batch.extra if batch is not None else {}
+        features, beside = self.arch.split_features(self.model, features)
+        kwargs.update(self.arch.merge_kwargs(extra))
+        kwargs["cached_image_features"] = self.arch.cached_features(features, extra)
+        # The features are passed in (cached_image_features, mlx-vlm's own
+        # vision-cache hook); pixel_values must only be non-None.
+        embeds = self.model.get_input_embeddings(ids, mx.zeros((1,)), **kwargs).inputs_embeds
+        if beside is None:
+            return embeds
+        # Scattered in prompt order into the image tokens' rows, as
+        # get_input_embeddings scatters the features.
+        where = np.flatnonzero(np.array(self.arch.visual_mask(self.model, ids)[0]))
+        if where.size != beside.shape[0]:
+            raise ValueError(f"{beside.shape[0]} image features for {where.size} placeholders")
+        rows = mx.zeros((ids.shape[1], beside.shape[-1]), dtype=embeds.dtype)
+        rows[mx.array(where, dtype=mx.uint32)] = beside.astype(embeds.dtype)
+        return mx.concatenate([embeds, rows[None]], axis=-1)
 
     def rope_positions(self, token_ids: Sequence[int], batch: ImageBatch | None = None
                        ) -> tuple[mx.array | None, int]:
@@ -406,8 +502,10 @@ class VisionEngine:
             raise ValueError(f"{positions.shape[-1]} positions for {n} tokens")
 
         def run(s: int, e: int):
-            kwargs = {} if positions is None else {"position_ids": positions[..., s:e]}
-            return lm(ids[:, s:e], inputs_embeds=embeddings[:, s:e], cache=cache, **kwargs)
+            inputs, kwargs = self.arch.prefill_inputs(self.model, ids[:, s:e], embeddings[:, s:e])
+            if positions is not None:
+                kwargs["position_ids"] = positions[..., s:e]
+            return lm(ids[:, s:e], inputs_embeds=inputs, cache=cache, **kwargs)
 
         start = 0
         while n - start > 1:

@@ -1,0 +1,269 @@
+"""Qwen3-VL (workers/vision.py `_Qwen3VL`) against mlx-vlm's own generate.
+
+A tiny random Qwen3-VL (benchmarks/random_vlm.py "tiny-qwen3-vl": interleaved
+M-RoPE, DeepStack from two vision blocks into two of three text layers):
+prefill through mlx-vlm's language model with the DeepStack rows carried
+beside the input embeddings, decode on mlx-lm's qwen3_vl text model with the
+rope shifted by the prompt's delta; greedy tokens identical to mlx-vlm's
+stream_generate for the same folder, picture and prompt.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.test_vision_engine import N_TOKENS, _prefill, _setup, _user, assert_same, ours, reference
+from tests.tiny_vlms import TINY_QWEN3_VL, synthetic_image, tiny_vlm
+
+
+@pytest.fixture(scope="module")
+def q3(tmp_path_factory):
+    return _setup(tmp_path_factory, TINY_QWEN3_VL)
+
+
+ONE = ([synthetic_image(64, 96, 1)], [_user(None, "What is in this picture?")])
+TWO = ([synthetic_image(64, 96, 1), synthetic_image(128, 64, 2)], [_user("Compare", None, "with", None, "please.")])
+
+
+def _merged(batch):
+    return [(h // 2, w // 2) for _, h, w in np.array(batch.extra["image_grid_thw"]).tolist()]
+
+
+# ---------------------------------------------------------------- identity
+
+
+def test_prompt_tokens_match_mlx_vlm(q3):
+    from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
+
+    images, messages = TWO
+    eng = q3.engine
+    sizes = [(im.height, im.width) for im in images]
+    ids = eng.prompt_tokens(messages, eng.image_tokens(sizes))
+    inputs = prepare_inputs(q3.vlm_processor, images=images, prompts=eng.prompt_text(messages),
+                            add_special_tokens=should_add_special_tokens(eng.model_type, q3.vlm_processor))
+    assert ids == inputs["input_ids"][0].tolist()
+    assert eng.image_tokens(sizes) == [6, 8] == eng.preprocess(images).tokens_per_image  # 16 px patches, 2x2 merged
+    assert ids.count(eng.model.config.image_token_id) == 14
+
+
+@pytest.mark.parametrize("case", ["one image", "two images", "mid-conversation"])
+def test_greedy_matches_mlx_vlm_generate(q3, case):
+    images, messages = {"one image": ONE, "two images": TWO}.get(case, (None, None))
+    if case == "mid-conversation":
+        images = [synthetic_image(96, 96, 3)]
+        messages = [_user("Hello there, can you look at pictures?"),
+                    {"role": "assistant", "content": "Yes, send me one and I will describe it."},
+                    _user("Here it is:", None, "What colours do you see?")]
+    assert_same(ours(q3, messages, images), reference(q3, messages, images))
+
+
+def test_text_only_prompt_matches_mlx_lm(q3):
+    from mlx_lm.generate import generate_step
+
+    messages = [_user("Tell me a story about a cat.")]
+    ids = q3.engine.prompt_tokens(messages, [])
+    want = [int(t) for t, _ in generate_step(mx.array(ids), q3.text_model, max_tokens=N_TOKENS)]
+    assert len(set(want)) >= 2
+    assert ours(q3, messages, []) == want
+
+
+def test_language_weights_are_the_text_models(q3):
+    from mlx.utils import tree_flatten
+
+    text = {id(a) for _, a in tree_flatten(q3.text_model.parameters())}
+    lm = tree_flatten(q3.engine.model.language_model.parameters())
+    assert q3.engine.shared_params == len(lm)
+    assert all(id(a) in text for _, a in lm)
+
+
+# ---------------------------------------------------------------- DeepStack
+
+
+def test_deepstack_rows_travel_with_the_features(q3):
+    """encode: [tokens, (1 + k) * hidden], the merger's output then each
+    DeepStack merger's; input_embeddings carries them beside each image
+    token's embedding (zero elsewhere)."""
+    eng = q3.engine
+    images, messages = ONE
+    batch = eng.preprocess(images)
+    features = eng.encode(batch)
+    hidden = eng.model.language_model.model.embed_tokens.weight.shape[1]
+    k = len(eng.model.config.vision_config.deepstack_visual_indexes)
+    assert k == 2 and eng.feature_dim == (1 + k) * hidden == features.shape[1]
+    main, deep = eng.model.vision_tower(batch.pixel_values, batch.extra["image_grid_thw"])
+    assert mx.array_equal(features, mx.concatenate([main, *deep], axis=-1)).item()
+    ids = eng.prompt_tokens(messages, batch.tokens_per_image)
+    embeds = eng.input_embeddings(ids, features, batch)
+    assert embeds.shape == (1, len(ids), eng.feature_dim)
+    image = np.array(ids) == eng.model.config.image_token_id
+    assert mx.array_equal(embeds[0, mx.array(np.flatnonzero(image)), hidden:], features[:, hidden:]).item()
+    assert not mx.any(embeds[0, mx.array(np.flatnonzero(~image)), hidden:]).item()
+
+
+def test_without_deepstack_the_answer_diverges(q3):
+    """DeepStack matters in the tiny model, so the identity tests could fail
+    if it were dropped (mlx-vlm's own cached-features path drops it)."""
+    eng = q3.engine
+    images, messages = ONE
+    batch = eng.preprocess(images)
+    hidden = eng.model.language_model.model.embed_tokens.weight.shape[1]
+    features = eng.encode(batch)[:, :hidden]  # the merger's output alone
+    ids = eng.prompt_tokens(messages, batch.tokens_per_image)
+    logits = eng.prefill(ids, eng.input_embeddings(ids, features, batch), eng.rope_positions(ids, batch)[0],
+                         eng.make_cache())
+    _, first, _, _ = _prefill(q3, messages, images)
+    full = eng.prefill(ids, eng.input_embeddings(ids, eng.encode(batch), batch), eng.rope_positions(ids, batch)[0],
+                       eng.make_cache())
+    assert not mx.allclose(logits, full, atol=1e-3).item()
+    assert int(mx.argmax(full).item()) == first == reference(q3, messages, images)[0]
+
+
+# ---------------------------------------------------------------- rope offset
+
+
+class _Store:
+    """The cache service's embedding store as prefill sees it: float32 rows
+    of `feature_dim` columns by content hash (workers/vision_cache.py)."""
+
+    def __init__(self):
+        self.rows, self.gets = {}, []
+
+    def get(self, content_hash, n_tokens, hidden, owner):
+        self.gets.append(hidden)
+        data = self.rows.get(content_hash)
+        return None if data is None else mx.array(data.reshape(n_tokens, hidden))
+
+    def put(self, content_hash, features, owner):
+        self.rows[content_hash] = np.array(features.astype(mx.float32)).reshape(-1)
+        return True
+
+
+def _job(q3, images, messages, store=None):
+    from protos.messages import ImageInput, SamplingParams
+    from router.vision_prompt import _runs
+    from workers.prefill_vlm import VLMPrefillJob
+
+    eng = q3.engine
+    ids = eng.prompt_tokens(messages, eng.image_tokens([(im.height, im.width) for im in images]))
+    runs = _runs(ids, eng.model.config.image_token_id)
+    inputs = [ImageInput(f"img{i}", np.asarray(im), s, n) for i, (im, (s, n)) in enumerate(zip(images, runs))]
+    job = VLMPrefillJob(eng, ids, inputs, SamplingParams(max_tokens=N_TOKENS, temperature=0.0), embeddings=store)
+    return ids, job.step(), job
+
+
+def test_rope_offset_for_decode_after_an_image_prompt(q3):
+    """The handoff's rope_offset = n + delta, delta = sum over images of
+    max(h, w) - h * w merged patches (negative); decode from that offset is
+    mlx-vlm's answer, from n it is not. The second run takes the features
+    from the embedding store ((1 + k) * hidden columns), by size alone."""
+    from workers.vision import decode_greedy, shift_rope
+
+    images, messages = TWO
+    want = reference(q3, messages, images)
+    store = _Store()
+    for run in ("encoded", "from the store"):
+        ids, result, job = _job(q3, images, messages, store)
+        merged = _merged(q3.engine.preprocess(images))
+        delta = sum(max(h, w) - h * w for h, w in merged)
+        assert delta == (3 - 6) + (4 - 8)
+        assert result.num_tokens == len(ids) and result.rope_offset == len(ids) + delta
+        assert (job.encoded, job.skipped) == ((2, 0) if run == "encoded" else (0, 2))
+        got = [result.first_token] + decode_greedy(
+            q3.text_model, shift_rope(result.cache, result.rope_offset - result.num_tokens),
+            result.first_token, N_TOKENS - 1)
+        assert_same(got, want)
+    assert set(store.gets) == {q3.engine.feature_dim}
+    _, result, _ = _job(q3, images, messages)
+    unshifted = [result.first_token] + decode_greedy(q3.text_model, result.cache, result.first_token, N_TOKENS - 1)
+    assert unshifted[: len(want)] != want
+
+
+def test_positions_after_the_last_image_are_plain(q3):
+    """Interleaved M-RoPE with three equal components is plain RoPE: after the
+    last image every component is index + delta, what the text model's
+    shifted rope computes."""
+    eng = q3.engine
+    images, messages = TWO
+    batch = eng.preprocess(images)
+    ids = eng.prompt_tokens(messages, batch.tokens_per_image)
+    positions, delta = eng.rope_positions(ids, batch)
+    assert positions.shape == (3, 1, len(ids))
+    last_image = max(i for i, t in enumerate(ids) if t == eng.model.config.image_token_id)
+    tail = np.array(positions[:, 0, last_image + 2:])  # past <|vision_end|>
+    assert (tail == (np.arange(last_image + 2, len(ids)) + delta)[None]).all()
+
+
+@pytest.mark.parametrize("ragged", [False, True], ids=["padded batch (GPU)", "ragged rows (CPU)"])
+def test_decode_engine_carries_the_rope_offset(q3, ragged):
+    """The decode worker's engine, given the handoff's rope offset: two
+    image requests with different deltas and a text one, batched."""
+    from protos.messages import DecodeRequest, KVHandoff, SamplingParams
+    from workers.decode import DecodeEngine
+
+    requests = [ONE, ([], [_user("Tell me a story about a river.")]), TWO]
+    engine = DecodeEngine(q3.text_model, max_batch=4, ragged=ragged)
+    got, wants, deltas = {}, {}, []
+    for i, (images, messages) in enumerate(requests):
+        ids, first, cache, delta = _prefill(q3, messages, images)
+        deltas.append(delta)
+        rid = f"r{i}"
+        wants[rid], got[rid] = reference(q3, messages, images), [first]
+        engine.add(DecodeRequest(rid, ids, first, KVHandoff(rid, len(ids), len(ids) + delta),
+                                 SamplingParams(max_tokens=N_TOKENS, temperature=0.0)), cache)
+    assert len(set(deltas)) == 3
+    while engine.has_work:
+        for u in engine.step():
+            got[u.request_id].append(u.token)
+    for rid in got:
+        assert_same(got[rid], wants[rid])
+
+
+# ---------------------------------------------------------------- shapes
+
+
+def test_qwen3_vl_2b_shape_has_the_published_parameter_count():
+    """The real shape builds (lazily: nothing is allocated) with the count
+    the table records, the vocabulary padded to the borrowed tokenizer."""
+    import copy
+
+    from benchmarks.random_vlm import SHAPES, build_model, count_parameters
+
+    config = copy.deepcopy(SHAPES["qwen3-vl-2b"])
+    for key in ("init", "image", "video", "dtype", "params"):
+        config.pop(key)
+    config.update(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652)
+    assert count_parameters(build_model(config), config) == SHAPES["qwen3-vl-2b"]["params"]
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def test_served_end_to_end(request, tmp_path_factory):
+    """`tandem serve` (router, prefill, decode, vision-0 processes) with the
+    openai client: the answer equals mlx-vlm's; a follow-up turn reuses the
+    prompt's KV and the stored embedding (DeepStack rows included) without
+    running the encoder."""
+    from tests.server_harness import TandemServer
+    from tests.test_e2e_vision import ask, client_for, counters, data_url, image_part, template_form, text_part
+    from tests.test_e2e_vision import reference as text_reference
+
+    folder = tiny_vlm(tmp_path_factory, TINY_QWEN3_VL)
+    srv = TandemServer("--model", str(folder), "--no-disk-cache", "--block-size", "16",
+                       log_path=tmp_path_factory.mktemp("srv") / "server.log")
+    request.addfinalizer(srv.stop)
+    srv.start()
+    client = client_for(srv)
+    image = synthetic_image(64, 96, 5)
+    messages = [{"role": "user", "content": [text_part("Here is a photo."), image_part(data_url(image)),
+                                             text_part("Describe it in detail: the colours, the shapes, the light, "
+                                                       "and anything unusual you notice about it.")]}]
+    answer, usage = ask(client, messages)
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    assert answer == text_reference(folder, template_form(messages), [image]).lstrip(" ")
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And the corners?"}]
+    answer, usage = ask(client, messages)
+    assert usage.prompt_tokens_details.cached_tokens >= 16
+    assert counters(srv) == (2, 1)
+    assert answer == text_reference(folder, template_form(messages), [image]).lstrip(" ")
