@@ -244,14 +244,16 @@ def test_served_end_to_end(request, tmp_path_factory):
     """`tandem serve` (router, prefill, decode, vision-0 processes) with the
     openai client: the answer equals mlx-vlm's; a follow-up turn reuses the
     prompt's KV and the stored embedding (DeepStack rows included) without
-    running the encoder."""
+    running the encoder; a video_url part goes in as its sampled frames,
+    each an image (as for every architecture: router/schemas.py)."""
     from tests.server_harness import TandemServer
     from tests.test_e2e_vision import ask, client_for, counters, data_url, image_part, template_form, text_part
     from tests.test_e2e_vision import reference as text_reference
 
     folder = tiny_vlm(tmp_path_factory, TINY_QWEN3_VL)
+    media = tmp_path_factory.mktemp("media")
     srv = TandemServer("--model", str(folder), "--no-disk-cache", "--block-size", "16",
-                       log_path=tmp_path_factory.mktemp("srv") / "server.log")
+                       "--allow-local-media", str(media), log_path=tmp_path_factory.mktemp("srv") / "server.log")
     request.addfinalizer(srv.stop)
     srv.start()
     client = client_for(srv)
@@ -267,3 +269,16 @@ def test_served_end_to_end(request, tmp_path_factory):
     assert usage.prompt_tokens_details.cached_tokens >= 16
     assert counters(srv) == (2, 1)
     assert answer == text_reference(folder, template_form(messages), [image]).lstrip(" ")
+
+    from PIL import Image
+
+    from router.media import MediaLimits, decode_video_bytes
+    from tests.test_media import make_video
+
+    data = make_video(media / "clip.mp4", frames=20, fps=10.0, size=(96, 64))
+    video = decode_video_bytes(data, MediaLimits(), "v", 2.0, 2, "file", None)
+    frames = [Image.fromarray(np.asarray(f.pixels), "RGB") for f in video.frames]
+    part = {"type": "video_url", "video_url": {"url": f"file://{media}/clip.mp4", "fps": 2.0, "max_frames": 2}}
+    got, _ = ask(client, [{"role": "user", "content": [part, text_part("What happens in this clip?")]}])
+    want = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, text_part("What happens in this clip?")]}]
+    assert got == text_reference(folder, want, frames).lstrip(" ")
