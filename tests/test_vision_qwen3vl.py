@@ -78,6 +78,49 @@ def test_language_weights_are_the_text_models(q3):
     assert all(id(a) in text for _, a in lm)
 
 
+# ---------------------------------------------------------------- video
+
+
+def _video_reference(q3, messages, images, frames, fps, n=N_TOKENS):
+    from mlx_vlm.generate.dispatch import stream_generate
+
+    last = None
+    for last in stream_generate(q3.vlm, q3.vlm_processor, q3.engine.prompt_text(messages), image=images or None,
+                                video=[frames], fps=fps, max_tokens=n, temperature=0.0):
+        pass
+    return list(last.token_ids)
+
+
+@pytest.mark.parametrize("with_image", [False, True], ids=["video", "image then video"])
+def test_video_matches_mlx_vlm_generate(q3, with_image):
+    """Qwen3-VL's own video path: frames in temporal pairs, each pair a
+    "<t.t seconds>" block of video tokens; the prompt is mlx-vlm's token for
+    token, the greedy answer too. (The server sends a video's frames as
+    images instead: see test_served_end_to_end.)"""
+    from workers.vision import ImageBatch, decode_greedy, shift_rope
+
+    eng = q3.engine
+    frames = [synthetic_image(64, 96, s) for s in range(4)]
+    images = [synthetic_image(96, 64, 9)] if with_image else []
+    parts = ([{"type": "image"}] if with_image else []) + [{"type": "video"},
+                                                          {"type": "text", "text": "What happens in this clip?"}]
+    messages = [{"role": "user", "content": parts}]
+    video = eng.preprocess_video(frames, fps=2.0)
+    assert np.array(video.extra["video_grid_thw"]).tolist() == [[2, 4, 6]] and video.tokens_per_image == [12]
+    batches = [eng.preprocess(images)] if with_image else []
+    ids = eng.prompt_tokens(messages, [n for b in batches for n in b.tokens_per_image], videos=[video])
+    text = eng.tokenizer.decode(ids)
+    assert "<0.2 seconds><|vision_start|>" in text and "<1.2 seconds><|vision_start|>" in text
+    batch = ImageBatch.join(batches + [video])  # prompt order: the image, then the video
+    features = mx.concatenate([eng.encode(b) for b in batches + [video]])
+    positions, delta = eng.rope_positions(ids, batch)
+    assert delta == (-3 if with_image else 0) + 2 * (3 - 6)  # each frame pair: 2x3 merged patches
+    cache = eng.make_cache()
+    first = int(mx.argmax(eng.prefill(ids, eng.input_embeddings(ids, features, batch), positions, cache)).item())
+    got = [first] + decode_greedy(q3.text_model, shift_rope(cache, delta), first, N_TOKENS - 1)
+    assert_same(got, _video_reference(q3, messages, images, frames, 2.0))
+
+
 # ---------------------------------------------------------------- DeepStack
 
 

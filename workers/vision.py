@@ -74,6 +74,9 @@ class ImageBatch:
     pixel_values: mx.array | None
     extra: dict[str, mx.array] = field(default_factory=dict)  # e.g. image_grid_thw
     tokens_per_image: list[int] = field(default_factory=list)
+    # A video's batch (VisionEngine.preprocess_video, Qwen3-VL): its frames'
+    # sampling rate, for the prompt's timestamps; None for images.
+    fps: float | None = None
 
     @property
     def n_images(self) -> int:
@@ -86,10 +89,11 @@ class ImageBatch:
         is per image or per patch along its first axis."""
         if not batches:
             raise ValueError("no batches")
-        keys = batches[0].extra.keys()
+        # (Images and videos together: each kind's grids in their own key.)
+        keys = dict.fromkeys(k for b in batches for k in b.extra)
         pixels = [b.pixel_values for b in batches if b.pixel_values is not None]
         return cls(mx.concatenate(pixels) if pixels else None,
-                   {k: mx.concatenate([b.extra[k] for b in batches]) for k in keys},
+                   {k: mx.concatenate([b.extra[k] for b in batches if k in b.extra]) for k in keys},
                    [n for b in batches for n in b.tokens_per_image])
 
 
@@ -136,6 +140,14 @@ class _Arch:
 
     def merge_kwargs(self, extra: dict[str, mx.array]) -> dict[str, Any]:
         return {}
+
+    def preprocess_video(self, processor, frames: list, fps: float) -> ImageBatch:
+        raise ModelError("this architecture takes a video as its frames, each an image")
+
+    def expand_videos(self, processor, text: str, videos: Sequence[ImageBatch]) -> str:
+        if videos:
+            raise ModelError("this architecture takes a video as its frames, each an image")
+        return text
 
     def feature_dim(self, model) -> int:
         """Columns of `encode`'s output (what the cache service stores per image token)."""
@@ -201,17 +213,17 @@ class _QwenVL(_Arch):
         return model.vision_tower(pixel_values.astype(dtype), extra["image_grid_thw"], output_hidden_states=False)
 
     def merge_kwargs(self, extra):
-        return {"image_grid_thw": extra["image_grid_thw"]}
+        return {k: extra[k] for k in ("image_grid_thw", "video_grid_thw") if k in extra}
 
     def rope_positions(self, model, input_ids, extra):
-        grid = extra.get("image_grid_thw")
-        if grid is None:
+        grid, video = extra.get("image_grid_thw"), extra.get("video_grid_thw")
+        if grid is None and video is None:
             # Text only: plain positions, but explicit. Without position_ids
             # the language model falls back to positions it kept from its
             # previous call (_position_ids), which belong to another prompt.
             n = input_ids.shape[1]
             return mx.broadcast_to(mx.arange(n)[None, None], (3, 1, n)), 0
-        positions, delta = model.language_model.get_rope_index(input_ids, grid, None, mx.ones_like(input_ids))
+        positions, delta = model.language_model.get_rope_index(input_ids, grid, video, mx.ones_like(input_ids))
         return positions, int(np.array(delta).reshape(-1)[0])
 
 
@@ -242,12 +254,41 @@ class _Qwen3VL(_QwenVL):
     def _hidden(self, model) -> int:
         return model.language_model.model.embed_tokens.weight.shape[-1]
 
+    # Video: frames in temporal pairs (one grid of t pairs); in the prompt
+    # each pair is "<t.t seconds>" then its own vision_start/end block of
+    # video tokens (get_rope_index treats each block as one frame). The
+    # timestamps and block layout are mlx-vlm's processor's own helpers.
+    def preprocess_video(self, processor, frames, fps):
+        out = processor.video_processor(videos=[list(frames)])
+        grid = np.asarray(out["video_grid_thw"])
+        n = int(grid[0].prod()) // processor.video_processor.merge_size ** 2
+        return ImageBatch(mx.array(np.asarray(out["pixel_values_videos"])),
+                          {"video_grid_thw": mx.array(grid, dtype=mx.int64)}, [n], float(fps))
+
+    def expand_videos(self, processor, text, videos):
+        from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import (
+            _timestamped_video_placeholder,
+            _video_group_timestamps,
+        )
+
+        vp = processor.video_processor
+        blocks = []
+        for v in videos:
+            t, h, w = np.asarray(v.extra["video_grid_thw"])[0].tolist()
+            stamps = _video_group_timestamps(t, vp.temporal_patch_size, v.fps)
+            block = _timestamped_video_placeholder(stamps, h * w // vp.merge_size ** 2,
+                                                   processor.vision_start_token, processor.vision_end_token)
+            blocks.append(block.replace("<|placeholder|>", processor.video_token))
+        wrapped = processor.vision_start_token + processor.video_token + processor.vision_end_token
+        return _split_expand(text, wrapped, blocks)
+
     def _deepstack_layers(self, model) -> int:
         return len(model.config.vision_config.deepstack_visual_indexes)
 
     def encode(self, model, pixel_values, extra):
         dtype = model.vision_tower.patch_embed.proj.weight.dtype
-        features, deepstack = model.vision_tower(pixel_values.astype(dtype), extra["image_grid_thw"])
+        grid = extra["image_grid_thw"] if "image_grid_thw" in extra else extra["video_grid_thw"]
+        features, deepstack = model.vision_tower(pixel_values.astype(dtype), grid)
         return mx.concatenate([features, *deepstack], axis=-1)
 
     def feature_dim(self, model):
@@ -402,6 +443,12 @@ class VisionEngine:
         counts = self.arch.tokens_per_image(self.processor, data, len(pil))
         return ImageBatch(pixel_values, data, counts)
 
+    def preprocess_video(self, frames: Sequence[Any], fps: float) -> ImageBatch:
+        """A video's frames (PIL images or HxWx3 uint8 arrays, sampled at `fps`)
+        -> one ImageBatch (Qwen3-VL: video_grid_thw; `encode` takes it like
+        an image's). Architectures without a video path raise ModelError."""
+        return self.arch.preprocess_video(self.processor, list(frames), fps)
+
     def sized(self, height: int, width: int) -> ImageBatch | None:
         """An ImageBatch of one image known by its size only (no pixel
         values), or None when the architecture needs the pixels for it."""
@@ -430,13 +477,16 @@ class VisionEngine:
                                                   add_generation_prompt=add_generation_prompt)
 
     def prompt_tokens(self, messages_or_text, tokens_per_image: Sequence[int],
-                      add_generation_prompt: bool = True) -> list[int]:
+                      add_generation_prompt: bool = True, videos: Sequence[ImageBatch] = ()) -> list[int]:
         """Token ids of the templated prompt, each image's placeholder expanded
-        to its token count, tokenized as mlx-vlm's generate does."""
+        to its token count (and each {"type": "video"} part to its video's
+        blocks: `videos` from preprocess_video), tokenized as mlx-vlm's
+        generate does."""
         from mlx_vlm.utils import should_add_special_tokens
 
         text = messages_or_text if isinstance(messages_or_text, str) else self.prompt_text(
             messages_or_text, add_generation_prompt)
+        text = self.arch.expand_videos(self.processor, text, list(videos))
         text = self.arch.expand(self.processor, text, list(tokens_per_image))
         add_special = should_add_special_tokens(self.model_type, self.processor)
         return list(self.tokenizer(text, add_special_tokens=add_special)["input_ids"])
