@@ -1,5 +1,7 @@
-"""Decode step cost with long contexts: mlx-lm's padded BatchKVCache against
-Tandem's ragged rows (workers/ragged_kv.py), with and without a shared prompt prefix.
+"""Decode step cost with long contexts: mlx-lm's padded BatchKVCache, Tandem's
+padded batch that drops rows by contiguous copies (workers/batch_cache.py: what
+decode workers use on a GPU) and Tandem's ragged rows (workers/ragged_kv.py: on
+the CPU), with and without a shared prompt prefix.
 
 A swarm keeps a decode batch of long contexts whose rows come and go every few
 steps. This measures, on the embedded model and random KV of the given
@@ -26,6 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from workers import mlx_hooks, ragged_kv
 from workers.loading import load_model, size_buffer_cache
 from workers.model_store import resolve_model
+from workers.vision import ShiftedKVCache
 
 
 def filled_cache(model, length: int, shared, seed: int):
@@ -50,7 +53,7 @@ def filled_cache(model, length: int, shared, seed: int):
 def run(mode: str, rows: int, context: int, shared_len: int, steps: int, spread: int = 37, model_dir=None) -> dict:
     model, _ = load_model(str(resolve_model(model_dir)))
     size_buffer_cache()  # as a worker sizes it
-    ragged = mode != "batch"
+    ragged = mode.startswith("ragged")
     if ragged:
         mlx_hooks.install(model)
     shared = None
@@ -62,6 +65,8 @@ def run(mode: str, rows: int, context: int, shared_len: int, steps: int, spread:
 
     def make(i: int, length: int):
         cache = filled_cache(model, length, shared, i)
+        if mode == "runs":  # as workers/decode.py hands a request's KV to the batch
+            return ShiftedKVCache.of(cache, 0)
         if not ragged:
             return cache
         cache = ragged_kv.rows_of(cache)
@@ -107,6 +112,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     args = p.parse_args(argv)
     results = [run("batch", args.rows, args.context, 0, args.steps, args.spread, args.model),
+               run("runs", args.rows, args.context, 0, args.steps, args.spread, args.model),
                run("ragged", args.rows, args.context, 0, args.steps, args.spread, args.model)]
     if args.shared:
         results.append(run("ragged+shared", args.rows, args.context, args.shared, args.steps, args.spread, args.model))
