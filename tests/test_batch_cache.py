@@ -8,7 +8,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from workers import batch_cache
 from workers.batch_cache import RunsBatchKVCache, runs
+
+try:
+    from tests.test_engines import drive, greedy, model, prompt_of, reference
+except ImportError:  # pragma: no cover
+    from test_engines import drive, greedy, model, prompt_of, reference  # noqa: F401
 
 
 def row(length: int, seed: int) -> KVCache:
@@ -35,6 +41,7 @@ def test_filter_equals_mlx_lms(keep):
     theirs.filter(keep)
     assert ours._idx == theirs._idx
     assert ours.left_padding.tolist() == theirs.left_padding.tolist()
+    assert ours.left_padding.dtype == theirs.left_padding.dtype and ours.offset.dtype == theirs.offset.dtype
     assert ours.offset.tolist() == theirs.offset.tolist()
     assert mx.array_equal(ours.keys, theirs.keys) and mx.array_equal(ours.values, theirs.values)
     # It keeps working as a cache: the next token lands in the same place.
@@ -42,3 +49,30 @@ def test_filter_equals_mlx_lms(keep):
     k1, _ = ours.update_and_fetch(new, new)
     k2, _ = theirs.update_and_fetch(new, new)
     assert mx.array_equal(k1, k2)
+
+
+def test_decode_batch_with_rows_coming_and_going_matches_mlx_lm(model, monkeypatch):
+    """The padded batch a GPU decodes with, on this CPU: rows join at
+    different steps and leave in every position (first, middle, and the
+    longest, whose padding every other row then sheds); each request's
+    greedy tokens equal mlx-lm's generate_step alone."""
+    lengths = [40, 9, 23, 61, 15, 33]
+    joins = [0, 0, 1, 2, 4, 7]
+    answers = [6, 14, 9, 3, 12, 8]  # the 61-token row leaves first
+    jobs = [(f"r{i}", joins[i], prompt_of(n, 200 + i), greedy(answers[i])) for i, n in enumerate(lengths)]
+    classes, sizes, trims = set(), [], []
+    rows = batch_cache._rows
+    monkeypatch.setattr(batch_cache, "_rows", lambda a, keep, trim: trims.append(trim) or rows(a, keep, trim))
+
+    def observe(step, decode):
+        batch = decode._gen._generation_batch.prompt_cache
+        if batch:
+            classes.add(type(batch[0]))
+            sizes.append(len(decode._gen._generation_batch))
+
+    outs = drive(model, jobs, max_batch=8, ragged=False, observe=observe)
+    assert classes == {RunsBatchKVCache}
+    assert max(sizes) >= 4 and len(set(sizes)) >= 3  # rows really came and went
+    assert any(trims)  # and once the longest left, the rest shed padding
+    for rid, _, prompt, sp in jobs:
+        assert outs[rid].tokens == reference(model, prompt, sp.max_tokens).tokens, rid

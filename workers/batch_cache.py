@@ -1,10 +1,14 @@
 """mlx-lm's padded decode batch KV, with rows dropped by contiguous copies.
 
-When a request leaves the batch, BatchKVCache.filter keeps the other rows
-with a gather (`keys[indices]`). On an H100, for 32 rows of 2k-token contexts
-(Qwen3-0.6B shape, 28 layers) that gather took 33.6 ms, against 5.4 ms to
-copy the same rows as runs of contiguous slices (BENCHMARKS.md, session 5);
-a swarm drops a row every other step. Everything else is mlx-lm's.
+When a request leaves the batch, mlx-lm's BatchKVCache.filter keeps the
+other rows with a gather (`keys[indices]`), reads the kept rows' padding back
+from the device (waiting for the step in flight) and trims the shared padding
+as a view, which makes the next step's in-place token write copy the whole
+batch again. On an H100, 32 rows of 1.3-2.4k tokens (Qwen3-0.6B shape): a
+leave cost 45-60 ms plus up to 100 ms in the step after; copying the kept
+rows as runs of contiguous slices, trimmed as they are copied, costs ~25 ms
+and leaves the next step alone (BENCHMARKS.md, session 6). Everything else is
+mlx-lm's.
 """
 
 from __future__ import annotations
@@ -17,18 +21,21 @@ from mlx_lm.models.cache import BatchKVCache
 
 class RunsBatchKVCache(BatchKVCache):
     def filter(self, batch_indices):
+        """mlx-lm's BatchKVCache.filter: keep rows `batch_indices` and drop
+        the left padding they all share; the same result, made cheaper."""
         keep = [int(i) for i in (batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices)]
-        keys, values, idx = self.keys, self.values, self._idx
-        # mlx-lm's filter for the per-row bookkeeping (offsets, left padding,
-        # trimming shared padding), with no arrays to gather...
-        self.keys = self.values = None
-        super().filter(keep)
-        if keys is None:
-            return
-        # ...then the rows, run by run, trimmed as mlx-lm just trimmed _idx.
-        trim = idx - self._idx
-        self.keys = _rows(keys, keep)[..., trim:, :]
-        self.values = _rows(values, keep)[..., trim:, :]
+        # mlx-lm reads the kept rows' padding back from a new array, which
+        # waits for the decode step in flight; the whole batch's padding is
+        # an array computed long ago.
+        pads = self.left_padding.tolist()
+        kept = [pads[i] for i in keep]
+        trim = min(kept, default=0)
+        self.offset = self.offset[mx.array(keep)]
+        self.left_padding = mx.array([p - trim for p in kept], dtype=self.left_padding.dtype)
+        if self.keys is not None:
+            self.keys = _rows(self.keys, keep, trim)
+            self.values = _rows(self.values, keep, trim)
+        self._idx -= trim
 
 
 def runs(indices: Sequence[int]) -> List[Tuple[int, int]]:
@@ -42,6 +49,11 @@ def runs(indices: Sequence[int]) -> List[Tuple[int, int]]:
     return out
 
 
-def _rows(a: mx.array, keep: Sequence[int]) -> mx.array:
-    parts = [a[s:e] for s, e in runs(keep)]
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+def _rows(a: mx.array, keep: Sequence[int], trim: int) -> mx.array:
+    """Rows `keep` of a (B, H, L, D) array, without its first `trim` columns,
+    as a new contiguous array (all of `a` itself when nothing changes)."""
+    if trim == 0 and keep == list(range(a.shape[0])):
+        return a
+    parts = [a[s:e, :, trim:, :] for s, e in runs(keep)]
+    # One run is a view of `a`; `* 1` makes it an array of its own (exactly).
+    return mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0] * 1
