@@ -334,8 +334,14 @@ def _filled_cache(dtype, tokens, seed):
     return c
 
 
+@pytest.mark.parametrize("on_cpu", [True, False], ids=["host-copies", "device-packed"])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
-def test_kv_roundtrip_is_exact(dtype):
+def test_kv_roundtrip_is_exact(dtype, on_cpu, monkeypatch):
+    """Both ways write_kv copies: array by array (MLX's CPU backend) and
+    packed into one device array first (a GPU)."""
+    import workers.kv_transfer as kv
+
+    monkeypatch.setattr(kv, "_on_cpu", lambda: on_cpu)
     cache = [_filled_cache(dtype, 37, s) for s in range(3)]
     assert cache[0].keys.shape[2] == 256  # the live part is a strided view
     nbytes = kv_nbytes(cache)
@@ -351,6 +357,19 @@ def test_kv_roundtrip_is_exact(dtype):
         assert mx.array_equal(a.values[..., :37, :], b.values)
     buf[:] = bytes(len(buf))  # the rebuilt cache owns its memory
     assert mx.array_equal(cache[0].keys[..., :37, :], back[0].keys)
+
+
+def test_both_kv_write_paths_write_the_same_bytes(monkeypatch):
+    import workers.kv_transfer as kv
+
+    cache = [_filled_cache(mx.bfloat16, 21, s) for s in range(2)]
+    written = {}
+    for on_cpu in (True, False):
+        monkeypatch.setattr(kv, "_on_cpu", lambda on_cpu=on_cpu: on_cpu)
+        buf = bytearray(kv_nbytes(cache) + 128)
+        written[on_cpu] = (write_kv(buf, 128, cache), bytes(buf))
+    assert any(s.nbytes % 64 for p in written[True][0] for s in p)  # alignment padding in between
+    assert written[True] == written[False]
 
 
 def test_kv_transfer_errors():

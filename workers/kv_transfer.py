@@ -143,7 +143,7 @@ def write_encoded(buf, base_offset: int, enc: "EncodedCache") -> List[List[Arena
                 f"buffer too small: need {need} bytes at offset {base_offset}, "
                 f"buffer holds {mv.nbytes}"
             )
-        _write_layers(mv, enc.arrays, base_offset, layers)
+        (_write_layers if _on_cpu() else _write_packed)(mv, enc.arrays, base_offset, layers)
     finally:
         _release(mv)
     return layers
@@ -174,6 +174,34 @@ def _write_layers(mv, arrays, offset, layers) -> None:
                                   shape=list(a.shape)))
             offset += _align(a.nbytes)
         layers.append(out)
+
+
+def _write_packed(mv, arrays, offset, layers) -> None:
+    """GPU: the same bytes as _write_layers, laid out on the device as one
+    array that the host reads once. Read array by array, strided device
+    memory cost page faults per few KB: a 15-token tail of 28 layers took
+    22 ms per request on an H100."""
+    flat, pos = [], offset
+    for layer in arrays:
+        out = []
+        for a in layer:
+            name = _STATE_NAMES.get(a.dtype)
+            if name is None:
+                raise ValueError(f"unsupported KV dtype {a.dtype}")
+            if a.nbytes:
+                flat.append(mx.contiguous(a).reshape(-1).view(mx.uint8))
+                if _align(a.nbytes) > a.nbytes:
+                    flat.append(mx.zeros((_align(a.nbytes) - a.nbytes,), mx.uint8))
+            out.append(ArenaSlice(offset=pos, nbytes=a.nbytes, dtype=name, shape=list(a.shape)))
+            pos += _align(a.nbytes)
+        layers.append(out)
+    if flat:
+        packed = mx.concatenate(flat)
+        mx.eval(packed)
+        host = np.asarray(packed)
+        dst = np.frombuffer(mv, dtype=np.uint8, count=host.size, offset=offset)
+        dst[...] = host
+        del dst
 
 
 def _read_slice(mv: memoryview, s) -> mx.array:
