@@ -386,3 +386,28 @@ def test_random_vlm_is_deterministic(tmp_path):
         return {k: v for k, v in d.items() if k not in ("config.json", "model.safetensors")}
 
     assert rest(a) == rest(c)
+
+
+@pytest.mark.parametrize("like", TINY_VLMS)
+def test_a_vision_worker_reads_only_the_tower_and_projector(like, tmp_path_factory):
+    """encoder_only (what a vision-only worker loads): the language weights,
+    most of a VLM's bytes, stay unread on disk."""
+    import gc
+
+    from mlx.utils import tree_flatten
+
+    from workers.vision import VisionEngine
+
+    folder = tiny_vlm(tmp_path_factory, like)
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    engine = VisionEngine(folder, encoder_only=True)
+    loaded = mx.get_active_memory() - before
+    language = sum(p.nbytes for _, p in tree_flatten(engine.model.language_model.parameters()))
+    rest = sum(p.nbytes for name, m in engine.model.children().items() if name != "language_model"
+               for _, p in tree_flatten(m.parameters()))
+    assert language > 10 * rest  # the check below means something
+    assert loaded < rest + language // 10, (loaded, rest, language)
+    features = engine.encode(engine.preprocess([synthetic_image(56, 56)]))
+    assert features.shape[0] > 0
