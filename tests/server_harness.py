@@ -7,6 +7,7 @@ own process group, on a free loopback port. Every wait has a deadline.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -36,6 +37,15 @@ def pid_alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return sys.platform == "darwin"
+
+
+def metric(srv: "TandemServer", name: str, labels: str = "") -> float:
+    """One sample of the server's /metrics page: `name` with exactly
+    `labels` (e.g. '{path="referenced"}'); fails the test when absent."""
+    text = httpx.get(srv.base_url + "/metrics", timeout=10).text
+    m = re.search(rf"^{re.escape(name + labels)} ([0-9.e+]+)$", text, re.M)
+    assert m, f"{name}{labels} not in /metrics"
+    return float(m.group(1))
 
 
 class TandemServer:

@@ -11,6 +11,7 @@ import time
 import httpx
 import openai
 
+from tests.server_harness import metric
 from tests.test_e2e_pipeline import LONG_SYSTEM, reference
 
 BLOCK = 16
@@ -18,13 +19,6 @@ BLOCK = 16
 
 def client_for(srv):
     return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
-
-
-def metric(srv, name: str, labels: str = "") -> float:
-    text = httpx.get(srv.base_url + "/metrics", timeout=10).text
-    m = re.search(rf"^{re.escape(name + labels)} ([0-9.e+]+)$", text, re.M)
-    assert m, f"{name}{labels} not in /metrics"
-    return float(m.group(1))
 
 
 def worker_metric(srv, name: str, role: str, at_least: float = 1, wait_s: float = 5.0) -> float:

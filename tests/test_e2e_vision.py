@@ -7,16 +7,14 @@ from __future__ import annotations
 import base64
 import http.server
 import io
-import re
 import threading
 import time
 
-import httpx
 import numpy as np
 import openai
 import pytest
 
-from tests.server_harness import TandemServer
+from tests.server_harness import TandemServer, metric
 from tests.tiny_vlms import TINY_GEMMA3, TINY_QWEN_VL, synthetic_image, tiny_vlm
 
 N_TOKENS = 12
@@ -78,13 +76,6 @@ def template_form(messages):
     return out
 
 
-def metric(srv, name: str) -> float:
-    text = httpx.get(srv.base_url + "/metrics", timeout=10).text
-    m = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
-    assert m, f"{name} not in /metrics"
-    return float(m.group(1))
-
-
 class _Files(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args):
         pass
@@ -121,7 +112,7 @@ def _server(request, tmp_path_factory, like, media_dir):
                        log_path=tmp_path_factory.mktemp("srv") / "server.log")
     request.addfinalizer(srv.stop)
     srv.start()
-    srv.folder = folder
+    srv.folder, srv.like = folder, like
     return srv
 
 
@@ -144,15 +135,26 @@ def test_follow_up_turns_skip_the_encoder_and_reuse_kv(vlm_server):
                                              text_part("Describe it in detail: the colours, the shapes, the light, "
                                                        "and anything unusual you notice about it.")]}]
     q0, h0 = counters(vlm_server)
+    handed = lambda path: metric(vlm_server, "tandem_kv_handoff_tokens_total", f'{{path="{path}"}}')  # noqa: E731
+    referenced0, copied0 = handed("referenced"), handed("copied")
     answer, usage = ask(client, messages)
     assert usage.prompt_tokens_details.cached_tokens == 0
     assert counters(vlm_server) == (q0 + 1, h0)
+    prompts = usage.prompt_tokens
     for turn, question in enumerate(["What colour dominates?", "And the corners?"], start=1):
         messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
         answer, usage = ask(client, messages)
+        prompts += usage.prompt_tokens
         assert usage.prompt_tokens_details.cached_tokens >= 16, f"turn {turn}: nothing reused"
         assert counters(vlm_server) == (q0 + 1 + turn, h0 + turn), f"turn {turn} ran the encoder"
         assert answer == reference(vlm_server.folder, template_form(messages), [image]).lstrip(" ")
+    referenced, copied = handed("referenced") - referenced0, handed("copied") - copied0
+    if vlm_server.like == TINY_QWEN_VL:
+        # Plain KV: decode gets the prompt's full blocks (image-aware keys) by
+        # reference and only each prompt's tail (< a block) is copied.
+        assert referenced >= prompts - 3 * 16 and copied < 3 * 16, (referenced, copied, prompts)
+    else:  # Gemma 3's sliding-window layers are not blocks: all of it is copied
+        assert referenced == 0 and copied == prompts, (referenced, copied, prompts)
 
 
 def test_greedy_matches_mlx_vlm(vlm_server):

@@ -228,12 +228,13 @@ class PrefixCache(_ServiceUser):
         self.hot.touch(hashes)
 
     # --------------------------------------------------------------- handoff
-    def hold(self, tokens: Sequence[int], owner: str, lease_s: float):
+    def hold(self, tokens: Sequence[int], owner: str, lease_s: float, per_block=None):
         """For a handoff by reference: the leading full blocks of `tokens`
         that the cache service has, leased to `owner` for `lease_s` so that
         none is evicted before decode takes them. Returns a BlockHold (no
-        blocks when the service is away or has none)."""
-        hashes = self.hasher.hashes(tokens, len(tokens) // self.block_size)
+        blocks when the service is away or has none). `per_block`: as
+        fetch's (a prompt with images)."""
+        hashes = self.hasher.hashes(tokens, len(tokens) // self.block_size, per_block)
         if not hashes or not self._available():
             return BlockHold()
         try:

@@ -285,16 +285,18 @@ class Worker:
         lease its leading full blocks for the request. The decode worker takes
         most of them from its own memory (a swarm's system prompt, the
         conversation it answered last turn), so only the rest crosses the
-        arena. None when the handoff must carry all the KV: no block cache,
-        a prompt with images (its keys need the images' hashes), a cache that
-        is not plain KV."""
+        arena. A prompt with images is held under its image-aware block keys
+        (the ones its job stored). None when the handoff must carry all the
+        KV: no block cache, a cache that is not plain KV (Gemma 3's sliding
+        window)."""
         from workers.kv_transfer import is_plain_kv
 
-        if (self.prefix is None or getattr(self.prefix, "kind", "") != "blocks" or req.images
+        if (self.prefix is None or getattr(self.prefix, "kind", "") != "blocks"
                 or not is_plain_kv(result.cache) or len(req.prompt_tokens) != result.num_tokens):
             return None
         self.after_reply("prefix store", job.save_prefix)
-        hold = self.prefix.hold(req.prompt_tokens, owner=req.request_id, lease_s=HANDOFF_TTL_S)
+        hold = self.prefix.hold(req.prompt_tokens, owner=req.request_id, lease_s=HANDOFF_TTL_S,
+                                per_block=getattr(job, "per_block", None))
         return hold if hold.hashes else None
 
     def hand_off(self, req: PrefillRequest, result, hold=None) -> KVHandoff:
