@@ -134,13 +134,25 @@ class PrefillRequest:
 
 @dataclass
 class ImageInput:
-    """One image of a VLM prompt: its decoded RGB pixels (an out-of-band
-    frame) and where its placeholder tokens sit in the prompt."""
+    """One image of a VLM prompt, or one video for an architecture that takes
+    video (Qwen3-VL): its decoded RGB pixels (an out-of-band frame) and where
+    its placeholder tokens sit in the prompt."""
 
-    content_hash: str  # SHA-256 hex over width, height and RGB pixels (router/media.py)
-    pixels: object = None  # numpy uint8 [H, W, 3] (an out-of-band frame)
+    content_hash: str  # SHA-256 hex over width, height and RGB pixels; a video's names its sampling (router/media.py)
+    pixels: object = None  # numpy uint8 [H, W, 3]; a video: its sampled frames [T, H, W, 3]
     start: int = 0  # index of its first placeholder token in prompt_tokens
-    n_tokens: int = 0  # placeholder tokens it takes
+    n_tokens: int = 0  # placeholder tokens it takes (a video: in all its blocks)
+    kind: str = "image"  # "image" | "video"
+    fps: float = 0.0  # a video's sampling rate
+    timestamps: list = field(default_factory=list)  # a video: seconds into it of each frame
+    # Prompt tokens from `start` through its last placeholder; 0: n_tokens. A
+    # video's per-frame-pair blocks have timestamps and markers between them.
+    span: int = 0
+
+    @property
+    def end(self) -> int:
+        """One past its last placeholder token."""
+        return self.start + (self.span or self.n_tokens)
 
 
 @dataclass

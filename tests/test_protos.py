@@ -61,6 +61,23 @@ def test_arrays_travel_as_their_own_frames():
     np.testing.assert_array_equal(back.top[0], arr)
 
 
+def test_a_video_travels_as_one_media_input():
+    """A video (Qwen3-VL) is one ImageInput: kind, its frames as one
+    out-of-band array, its sampling and frame times, and a span over all
+    its blocks."""
+    from protos.messages import ImageInput, VisionRequest
+
+    frames = np.arange(2 * 4 * 6 * 3, dtype=np.uint8).reshape(2, 4, 6, 3)
+    msg = VisionRequest("r", [ImageInput("aa" * 32, frames[0], 3, 4),
+                              ImageInput("bb" * 32, frames, 10, 12, "video", 1.6, [0.0, 0.6], 21)])
+    wire = encode(msg)
+    assert len(wire) == 3
+    image, video = decode([bytes(f) for f in wire]).images
+    assert (image.kind, image.end, video.kind, video.fps, video.timestamps, video.end) == (
+        "image", 7, "video", 1.6, [0.0, 0.6], 31)
+    np.testing.assert_array_equal(video.pixels, frames)
+
+
 @pytest.mark.parametrize("header, why", [
     ({"v": VERSION + 1, "t": "Cancel", "b": {"request_id": "x"}}, "version"),
     ({"v": VERSION, "t": "Nope", "b": {}}, "unknown message type"),

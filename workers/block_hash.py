@@ -127,12 +127,12 @@ class BlockHasher:
 
 def image_block_extra(images: Sequence, block_size: int) -> Optional[BlockExtra]:
     """The `per_block` hook for a prompt with images (protos ImageInput:
-    content_hash, start, n_tokens): block i carries, for every image
+    content_hash, start, end; a video's span covers all its blocks): block i carries, for every image
     overlapping it, the image's content hash and its start relative to the
     block's first token (negative: it began in an earlier block). Blocks
     before the first image get b"" and hash exactly like text. None when
     there are no images."""
-    spans = [(int(im.start), int(im.start) + int(im.n_tokens), bytes.fromhex(im.content_hash)) for im in images]
+    spans = [(int(im.start), int(im.end), bytes.fromhex(im.content_hash)) for im in images]
     if not spans:
         return None
     bs = int(block_size)

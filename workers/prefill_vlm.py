@@ -13,7 +13,8 @@ block after an image is only ever reused for that same picture at the same
 place. The job loads the longest cached prefix (KV blocks, or for sliding-
 window models such as Gemma 3 a snapshot), then computes only the rest:
 
-* images that lie wholly inside the cached prefix are never encoded (their
+* images (and videos, for Qwen3-VL: one entry spanning all their frame-pair
+  blocks) that lie wholly inside the cached prefix are never encoded (their
   placeholders get zero features: those positions' embeddings are cut off
   with the cached part); the others come from the embedding store
   (workers/vision_cache.py: the cache service, keyed by content hash) or are
@@ -32,7 +33,6 @@ import time
 from typing import Optional, Sequence
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.generate import generation_stream
 
 from protos.messages import ImageInput, SamplingParams
@@ -125,17 +125,16 @@ class VLMPrefillJob:
         embed = eng.model.language_model.model.embed_tokens.weight
         width = eng.feature_dim  # hidden; Qwen3-VL: its DeepStack rows too
         parts, batches = [], []
-        for im in self.images:
-            pixels = np.asarray(im.pixels, dtype=np.uint8)
-            batch, features = eng.sized(*pixels.shape[:2]), None
-            if im.start + im.n_tokens <= hit:
+        for im in self.images:  # a video (Qwen3-VL) is one entry: its grid, its features
+            batch, features = eng.sized_input(im), None
+            if im.end <= hit:
                 features = mx.zeros((im.n_tokens, width), dtype=embed.dtype)
             elif self.embeddings is not None:
                 features = self.embeddings.get(im.content_hash, im.n_tokens, width, self.owner)
             if features is not None:
                 self.skipped += 1
             else:
-                batch = eng.preprocess([pixels])
+                batch = eng.preprocess_input(im)
                 t0 = time.perf_counter()
                 features = eng.encode(batch)
                 self._dtype = features.dtype
@@ -144,7 +143,7 @@ class VLMPrefillJob:
                 if self.embeddings is not None:
                     self.embeddings.put(im.content_hash, features, self.owner)
             if batch is None:  # this architecture needs the pixels even for positions
-                batch = eng.preprocess([pixels])
+                batch = eng.preprocess_input(im)
             if batch.tokens_per_image[0] != im.n_tokens:
                 raise ValueError(f"an image takes {batch.tokens_per_image[0]} tokens, "
                                  f"the prompt has {im.n_tokens}")

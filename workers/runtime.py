@@ -244,9 +244,7 @@ class Worker:
 
     # ------------------------------------------------------------- vision --
     def encode_images(self, req: VisionRequest) -> None:
-        """Store every image's embedding that the cache service lacks."""
-        import numpy as np
-
+        """Store every image's (or video's) embedding that the cache service lacks."""
         done, seen = VisionDone(req.request_id), set()
         for im in req.images:
             repeated = im.content_hash in seen
@@ -255,7 +253,7 @@ class Worker:
                 done.cached += 1
                 continue
             t0 = time.perf_counter()
-            features = self.vision.encode(self.vision.preprocess([np.asarray(im.pixels, dtype=np.uint8)]))
+            features = self.vision.encode(self.vision.preprocess_input(im))
             done.encode_s += time.perf_counter() - t0
             done.encoded += 1
             self.embeddings.put(im.content_hash, features, req.request_id)

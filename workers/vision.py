@@ -76,8 +76,10 @@ class ImageBatch:
     extra: dict[str, mx.array] = field(default_factory=dict)  # e.g. image_grid_thw
     tokens_per_image: list[int] = field(default_factory=list)
     # A video's batch (VisionEngine.preprocess_video, Qwen3-VL): its frames'
-    # sampling rate, for the prompt's timestamps; None for images.
+    # sampling rate and, when known, each frame's seconds into the video, for
+    # the prompt's timestamps; None for images.
     fps: float | None = None
+    timestamps: list[float] | None = None
 
     @property
     def n_images(self) -> int:
@@ -142,7 +144,18 @@ class _Arch:
     def merge_kwargs(self, extra: dict[str, mx.array]) -> dict[str, Any]:
         return {}
 
-    def preprocess_video(self, processor, frames: list, fps: float) -> ImageBatch:
+    # Whether a video goes in as a video (else the router sends its frames as images).
+    native_video = False
+
+    def preprocess_video(self, processor, frames: list, fps: float, timestamps=None) -> ImageBatch:
+        raise ModelError("this architecture takes a video as its frames, each an image")
+
+    def video_for_size(self, processor, n_frames: int, height: int, width: int, fps: float,
+                       timestamps=None) -> ImageBatch:
+        """A video's ImageBatch without pixel values: its grid and tokens
+        from the frame count and size alone (what the router's prompt and a
+        prefill from cached features need). ValueError for a size the
+        processor refuses."""
         raise ModelError("this architecture takes a video as its frames, each an image")
 
     def expand_videos(self, processor, text: str, videos: Sequence[ImageBatch]) -> str:
@@ -168,6 +181,14 @@ class _Arch:
         """(positions for the language model, or None where it derives them
         from the cache offset; rope delta)."""
         return None, 0
+
+
+def _times(timestamps, n_frames: int) -> list[float] | None:
+    if timestamps is None:
+        return None
+    if len(timestamps) != n_frames:
+        raise ValueError(f"{len(timestamps)} timestamps for {n_frames} video frames")
+    return [float(t) for t in timestamps]
 
 
 def _split_expand(text: str, marker: str, expansions: Sequence[str]) -> str:
@@ -259,12 +280,26 @@ class _Qwen3VL(_QwenVL):
     # each pair is "<t.t seconds>" then its own vision_start/end block of
     # video tokens (get_rope_index treats each block as one frame). The
     # timestamps and block layout are mlx-vlm's processor's own helpers.
-    def preprocess_video(self, processor, frames, fps):
+    native_video = True
+
+    def preprocess_video(self, processor, frames, fps, timestamps=None):
         out = processor.video_processor(videos=[list(frames)])
         grid = np.asarray(out["video_grid_thw"])
         n = int(grid[0].prod()) // processor.video_processor.merge_size ** 2
         return ImageBatch(mx.array(np.asarray(out["pixel_values_videos"])),
-                          {"video_grid_thw": mx.array(grid, dtype=mx.int64)}, [n], float(fps))
+                          {"video_grid_thw": mx.array(grid, dtype=mx.int64)}, [n], float(fps),
+                          _times(timestamps, len(frames)))
+
+    def video_for_size(self, processor, n_frames, height, width, fps, timestamps=None):
+        from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import _smart_resize_video
+
+        vp = processor.video_processor
+        # The sizing the video processor's _process_one does before resizing.
+        h, w = _smart_resize_video(n_frames, height, width, vp.temporal_patch_size, vp.patch_size * vp.merge_size,
+                                   vp.min_pixels, vp.max_pixels)
+        grid = [-(-n_frames // vp.temporal_patch_size), h // vp.patch_size, w // vp.patch_size]
+        return ImageBatch(None, {"video_grid_thw": mx.array([grid], dtype=mx.int64)},
+                          [int(np.prod(grid)) // vp.merge_size ** 2], float(fps), _times(timestamps, n_frames))
 
     def expand_videos(self, processor, text, videos):
         from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import (
@@ -276,7 +311,11 @@ class _Qwen3VL(_QwenVL):
         blocks = []
         for v in videos:
             t, h, w = np.asarray(v.extra["video_grid_thw"])[0].tolist()
-            stamps = _video_group_timestamps(t, vp.temporal_patch_size, v.fps)
+            # Known frame times go in as "indices" at 1 fps: the helper's own
+            # pairing and padding over the real times (as with mlx-vlm's
+            # VideoMetadata); else frames evenly spaced at fps.
+            meta = None if v.timestamps is None else {"frames_indices": list(v.timestamps), "fps": 1.0}
+            stamps = _video_group_timestamps(t, vp.temporal_patch_size, v.fps, meta)
             block = _timestamped_video_placeholder(stamps, h * w // vp.merge_size ** 2,
                                                    processor.vision_start_token, processor.vision_end_token)
             blocks.append(block.replace("<|placeholder|>", processor.video_token))
@@ -444,11 +483,41 @@ class VisionEngine:
         counts = self.arch.tokens_per_image(self.processor, data, len(pil))
         return ImageBatch(pixel_values, data, counts)
 
-    def preprocess_video(self, frames: Sequence[Any], fps: float) -> ImageBatch:
-        """A video's frames (PIL images or HxWx3 uint8 arrays, sampled at `fps`)
-        -> one ImageBatch (Qwen3-VL: video_grid_thw; `encode` takes it like
-        an image's). Architectures without a video path raise ModelError."""
-        return self.arch.preprocess_video(self.processor, list(frames), fps)
+    @property
+    def native_video(self) -> bool:
+        """Whether this architecture takes a video as a video (Qwen3-VL)."""
+        return self.arch.native_video
+
+    def preprocess_video(self, frames: Sequence[Any], fps: float, timestamps: Sequence[float] | None = None
+                         ) -> ImageBatch:
+        """A video's frames (PIL images or HxWx3 uint8 arrays, sampled at `fps`;
+        `timestamps`: each frame's seconds into the video, else k / fps) ->
+        one ImageBatch (Qwen3-VL: video_grid_thw; `encode` takes it like an
+        image's). Architectures without a video path raise ModelError."""
+        return self.arch.preprocess_video(self.processor, list(frames), fps, timestamps)
+
+    def sized_video(self, n_frames: int, height: int, width: int, fps: float = 0.0,
+                    timestamps: Sequence[float] | None = None) -> ImageBatch:
+        """A video's ImageBatch from its frame count and size alone (no pixel values)."""
+        return self.arch.video_for_size(self.processor, int(n_frames), int(height), int(width), fps, timestamps)
+
+    def preprocess_input(self, item) -> ImageBatch:
+        """A protos ImageInput (an image, or a video's frames) through the processor."""
+        pixels = np.asarray(item.pixels, dtype=np.uint8)
+        if item.kind == "video":
+            if pixels.ndim != 4:
+                raise ValueError(f"a video's frames must be TxHxWx3 uint8, got {pixels.shape}")
+            return self.preprocess_video(list(pixels), item.fps, item.timestamps or None)
+        if item.kind != "image":
+            raise ValueError(f"unknown media kind {item.kind!r}")
+        return self.preprocess([pixels])
+
+    def sized_input(self, item) -> ImageBatch | None:
+        """`sized` (or `sized_video`) for a protos ImageInput."""
+        shape = np.shape(item.pixels)
+        if item.kind == "video":
+            return self.sized_video(shape[0], shape[1], shape[2], item.fps, item.timestamps or None)
+        return self.sized(*shape[:2])
 
     def sized(self, height: int, width: int) -> ImageBatch | None:
         """An ImageBatch of one image known by its size only (no pixel

@@ -1,6 +1,7 @@
-"""Image embeddings in the cache service, keyed by content.
+"""Image (and video) embeddings in the cache service, keyed by content.
 
-An image's features (the vision tower + projector output, [n_tokens, hidden])
+An image's (or a video's: router/media.py's hash names its frames and
+sampling) features (the vision tower + projector output, [n_tokens, hidden])
 are stored as one cache entry, float32, under
 
     key = SHA-256("tandem-embedding-v1" || model fingerprint
@@ -31,14 +32,21 @@ TTL_S = 30.0
 
 
 def preprocessing_settings(processor) -> bytes:
-    """What the image processor does to pixels (size limits, patching,
-    normalisation), canonical JSON: part of the embedding key."""
-    ip = getattr(processor, "image_processor", processor)
-    try:
-        settings = ip.to_dict()
-    except Exception:  # noqa: BLE001 - a processor without to_dict: its attributes
-        settings = {k: v for k, v in vars(ip).items() if not k.startswith("_")}
+    """What the image processor (and the video processor, if any: Qwen3-VL
+    encodes videos with it) does to pixels (size limits, patching, normalisation),
+    canonical JSON: part of the embedding key."""
+    settings = _settings(getattr(processor, "image_processor", processor))
+    video = getattr(processor, "video_processor", None)
+    if video is not None:
+        settings = {"image": settings, "video": _settings(video)}
     return json.dumps(settings, sort_keys=True, default=str).encode()
+
+
+def _settings(component) -> dict:
+    try:
+        return component.to_dict()
+    except Exception:  # noqa: BLE001 - a processor without to_dict: its attributes
+        return {k: v for k, v in vars(component).items() if not k.startswith("_")}
 
 
 def embedding_key(fingerprint: bytes, settings: bytes, content_hash: str) -> bytes:
