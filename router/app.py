@@ -111,22 +111,29 @@ class _Api:
 
     async def _parse_vision_chat(self, body: dict) -> ParsedRequest:
         """Decode the request's images and videos (router/media.py: 400 naming
-        the part on any refusal), then template and tokenize in a thread."""
+        the part on any refusal), then template and tokenize in a thread. A
+        video stays one video where the model takes video (Qwen3-VL), else it
+        becomes its frames, each an image."""
         from router.media import DecodedVideo, load_media_parts
 
         media = await load_media_parts(body["messages"], self.media_limits, self.recent_images)
-        images, it = [], iter(media)
+        native = self.vision.native_video
+        items, it = [], iter(media)
         for message in body["messages"]:
-            for part in message.get("content") if isinstance(message.get("content"), list) else []:
+            content = message.get("content") if isinstance(message, dict) else None
+            for part in content if isinstance(content, list) else []:
                 if isinstance(part, dict) and part.get("type") in ("image_url", "video_url"):
+                    # What router/schemas.py puts in the template for the part.
                     item = next(it)
-                    if isinstance(item, DecodedVideo):
+                    part["_video"] = native and isinstance(item, DecodedVideo)
+                    if isinstance(item, DecodedVideo) and not native:
                         part["_frames"] = len(item.frames)
-                        images += item.frames
+                        items += item.frames
                     else:
-                        images.append(item)
+                        part["_frames"] = 1
+                        items.append(item)
         return await asyncio.to_thread(parse_chat, body, self.tokenizer, self.engine.model_id,
-                                       self.engine.max_context, (self.vision, images))
+                                       self.engine.max_context, (self.vision, items))
 
     async def completions(self, request: Request) -> "GenerationResponse":
         body = await read_json(request, self.settings.max_request_bytes)

@@ -244,8 +244,9 @@ def _require_tokens(tokens: list[int], param: str) -> list[int]:
 
 
 def parse_chat(body: dict, tokenizer, model_id: str, max_context: int, vision=None) -> ParsedRequest:
-    """`vision`: (router.vision_prompt.VisionPrompter, decoded images in part
-    order) when the served model takes images; None refuses image parts."""
+    """`vision`: (router.vision_prompt.VisionPrompter, decoded images and
+    videos in part order) when the served model takes images; None refuses
+    image parts."""
     sampling = _sampling(body, tokenizer)
     logprobs = _field(body, "logprobs", "a boolean", False)
     top_logprobs = _in_range(_field(body, "top_logprobs", "an integer", 0), "top_logprobs", 0, MAX_TOP_LOGPROBS)
@@ -275,7 +276,7 @@ def parse_chat(body: dict, tokenizer, model_id: str, max_context: int, vision=No
 def _messages(body: dict, media: bool = False) -> list[dict]:
     """Messages as the chat template wants them: role and plain-string content
     (with `media`, a message with image or video parts keeps a list of
-    {"type": "text"} and {"type": "image"} parts: a video one per frame)."""
+    {"type": "text"}, {"type": "image"} and {"type": "video"} parts: see _text_parts)."""
     raw = _field(body, "messages", "an array", required=True)
     if not raw:
         raise _invalid("messages", "must contain at least one message")
@@ -300,9 +301,10 @@ def _messages(body: dict, media: bool = False) -> list[dict]:
 
 def _text_parts(parts: list, param: str, media=False):
     """Text parts joined by newlines. With `media` (the model takes images),
-    a list of text and {"type": "image"} parts when any part is an image or
-    video (a video: one image per frame, its count in the part's `_frames`,
-    which the router sets once it has decoded the video)."""
+    a list of text, {"type": "image"} and {"type": "video"} parts when any
+    part is an image or video. A video is one {"type": "video"} where the
+    model takes video (the part's `_video`), else one image per frame (their
+    count in its `_frames`): the router sets both once it has decoded it."""
     texts, out = [], []
     for j, part in enumerate(parts):
         path = f"{param}[{j}]."
@@ -313,8 +315,7 @@ def _text_parts(parts: list, param: str, media=False):
                            "this model does not take images or video",
                            param=path + "type", code="unsupported_value")
         if kind in ("image_url", "video_url"):
-            frames = part.get("_frames", 1)
-            out += [{"type": "image"}] * frames
+            out += [{"type": "video"}] if part.get("_video") else [{"type": "image"}] * part.get("_frames", 1)
             continue
         if kind != "text":
             raise ApiError(

@@ -6,12 +6,20 @@ template with one placeholder per image, expands each to the number of tokens
 the image takes (workers/vision.py's per-architecture `_Arch`, the same code
 the prefill worker runs), tokenizes as mlx-vlm does, and finds each image's
 run of placeholder tokens: the `ImageInput`s a PrefillRequest carries.
+
+An architecture that takes video (`native_video`: Qwen3-VL) gets a video
+part as one video: its grid from the frame count and size, the prompt's
+"<t.t seconds>" blocks from its frames' times (the same `_Arch` code), and
+one `ImageInput` of kind "video" spanning all its blocks. Others get a
+video's frames as images (router/app.py).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import numpy as np
 
 from protos.messages import ImageInput
 from workers.model_store import is_vlm  # noqa: F401 - re-exported for the router
@@ -35,26 +43,74 @@ class VisionPrompter:
         self.processor = load_processor(Path(model_dir), add_detokenizer=False)
         self.tokenizer = self.processor.tokenizer
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.arch.image_token(self.processor))
+        self.video_token_id = (self.tokenizer.convert_tokens_to_ids(self.processor.video_token)
+                               if self.native_video else None)
+
+    @property
+    def native_video(self) -> bool:
+        """Whether a video goes to the model as a video (else as its frames, each an image)."""
+        return self.arch.native_video
 
     def tokens_for(self, height: int, width: int) -> int:
         return self.arch.tokens_for_size(self.processor, int(height), int(width))
 
-    def build(self, messages: list[dict], images: list) -> tuple[list[int], list[ImageInput]]:
-        """(prompt token ids, one ImageInput per image) for `messages` whose
-        content lists hold {"type": "image"} parts, one per entry of `images`
-        (router.media.DecodedImage), in order. Blocking (tokenizer work): run
-        it in a thread."""
+    def build(self, messages: list[dict], media: list) -> tuple[list[int], list[ImageInput]]:
+        """(prompt token ids, one ImageInput per image or video, in prompt
+        order) for `messages` whose content lists hold {"type": "image"} and
+        {"type": "video"} parts, one per entry of `media` (router.media's
+        DecodedImage, or DecodedVideo where `native_video`), in order.
+        Blocking (tokenizer work): run it in a thread."""
         from mlx_vlm.utils import should_add_special_tokens
 
+        from router.media import DecodedVideo
+
+        images = [m for m in media if not isinstance(m, DecodedVideo)]
+        videos = [m for m in media if isinstance(m, DecodedVideo)]
         counts = [self.tokens_for(im.height, im.width) for im in images]
+        grids = [self._video(v) for v in videos]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.arch.expand_videos(self.processor, text, grids)
         text = self.arch.expand(self.processor, text, counts)
         add_special = should_add_special_tokens(self.model_type, self.processor)
         ids = [int(t) for t in self.tokenizer(text, add_special_tokens=add_special)["input_ids"]]
         starts = _runs(ids, self.image_token_id)
         if [n for _, n in starts] != counts:
             raise ValueError(f"placeholder runs {[n for _, n in starts]} do not match the images' tokens {counts}")
-        return ids, [ImageInput(im.content_hash, im.pixels, s, n) for im, (s, n) in zip(images, starts)]
+        inputs = [ImageInput(im.content_hash, im.pixels, s, n) for im, (s, n) in zip(images, starts)]
+        if videos:
+            inputs += self._video_inputs(ids, videos, grids)
+            inputs.sort(key=lambda im: im.start)
+        return ids, inputs
+
+    def _video(self, video):
+        """The video's ImageBatch by size (its grid and tokens), or a 400 naming the part."""
+        from router.media import MediaError
+
+        first = video.frames[0]
+        try:
+            return self.arch.video_for_size(self.processor, len(video.frames), first.height, first.width,
+                                            video.fps, video.timestamps)
+        except ValueError as exc:
+            raise MediaError(video.where, f"the model cannot take this video: {exc}") from None
+
+    def _video_inputs(self, ids: list[int], videos: list, grids: list) -> list[ImageInput]:
+        """One ImageInput per video: its blocks (one run of video tokens per
+        frame pair) from the first through the last, in order."""
+        runs, out = _runs(ids, self.video_token_id), []
+        for video, batch in zip(videos, grids):
+            pairs = int(np.asarray(batch.extra["video_grid_thw"])[0][0])
+            mine, runs = runs[:pairs], runs[pairs:]
+            n = batch.tokens_per_image[0]
+            if len(mine) != pairs or sum(k for _, k in mine) != n or len({k for _, k in mine}) != 1:
+                raise ValueError(f"video placeholder runs {[k for _, k in mine]} do not match its {pairs} blocks "
+                                 f"of {n} tokens in all")
+            start, (last, k) = mine[0][0], mine[-1]
+            frames = np.stack([f.pixels for f in video.frames])
+            out.append(ImageInput(video.content_hash, frames, start, n, "video", float(video.fps),
+                                  [float(t) for t in video.timestamps], last + k - start))
+        if runs:
+            raise ValueError(f"{len(runs)} video placeholder runs left over")
+        return out
 
 
 def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:

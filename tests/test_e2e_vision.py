@@ -46,9 +46,10 @@ def ask(client, messages, max_tokens=N_TOKENS):
 _refs: dict = {}
 
 
-def reference(folder, messages, images, n: int = N_TOKENS) -> str:
+def reference(folder, messages, images, n: int = N_TOKENS, **video) -> str:
     """mlx-vlm's greedy answer, as text. `messages` in the template's form
-    ({"type": "image"} parts)."""
+    ({"type": "image"} parts; {"type": "video"} with `video=[frames]` and
+    `video_metadata`)."""
     from mlx_vlm import load as vlm_load
     from mlx_vlm.generate.dispatch import stream_generate
 
@@ -57,7 +58,7 @@ def reference(folder, messages, images, n: int = N_TOKENS) -> str:
     model, processor = _refs[folder]
     prompt = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     last = None
-    for last in stream_generate(model, processor, prompt, image=list(images), max_tokens=n, temperature=0.0):
+    for last in stream_generate(model, processor, prompt, image=list(images), max_tokens=n, temperature=0.0, **video):
         pass
     ids = list(last.token_ids)
     assert len(ids) >= 8 and len(set(ids)) >= 2, f"degenerate reference {ids}"
@@ -302,6 +303,9 @@ def test_image_block_hashes():
     assert all(x != y for x, y in zip(keys(a)[1:], keys(b)[1:]))
     assert all(x != y for x, y in zip(keys(a)[1:], text[1:]))
     assert keys(a) == keys(a) and keys(a, 6)[1] != keys(a)[1]
+    # A video's tokens come in blocks with text between them: its span covers them all.
+    video = hasher.hashes(tokens, None, image_block_extra([ImageInput(a, None, 2, 4, "video", span=10)], 4))
+    assert video[:2] == keys(a, 2)[:2] and video[2] != keys(a, 2)[2]
 
 
 def test_colocated_worker_takes_images(request, tmp_path_factory, media_dir):
@@ -327,8 +331,10 @@ def test_colocated_worker_takes_images(request, tmp_path_factory, media_dir):
 
 
 def test_video_is_sampled_to_frames_sent_as_images(vlm_server, media_dir):
-    """A video_url part: its sampled frames go to the model as images, in
-    order (the answer equals mlx-vlm's for those frames as images)."""
+    """A video_url part to a model without a video path of ours (Qwen2.5-VL,
+    Gemma 3): its sampled frames go to the model as images, in order (the
+    answer equals mlx-vlm's for those frames as images). Qwen3-VL takes it
+    as a video: tests/test_vision_qwen3vl.py."""
     from PIL import Image
 
     from router.media import MediaLimits, decode_video_bytes

@@ -95,8 +95,9 @@ def _video_reference(q3, messages, images, frames, fps, n=N_TOKENS):
 def test_video_matches_mlx_vlm_generate(q3, with_image):
     """Qwen3-VL's own video path: frames in temporal pairs, each pair a
     "<t.t seconds>" block of video tokens; the prompt is mlx-vlm's token for
-    token, the greedy answer too. (The server sends a video's frames as
-    images instead: see test_served_end_to_end.)"""
+    token, the greedy answer too. (Through the server: see
+    test_a_video_part_through_the_router_prompt_and_prefill and
+    test_served_end_to_end.)"""
     from workers.vision import ImageBatch, decode_greedy, shift_rope
 
     eng = q3.engine
@@ -119,6 +120,69 @@ def test_video_matches_mlx_vlm_generate(q3, with_image):
     first = int(mx.argmax(eng.prefill(ids, eng.input_embeddings(ids, features, batch), positions, cache)).item())
     got = [first] + decode_greedy(q3.text_model, shift_rope(cache, delta), first, N_TOKENS - 1)
     assert_same(got, _video_reference(q3, messages, images, frames, 2.0))
+
+
+def test_a_video_part_through_the_router_prompt_and_prefill(q3, tmp_path):
+    """The server's path for a video, short of processes: router/media.py
+    samples it (4 frames spread over 2.5 s: at 0, 0.6, 1.2 and 1.8 s, not
+    k / 1.6 fps), router/vision_prompt.py builds the prompt (an image, then
+    the video: its grid from its size, its blocks' times from its frames'),
+    VLMPrefillJob encodes it, then takes it from the embedding store by size:
+    the prompt and the greedy answer are mlx-vlm's for those frames with
+    their VideoMetadata."""
+    from mlx_vlm.generate.dispatch import stream_generate
+    from mlx_vlm.utils import VideoMetadata, prepare_inputs, should_add_special_tokens
+
+    from protos.messages import SamplingParams
+    from router.media import DecodedImage, MediaLimits, decode_video_bytes, image_content_hash
+    from router.vision_prompt import VisionPrompter
+    from tests.test_media import make_video
+    from workers.prefill_vlm import VLMPrefillJob
+    from workers.vision import decode_greedy, shift_rope
+
+    eng = q3.engine
+    where = "messages[0].content[1].video_url"
+    video = decode_video_bytes(make_video(tmp_path / "clip.mp4", frames=25, size=(96, 64)), MediaLimits(), where,
+                               fps=2.0, max_frames=4)
+    assert video.timestamps == pytest.approx([0.0, 0.6, 1.2, 1.8]) and video.fps == pytest.approx(1.6)
+    picture = synthetic_image(64, 96, 9)
+    pixels = np.asarray(picture)
+    image = DecodedImage(pixels, 96, 64, image_content_hash(pixels), "data", "messages[0].content[0].image_url")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "video"},
+                                             {"type": "text", "text": "What happens in this clip?"}]}]
+    ids, inputs = VisionPrompter(q3.folder).build(messages, [image, video])
+
+    frames = [f.pixels for f in video.frames]
+    meta = [VideoMetadata(total_num_frames=25, fps=10.0, frames_indices=[round(t * 10) for t in video.timestamps])]
+    prompt = eng.prompt_text(messages)
+    want_ids = prepare_inputs(q3.vlm_processor, images=[picture], videos=[frames], video_metadata=meta, prompts=prompt,
+                              add_special_tokens=should_add_special_tokens(eng.model_type, q3.vlm_processor))
+    assert ids == want_ids["input_ids"][0].tolist()
+    text = eng.tokenizer.decode(ids)
+    assert "<0.3 seconds><|vision_start|>" in text and "<1.5 seconds><|vision_start|>" in text
+    assert [(im.kind, im.content_hash) for im in inputs] == [("image", image.content_hash),
+                                                             ("video", video.content_hash)]
+    clip = inputs[1]
+    video_id = eng.model.config.video_token_id
+    where_video = [i for i, t in enumerate(ids) if t == video_id]
+    assert clip.n_tokens == len(where_video) == 12 and clip.span > clip.n_tokens  # 2 blocks of 2x3 merged patches
+    assert (clip.start, clip.end) == (where_video[0], where_video[-1] + 1)
+    assert clip.pixels.shape == (4, 64, 96, 3) and clip.timestamps == video.timestamps
+
+    last = None
+    for last in stream_generate(q3.vlm, q3.vlm_processor, prompt, image=[picture], video=[frames], video_metadata=meta,
+                                max_tokens=N_TOKENS, temperature=0.0):
+        pass
+    want = list(last.token_ids)
+    store = _Store()
+    for run in ("encoded", "from the store"):
+        job = VLMPrefillJob(eng, ids, inputs, SamplingParams(max_tokens=N_TOKENS, temperature=0.0), embeddings=store)
+        result = job.step()
+        assert (job.encoded, job.skipped) == ((2, 0) if run == "encoded" else (0, 2))
+        got = [result.first_token] + decode_greedy(
+            q3.text_model, shift_rope(result.cache, result.rope_offset - result.num_tokens),
+            result.first_token, N_TOKENS - 1)
+        assert_same(got, want)
 
 
 # ---------------------------------------------------------------- DeepStack
@@ -287,8 +351,12 @@ def test_served_end_to_end(request, tmp_path_factory):
     """`tandem serve` (router, prefill, decode, vision-0 processes) with the
     openai client: the answer equals mlx-vlm's; a follow-up turn reuses the
     prompt's KV and the stored embedding (DeepStack rows included) without
-    running the encoder; a video_url part goes in as its sampled frames,
-    each an image (as for every architecture: router/schemas.py)."""
+    running the encoder; a video_url part goes in as a video (frame pairs,
+    "<t.t seconds>" blocks from its frames' times) and its answer equals
+    mlx-vlm's for those frames with their VideoMetadata; a second turn about
+    it skips the encoder and reuses the prompt's KV."""
+    from mlx_vlm.utils import VideoMetadata
+
     from tests.server_harness import TandemServer
     from tests.test_e2e_vision import ask, client_for, counters, data_url, image_part, template_form, text_part
     from tests.test_e2e_vision import reference as text_reference
@@ -313,15 +381,30 @@ def test_served_end_to_end(request, tmp_path_factory):
     assert counters(srv) == (2, 1)
     assert answer == text_reference(folder, template_form(messages), [image]).lstrip(" ")
 
-    from PIL import Image
-
     from router.media import MediaLimits, decode_video_bytes
     from tests.test_media import make_video
 
-    data = make_video(media / "clip.mp4", frames=20, fps=10.0, size=(96, 64))
-    video = decode_video_bytes(data, MediaLimits(), "v", 2.0, 2, "file", None)
-    frames = [Image.fromarray(np.asarray(f.pixels), "RGB") for f in video.frames]
-    part = {"type": "video_url", "video_url": {"url": f"file://{media}/clip.mp4", "fps": 2.0, "max_frames": 2}}
-    got, _ = ask(client, [{"role": "user", "content": [part, text_part("What happens in this clip?")]}])
-    want = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, text_part("What happens in this clip?")]}]
-    assert got == text_reference(folder, want, frames).lstrip(" ")
+    data = make_video(media / "clip.mp4", frames=25, fps=10.0, size=(96, 64))
+    video = decode_video_bytes(data, MediaLimits(), "v", 2.0, 4, "file", None)
+    assert video.timestamps == pytest.approx([0.0, 0.6, 1.2, 1.8])  # not k / 1.6 fps
+    frames = [f.pixels for f in video.frames]
+    meta = [VideoMetadata(total_num_frames=25, fps=10.0, frames_indices=[round(t * 10) for t in video.timestamps])]
+    part = {"type": "video_url", "video_url": {"url": f"file://{media}/clip.mp4", "fps": 2.0, "max_frames": 4}}
+    question = text_part("What happens in this clip? Describe the motion, the colours and the light in detail.")
+    messages = [{"role": "user", "content": [part, question]}]
+    form = [{"role": "user", "content": [{"type": "video"}, question]}]
+    answer, usage = ask(client, messages)
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    assert counters(srv) == (3, 1)
+    assert answer == text_reference(folder, form, [], video=[frames], video_metadata=meta).lstrip(" ")
+    follow = [{"role": "assistant", "content": answer}, {"role": "user", "content": "And at the end?"}]
+    answer, usage = ask(client, messages + follow)
+    assert usage.prompt_tokens_details.cached_tokens >= 16
+    assert counters(srv) == (4, 2)  # the video's features were not encoded again
+    assert answer == text_reference(folder, form + follow, [], video=[frames], video_metadata=meta).lstrip(" ")
+
+    from tests.test_e2e_vision import _refused
+
+    make_video(media / "small.mp4", frames=4, size=(24, 24))  # under the video processor's 32 px
+    small = {"type": "video_url", "video_url": {"url": f"file://{media}/small.mp4"}}
+    _refused(client, [text_part("Look:"), small], "messages[0].content[1].video_url", "cannot take this video")
