@@ -158,6 +158,54 @@ def test_rows_without_a_prefix_decode_in_one_pool_and_match_mlx_lm(model):
     assert seen["slots"] == ragged_kv._Pool.SLOTS_STEP  # 8 rows over time, slots reused: never grown
 
 
+def test_rows_of_two_prefix_groups_and_an_unshared_row_decode_in_one_pool(model):
+    """A swarm's rows share a system prompt and keep their own tokens in the
+    pool: one masked product for every row's own tokens, one product per
+    shared prefix, one softmax per row across both. Two groups with prefixes
+    of different lengths and a row with none, joining and leaving, stay
+    token-identical to mlx-lm's generate_step."""
+    a, b = prompt_of(300, 1), prompt_of(270, 2)
+    prompts = [a + prompt_of(4 + 6 * i, 200 + i) for i in range(3)]
+    prompts += [b + prompt_of(7 + 5 * i, 300 + i) for i in range(3)]
+    prompts.append(prompt_of(40, 400))
+    joins = [0, 0, 0, 1, 1, 4, 2]
+    jobs = [(f"r{i}", joins[i], p, greedy(8 + 3 * i)) for i, p in enumerate(prompts)]
+    seen = {"grouped": 0, "pooled": 0}
+
+    def observe(step, decode):
+        pool = _pool_of(decode)
+        if pool is not None:
+            held = [pool.occupants[i] for i in range(len(pool.occupants)) if pool.holds(i)]
+            seen["pooled"] = max(seen["pooled"], len(held))
+            seen["grouped"] = max(seen["grouped"], len({id(r.prefix) for r in held if r.prefix is not None}))
+
+    outs = drive(model, jobs, max_batch=8, transport="shm", observe=observe)
+    for rid, _, prompt, sp in jobs:
+        assert outs[rid].tokens == reference(model, prompt, sp.max_tokens).tokens, rid
+    assert seen["grouped"] == 2  # rows of both groups decoded from the pool at once
+    assert seen["pooled"] >= 6
+
+
+def test_a_shared_row_outgrows_the_pool_by_its_own_tokens(model, monkeypatch):
+    """The pool holds a row's own tokens: a 300-token shared prefix does not
+    keep it out, its own tokens past MAX_TOKENS do."""
+    monkeypatch.setattr(ragged_kv._Pool, "MAX_TOKENS", 20)
+    prompts = shared_prompts(3, 300)  # own tokens 5, 14 and 23 at the start
+    jobs = [(f"r{i}", 0, p, greedy(12)) for i, p in enumerate(prompts)]
+    pooled = []
+
+    def observe(step, decode):
+        batch = decode._gen._generation_batch.prompt_cache
+        if batch:
+            pooled.append(sorted(i for i, r in enumerate(batch[0].rows) if r.pool is not None))
+
+    outs = drive(model, jobs, max_batch=4, observe=observe)
+    for rid, _, prompt, sp in jobs:
+        assert outs[rid].tokens == reference(model, prompt, sp.max_tokens).tokens, rid
+    assert pooled[0] == [0, 1]  # the third row's 23 own tokens never fit
+    assert [] in pooled  # the longer of the other two outgrew it too, then the last one alone
+
+
 def test_a_row_that_outgrows_the_pool_leaves_it_and_stays_exact(model, monkeypatch):
     monkeypatch.setattr(ragged_kv._Pool, "MAX_TOKENS", 24)
     jobs = [(f"r{i}", 0, prompt_of(10 + 3 * i, 50 + i), greedy(18)) for i in range(3)]

@@ -7,14 +7,16 @@ padded to the longest context. With a swarm of agents (16 conversations of
 1–2k tokens, ~1 GB of fp32 KV on the embedded model) a join or a leave costs
 more than a decode step, and they happen every few steps.
 
-Here a row's KV never moves with the others'. Rows up to _Pool.MAX_TOKENS
-(512) without a shared prefix each take a slot of the batch's pool: joining
-copies that one row in, leaving frees its slot, and a step writes every
-row's token with one scatter and attends with one masked product (on the CPU
-per-row ops cost more than the arithmetic). Longer rows, and rows sharing a
-prompt prefix, keep the buffer they arrived with (the handoff's KVCache) and
-grow it alone; attention runs row by row over exactly that row's tokens.
-Everything else in the layer (projections, MLP, lm_head) runs batched.
+Here a row's KV never moves with the others'. Rows with a prompt prefix in
+common (a swarm's system prompt) share one copy of it (PrefixSharing). A
+row's own tokens (after any shared prefix), up to _Pool.MAX_TOKENS (512),
+take a slot of the batch's pool: joining copies that one row in, leaving
+frees its slot, and a step writes every row's token with one scatter and
+attends with one masked product, plus one product per shared prefix (on the
+CPU per-row ops cost more than the arithmetic). Rows with more own tokens
+keep the buffer they arrived with (the handoff's KVCache) and grow it alone;
+attention runs row by row over exactly that row's tokens. Everything else in
+the layer (projections, MLP, lm_head) runs batched.
 
 It plugs into BatchGenerator unchanged: the decode worker hands it caches
 whose layers are RowKVCache, and BatchGenerator's `type(c).merge` builds a
@@ -38,6 +40,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, _BaseCache
 
 from workers.cpu_attention import softmax_weights
+from workers.cpu_math import exp_shifted
 
 
 
@@ -133,8 +136,8 @@ class _Row:
 
 
 class _Pool:
-    """The KV of one batch layer's rows that have no shared prefix, a slot per
-    row: (slots, Hkv, capacity, D) keys and values. A decode step then writes
+    """The own tokens' KV (after any shared prefix) of one batch layer's rows,
+    a slot per row: (slots, Hkv, capacity, D) keys and values. A decode step then writes
     every row's new token with one scatter and attends over all of them with
     one masked product (_pool_attention) instead of ~10 small ops per row,
     which on the CPU cost more than the arithmetic (16 rows of ~200 tokens:
@@ -167,12 +170,13 @@ class _Pool:
             free += list(range(len(self.occupants), len(self.occupants) + add))
             self.occupants += [None] * add
             self._grow(slots=len(self.occupants), template=template)
-        self.reserve(max(r.length for r in rows), template)
+        self.reserve(max(r.own_length for r in rows), template)
         for row, slot in zip(rows, free):
             k, v = row.view()
-            n = row.length
-            self.keys[slot : slot + 1, :, :n, :] = k
-            self.values[slot : slot + 1, :, :n, :] = v
+            n = row.own_length
+            if n:
+                self.keys[slot : slot + 1, :, :n, :] = k
+                self.values[slot : slot + 1, :, :n, :] = v
             row.keys = row.values = None
             row.pool, row.slot = self, slot
             self.occupants[slot] = row
@@ -200,23 +204,23 @@ class _Pool:
 
     def append(self, row: _Row, keys, values) -> None:
         """One row's new tokens (not a decode step's path: see write_step)."""
-        start, end = row.length, row.length + keys.shape[2]
+        start, end = row.own_length, row.own_length + keys.shape[2]
         self.reserve(end)
         self.keys[row.slot : row.slot + 1, :, start:end, :] = keys
         self.values[row.slot : row.slot + 1, :, start:end, :] = values
-        row.length = end
+        row.length += keys.shape[2]
 
     def write_step(self, rows: list, keys, values) -> None:
         """One new token for each of `rows` ((G, Hkv, 1, D) keys and values, in
-        the order of `rows`), written at each row's length with one scatter."""
-        self.reserve(max(r.length for r in rows) + 1)
+        the order of `rows`), written after each row's own tokens with one scatter."""
+        self.reserve(max(r.own_length for r in rows) + 1)
         slots = len(self.occupants)
         if sum(self.holds(i) for i in range(slots)) != len(rows):
             raise RuntimeError("a pool slot is held by a row outside this step")
         src = [0] * slots
         pos = [0] * slots  # free slots get a harmless write at position 0
         for j, row in enumerate(rows):
-            src[row.slot], pos[row.slot] = j, row.length
+            src[row.slot], pos[row.slot] = j, row.own_length
         order = mx.array(src)
         index = mx.broadcast_to(mx.array(pos)[:, None, None, None], (slots, *keys.shape[1:]))
         self.keys = mx.put_along_axis(self.keys, index, keys[order], axis=2)
@@ -263,20 +267,46 @@ def _group_attention(q, prefix: SharedKV, rows: list[_Row]):
 
 def _pool_attention(q, pool: _Pool, rows: list[_Row]):
     """One new token per row for `rows`, all in `pool`; `q` (G, Hkv, rep, D),
-    already scaled, in the order of `rows`. One masked product over the
-    pool's slots, cut at the longest row; free slots attend to one zero
-    token and are dropped. Returns (G, Hkv, rep, D) in the order of `rows`."""
+    already scaled, in the order of `rows`. The rows' own tokens: one masked
+    product over the pool's slots, cut at the longest row (free slots attend
+    to one zero token and are dropped). Rows that share a prefix add it the
+    way _group_attention does, one product per prefix for all its rows; the
+    softmax over [prefix, own] stays one per row (a common maximum, the sums
+    added before dividing). Returns (G, Hkv, rep, D) in the order of `rows`."""
     slots = max(row.slot for row in rows) + 1  # free slots above the last row cost nothing
     src, lengths = [0] * slots, [1] * slots
+    groups: dict = {}  # id(prefix) -> (prefix, slots of its rows)
     for j, row in enumerate(rows):
-        src[row.slot], lengths[row.slot] = j, row.length
+        src[row.slot], lengths[row.slot] = j, row.own_length
+        if row.prefix is not None:
+            groups.setdefault(id(row.prefix), (row.prefix, []))[1].append(row.slot)
     longest = max(lengths)
     in_order = src == list(range(slots))
     q_slots = q if in_order else q[mx.array(src)]
     keys, values = pool.keys[:slots, :, :longest, :], pool.values[:slots, :, :longest, :]
     scores = q_slots @ keys.swapaxes(-1, -2) + _length_bias(tuple(lengths), longest)
-    e, total = softmax_weights(scores)  # past a row's length: weight exactly 0
-    out = (e @ values) / total
+    if not groups:
+        e, total = softmax_weights(scores)  # past a row's length: weight exactly 0
+        out = (e @ values) / total
+    else:
+        _, n_kv, rep, d = q.shape
+        top = mx.stop_gradient(scores.max(axis=-1, keepdims=True))  # (S, Hkv, rep, 1)
+        shared = []
+        for prefix, members in groups.values():
+            index, g = mx.array(members), len(members)
+            grouped = q_slots[index].transpose(1, 0, 2, 3).reshape(1, n_kv, g * rep, d)
+            s = grouped @ prefix.keys.swapaxes(-1, -2)  # (1, Hkv, G*rep, Lp)
+            s_top = mx.stop_gradient(s.max(axis=-1, keepdims=True)).reshape(n_kv, g, rep, 1).transpose(1, 0, 2, 3)
+            top[index] = mx.maximum(top[index], s_top)
+            shared.append((prefix, index, g, s))
+        e = exp_shifted(scores, top)
+        out, total = e @ values, e.sum(axis=-1, keepdims=True)
+        for prefix, index, g, s in shared:
+            s_top = top[index].transpose(1, 0, 2, 3).reshape(1, n_kv, g * rep, 1)
+            e = exp_shifted(s, s_top)
+            out = out.at[index].add((e @ prefix.values).reshape(n_kv, g, rep, d).transpose(1, 0, 2, 3))
+            total = total.at[index].add(e.sum(axis=-1, keepdims=True).reshape(n_kv, g, rep, 1).transpose(1, 0, 2, 3))
+        out = out / total
     return out if in_order else out[mx.array([row.slot for row in rows])]
 
 
@@ -315,9 +345,9 @@ class RaggedKVCache(_BaseCache):
         if keys.shape[0] != len(self.rows):
             raise ValueError(f"{keys.shape[0]} rows of keys for a batch of {len(self.rows)}")
         for r in self.rows:
-            if r.pool is self.pool and r.length + keys.shape[2] > _Pool.MAX_TOKENS:
+            if r.pool is self.pool and r.own_length + keys.shape[2] > _Pool.MAX_TOKENS:
                 r.detach()  # grown past the pool: a buffer of its own from now on
-        fits = [r for r in self.rows if r.prefix is None and r.length + keys.shape[2] <= _Pool.MAX_TOKENS]
+        fits = [r for r in self.rows if r.own_length + keys.shape[2] <= _Pool.MAX_TOKENS]
         if len(fits) == 1:  # one row alone: its own buffer is cheaper than the pool's bookkeeping
             if fits[0].pool is self.pool:
                 fits[0].detach()
