@@ -173,6 +173,40 @@ def test_images_encoded_one_at_a_time(qwen):
     assert_same(got, reference(qwen, messages, images))
 
 
+def test_a_prefill_job_runs_in_steps_and_matches_mlx_vlm(setup):
+    """VLMPrefillJob, as a worker drives it: one image encoded per step, then
+    one chunk of the prompt per step (the worker drains its inbox and runs
+    decode steps between them), the last token with the final chunk. The
+    answer is mlx-vlm's, whatever the chunk size."""
+    from protos.messages import SamplingParams
+    from router.media import DecodedImage, image_content_hash
+    from router.vision_prompt import VisionPrompter
+    from workers.prefill_vlm import VLMPrefillJob
+    from workers.vision import decode_greedy, shift_rope
+
+    pictures = [synthetic_image(56, 84, 1), synthetic_image(64, 56, 2)]
+    messages = [_user("Look at", None, "and then at", None, "and tell me which one is darker, and why.")]
+    decoded = [DecodedImage(np.asarray(p), p.width, p.height, image_content_hash(np.asarray(p)), "data",
+                            f"messages[0].content[{1 + 2 * i}].image_url") for i, p in enumerate(pictures)]
+    ids, inputs = VisionPrompter(setup.folder).build(messages, decoded)
+    want = reference(setup, messages, pictures)
+    for chunk in (7, 4096):
+        job = VLMPrefillJob(setup.engine, ids, inputs, SamplingParams(max_tokens=N_TOKENS, temperature=0.0),
+                            chunk_size=chunk)
+        steps, encoded = 0, []
+        while (result := job.step()) is None:
+            steps += 1
+            encoded.append(job.encoded)
+        # Step 1 encodes the first image, step 2 the second, then the chunks.
+        assert encoded[:2] == [1, 2]
+        chunks = -(-(len(ids) - 1) // chunk)
+        assert steps + 1 == 2 + chunks
+        got = [result.first_token] + decode_greedy(
+            setup.text_model, shift_rope(result.cache, result.rope_offset - result.num_tokens),
+            result.first_token, N_TOKENS - 1)
+        assert_same(got, want)
+
+
 def test_language_weights_are_the_text_models(setup):
     """The add-on holds no second copy of the language model."""
     from mlx.utils import tree_flatten

@@ -177,7 +177,7 @@ def test_a_video_part_through_the_router_prompt_and_prefill(q3, tmp_path):
     store = _Store()
     for run in ("encoded", "from the store"):
         job = VLMPrefillJob(eng, ids, inputs, SamplingParams(max_tokens=N_TOKENS, temperature=0.0), embeddings=store)
-        result = job.step()
+        result = job.run()
         assert (job.encoded, job.skipped) == ((2, 0) if run == "encoded" else (0, 2))
         got = [result.first_token] + decode_greedy(
             q3.text_model, shift_rope(result.cache, result.rope_offset - result.num_tokens),
@@ -257,7 +257,7 @@ def _job(q3, images, messages, store=None):
     runs = _runs(ids, eng.model.config.image_token_id)
     inputs = [ImageInput(f"img{i}", np.asarray(im), s, n) for i, (im, (s, n)) in enumerate(zip(images, runs))]
     job = VLMPrefillJob(eng, ids, inputs, SamplingParams(max_tokens=N_TOKENS, temperature=0.0), embeddings=store)
-    return ids, job.step(), job
+    return ids, job.run(), job
 
 
 def test_rope_offset_for_decode_after_an_image_prompt(q3):

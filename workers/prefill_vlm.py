@@ -4,8 +4,9 @@ features in the placeholders and M-RoPE positions, into an mlx-lm cache that
 decode continues on the text model (`rope_offset = num_tokens + delta`).
 
 `VLMPrefillJob` has PrefillJob's interface (`step()` -> PrefillResult once
-done, `save_prefix()`), so workers/runtime.py drives both alike; it runs the
-prompt in one step.
+done, `save_prefix()`), so workers/runtime.py drives both alike: one step
+loads the cached prefix, each next one encodes at most one image, then each
+runs one chunk of the prompt.
 
 Prefix reuse: the prompt's block hashes carry every overlapping image's
 content hash and offset (workers.block_hash.image_block_extra), so a cached
@@ -61,47 +62,104 @@ class VLMPrefillJob:
         self.encoded = 0  # images run through the vision encoder
         self.skipped = 0  # images not encoded: inside the cached prefix, or their embeddings cached
         self.encode_s = 0.0
+        self.cached_tokens = 0
         self._saved = False
         self._dtype = None  # the encoder's output dtype (cached features are float32)
+        self._compute_s = 0.0
+        # Stages, one per step(): the cache (and cached length), then features
+        # image by image, then the input embeddings, then chunks.
+        self._cache, self._hit = None, 0
+        self._parts, self._batches = [], []
+        self._embeds = self._positions = None
+        self._delta = 0
+        self._done = 0  # prompt tokens in the cache
+        self._snapshot_at = 0
 
     @property
     def snapshots(self) -> bool:
         return self.prefix is not None and getattr(self.prefix, "kind", "blocks") == "snapshot"
 
     def step(self) -> Optional[PrefillResult]:
+        """One unit of work; the result once the prompt is done. A call
+        encodes at most one image (cached embeddings cost nothing) or runs one
+        chunk of the prompt (the first also loads the cached prefix); the last token runs in the same call as the
+        final chunk, as PrefillJob's. A worker thus drains its inbox (cancels,
+        new requests, decode steps when colocated) between chunks of a long
+        prompt with pictures, as it does for text."""
         if self.result is not None:
             return self.result
         tic = time.perf_counter()
-        eng, n = self.engine, len(self.tokens)
         with mx.stream(generation_stream):
-            cache, hit = self._load_prefix()
-            batch, features = self._features(hit)
-            embeds = eng.input_embeddings(self.tokens, features, batch)[:, hit:]
-            positions, delta = eng.rope_positions(self.tokens, batch)
-            if positions is not None:
-                positions = positions[..., hit:]
-            tail = self.tokens[hit:]
-            point = self.prefix.snapshot_point(n) if self.snapshots else 0
-            if point > hit:  # stop at the snapshot point, copy the state there
-                k = point - hit
-                eng.prefill(tail[:k], embeds[:, :k], None if positions is None else positions[..., :k],
-                            cache, chunk=self.chunk_size)
-                self.snapshot = self.prefix.capture(cache, point)
-                tail, embeds = tail[k:], embeds[:, k:]
-                positions = None if positions is None else positions[..., k:]
-            logits = eng.prefill(tail, embeds, positions, cache, chunk=self.chunk_size)[None]
-            sampler, processors = build_sampling(self.sampling, draws_done=0)
-            prompt = mx.array(self.tokens, dtype=mx.int32)
-            for proc in processors:
-                logits = proc(prompt, logits)
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            token = sampler(logprobs)
-            mx.eval(token, logprobs)
+            if self._cache is None:
+                self._cache, self._hit = self._load_prefix()
+                self.cached_tokens = self._hit
+            encoded = False
+            if self._embeds is None:
+                encoded = self._next_feature()
+                if len(self._parts) == len(self.images):
+                    self._inputs_ready()
+            if self._embeds is not None and not encoded:
+                self._chunk()
+        self._compute_s += time.perf_counter() - tic
+        if self.result is not None:
+            self.result.prefill_ms = self._compute_s * 1000.0
+        return self.result
+
+    def run(self) -> PrefillResult:
+        """Step to the end (tests, simple callers)."""
+        while (result := self.step()) is None:
+            pass
+        return result
+
+    def _inputs_ready(self) -> None:
+        """The whole prompt's input embeddings and positions (positions depend
+        on every earlier image's grid), cut at the cached length."""
+        from workers.vision import ImageBatch
+
+        eng, hit = self.engine, self._hit
+        embed = eng.model.language_model.model.embed_tokens.weight
+        dtype = self._dtype or embed.dtype
+        features = mx.concatenate([p.astype(dtype) for p in self._parts]) if self._parts else None
+        batch = ImageBatch.join(self._batches)
+        self._embeds = eng.input_embeddings(self.tokens, features, batch)[:, hit:]
+        positions, self._delta = eng.rope_positions(self.tokens, batch)
+        self._positions = None if positions is None else positions[..., hit:]
+        self._parts = self._batches = None  # the embeddings hold what is needed now
+        self._done = hit
+        self._snapshot_at = self.prefix.snapshot_point(len(self.tokens)) if self.snapshots else 0
+
+    def _chunk(self) -> None:
+        """The next chunk of all but the last token; the last token and the
+        first sampled one in the call that runs the final chunk."""
+        eng, n, hit = self.engine, len(self.tokens), self._hit
+        start = self._done
+        end = min(start + self.chunk_size, n - 1)
+        if self._snapshot_at > start:  # a chunk ends at the snapshot point
+            end = min(end, self._snapshot_at)
+        if end > start:
+            eng.prefill_chunk(self.tokens[start:end], self._embeds[:, start - hit : end - hit],
+                              None if self._positions is None else self._positions[..., start - hit : end - hit],
+                              self._cache)
+            mx.eval([c.state for c in self._cache])
+            self._done = end
+            if end == self._snapshot_at:
+                self.snapshot = self.prefix.capture(self._cache, end)
+        if self._done < n - 1:
+            return
+        logits = eng.prefill_chunk(self.tokens[n - 1 :], self._embeds[:, n - 1 - hit :],
+                                   None if self._positions is None else self._positions[..., n - 1 - hit :],
+                                   self._cache).logits[:, -1]
+        sampler, processors = build_sampling(self.sampling, draws_done=0)
+        prompt = mx.array(self.tokens, dtype=mx.int32)
+        for proc in processors:
+            logits = proc(prompt, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        token = sampler(logprobs)
+        mx.eval(token, logprobs, [c.state for c in self._cache])
         first = int(token.item())
         lp = token_logprob(logprobs, first, self.sampling.top_logprobs) if wants_logprobs(self.sampling) else None
-        self.result = PrefillResult(first, lp, cache, n, n + int(delta),
-                                    (time.perf_counter() - tic) * 1000.0, hit)
-        return self.result
+        self._embeds = self._positions = None
+        self.result = PrefillResult(first, lp, self._cache, n, n + int(self._delta), 0.0, hit)
 
     def _load_prefix(self) -> tuple[list, int]:
         n, prefix = len(self.tokens), self.prefix
@@ -115,28 +173,30 @@ class VLMPrefillJob:
             return self.engine.make_cache(), 0
         return cache, hit
 
-    def _features(self, hit: int):
-        """(ImageBatch of every image, features [n_image_tokens, feature_dim]):
-        images ending inside the first `hit` tokens get zeros, the others
-        their cached embeddings or their encoder output (one image at a
-        time). Only an image that is encoded goes through the processor's
-        resize and normalise; the others are known by their size."""
-        eng = self.engine
+    def _next_feature(self) -> bool:
+        """Features for the next images, up to and including one that must be
+        encoded (then True): an image ending inside the cached prefix gets zeros, the
+        others their cached embeddings or their encoder output. Only an image
+        that is encoded goes through the processor's resize and normalise;
+        the others are known by their size."""
+        eng, hit = self.engine, self._hit
         embed = eng.model.language_model.model.embed_tokens.weight
         width = eng.feature_dim  # hidden; Qwen3-VL: its DeepStack rows too
-        parts, batches = [], []
-        for im in self.images:  # a video (Qwen3-VL) is one entry: its grid, its features
+        while len(self._parts) < len(self.images):
+            im = self.images[len(self._parts)]  # a video (Qwen3-VL) is one entry: its grid, its features
             batch, features = eng.sized_input(im), None
             if im.end <= hit:
                 features = mx.zeros((im.n_tokens, width), dtype=embed.dtype)
             elif self.embeddings is not None:
                 features = self.embeddings.get(im.content_hash, im.n_tokens, width, self.owner)
-            if features is not None:
+            encoded = features is None
+            if not encoded:
                 self.skipped += 1
             else:
                 batch = eng.preprocess_input(im)
                 t0 = time.perf_counter()
                 features = eng.encode(batch)
+                mx.eval(features)
                 self._dtype = features.dtype
                 self.encode_s += time.perf_counter() - t0
                 self.encoded += 1
@@ -147,13 +207,11 @@ class VLMPrefillJob:
             if batch.tokens_per_image[0] != im.n_tokens:
                 raise ValueError(f"an image takes {batch.tokens_per_image[0]} tokens, "
                                  f"the prompt has {im.n_tokens}")
-            parts.append(features)
-            batches.append(batch)
-        dtype = self._dtype or embed.dtype
-        features = mx.concatenate([p.astype(dtype) for p in parts]) if parts else None
-        from workers.vision import ImageBatch
-
-        return ImageBatch.join(batches), features
+            self._parts.append(features)
+            self._batches.append(batch)
+            if encoded:
+                return True
+        return False
 
     def save_prefix(self) -> int:
         """Store the prompt's blocks (or snapshot) under image-aware hashes."""

@@ -607,25 +607,36 @@ class VisionEngine:
             raise RuntimeError("make_cache needs the text model (VisionEngine(folder, text_model=...))")
         return make_prompt_cache(self.text_model)
 
-    def prefill(self, token_ids: Sequence[int], embeddings: mx.array, positions: mx.array | None,
-                cache: list, chunk: int = 512) -> mx.array:
-        """Run the prompt into `cache` (mlx-lm caches) through the language
-        model with `embeddings` as its input; returns the last position's
-        logits [vocab]. Like generate_step: all tokens but the last in chunks
-        (only the cache is evaluated), then the last one alone."""
-        lm = self.model.language_model
+    def prefill_chunk(self, token_ids: Sequence[int], embeddings: mx.array, positions: mx.array | None,
+                      cache: list):
+        """Run these prompt tokens into `cache` (mlx-lm caches) through the
+        language model with `embeddings` [1, n, width] as its input and
+        `positions` (M-RoPE) or None; returns the language model's output
+        (lazy: the caller evaluates what it needs)."""
         ids = mx.array([list(token_ids)], dtype=mx.int32)
         n = ids.shape[1]
         if embeddings.shape[1] != n:
             raise ValueError(f"{embeddings.shape[1]} embeddings for {n} tokens")
         if positions is not None and positions.shape[-1] != n:
             raise ValueError(f"{positions.shape[-1]} positions for {n} tokens")
+        inputs, kwargs = self.arch.prefill_inputs(self.model, ids, embeddings)
+        if positions is not None:
+            kwargs["position_ids"] = positions
+        return self.model.language_model(ids, inputs_embeds=inputs, cache=cache, **kwargs)
+
+    def prefill(self, token_ids: Sequence[int], embeddings: mx.array, positions: mx.array | None,
+                cache: list, chunk: int = 512) -> mx.array:
+        """The whole prompt through prefill_chunk; returns the last position's
+        logits [vocab]. Like generate_step: all tokens but the last in chunks
+        (only the cache is evaluated), then the last one alone."""
+        token_ids = list(token_ids)
+        n = len(token_ids)
+        if embeddings.shape[1] != n:
+            raise ValueError(f"{embeddings.shape[1]} embeddings for {n} tokens")
 
         def run(s: int, e: int):
-            inputs, kwargs = self.arch.prefill_inputs(self.model, ids[:, s:e], embeddings[:, s:e])
-            if positions is not None:
-                kwargs["position_ids"] = positions[..., s:e]
-            return lm(ids[:, s:e], inputs_embeds=inputs, cache=cache, **kwargs)
+            return self.prefill_chunk(token_ids[s:e], embeddings[:, s:e],
+                                      None if positions is None else positions[..., s:e], cache)
 
         start = 0
         while n - start > 1:
