@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from deploy.settings import Settings
 from protos.messages import TokenLogprob
+from router.answer_tokens import AnswerTokens
 from router.engine_api import Engine, EngineError, GenerationRequest
 from router.errors import ApiError, exception_handlers
 from router.schemas import MODEL_ALIAS, ParsedRequest, parse_chat, parse_completion, read_json
@@ -90,6 +91,7 @@ class _Api:
         self.settings = settings
         self.token_bytes = TokenBytes(tokenizer)  # shared: a cache over the vocabulary
         self.created = int(time.time())
+        self.answers = AnswerTokens()  # recent answers' tokens, for the next turn's prompt
         from router.vision_prompt import VisionPrompter
         from workers.model_store import is_vlm
 
@@ -106,7 +108,8 @@ class _Api:
         if self.vision is not None and _has_media(body):
             parsed = await self._parse_vision_chat(body)
         else:
-            parsed = parse_chat(body, self.tokenizer, self.engine.model_id, self.engine.max_context)
+            parsed = parse_chat(body, self.tokenizer, self.engine.model_id, self.engine.max_context,
+                                answers=self.answers)
         return self._generation_response(parsed, ChatFormat)
 
     async def _parse_vision_chat(self, body: dict) -> ParsedRequest:
@@ -147,6 +150,7 @@ class _Api:
             GenerationRequest(request_id, parsed.prompt_tokens, parsed.sampling, parsed.images),
             TextStream(self.tokenizer, parsed.stop, keep_leading_space=parsed.kind == "completion"),
             self.settings.request_timeout_s + DEADLINE_BACKSTOP_S,
+            self.answers if parsed.kind == "chat" else None,
         )
         fmt = format_class(request_id, self.engine.model_id, parsed, self.token_bytes)
         return GenerationResponse(generation, fmt, parsed.stream, parsed.include_usage)
@@ -195,7 +199,8 @@ class Piece:
 class Generation:
     """One request's run through the engine, with its usage counts."""
 
-    def __init__(self, engine: Engine, request: GenerationRequest, text: TextStream, timeout_s: float):
+    def __init__(self, engine: Engine, request: GenerationRequest, text: TextStream, timeout_s: float,
+                 answers: AnswerTokens | None = None):
         self.engine = engine
         self.request = request
         self.text = text
@@ -203,6 +208,11 @@ class Generation:
         self.eos = set(request.sampling.stop_token_ids)
         self.completion_tokens = 0
         self.cached_tokens = 0
+        # With `answers`: the answer's tokens and text, remembered when it ends
+        # whole (not cut by a stop string) for the conversation's next turn.
+        self.answers = answers
+        self._tokens: list[int] = []
+        self._texts: list[str] = []
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """Yield pieces until one has a finish_reason. Raises EngineError. Returning early
@@ -224,6 +234,7 @@ class Generation:
                 if event.token in self.eos:  # ends the text; not part of it
                     text, finish = self.text.flush(), "stop"
                 else:
+                    self._tokens.append(event.token)
                     if event.logprob is not None:
                         pending.append(event.logprob)
                     text, finish = self.text.add(event.token), event.finish_reason
@@ -231,6 +242,10 @@ class Generation:
                         finish = "stop"
                     elif finish:
                         text += self.text.flush()
+                if self.answers is not None and text:
+                    self._texts.append(text)
+                if finish and self.answers is not None and not self.text.stopped:
+                    self.answers.remember("".join(self._texts), self._tokens)
                 if text or finish:
                     yield Piece(text, pending, finish)
                     pending = []

@@ -243,10 +243,11 @@ def _require_tokens(tokens: list[int], param: str) -> list[int]:
 # --------------------------------------------------------------------------- #
 
 
-def parse_chat(body: dict, tokenizer, model_id: str, max_context: int, vision=None) -> ParsedRequest:
+def parse_chat(body: dict, tokenizer, model_id: str, max_context: int, vision=None, answers=None) -> ParsedRequest:
     """`vision`: (router.vision_prompt.VisionPrompter, decoded images and
     videos in part order) when the served model takes images; None refuses
-    image parts."""
+    image parts. `answers` (router.answer_tokens.AnswerTokens): earlier
+    answers repeated in the messages go in as the tokens they were generated as."""
     sampling = _sampling(body, tokenizer)
     logprobs = _field(body, "logprobs", "a boolean", False)
     top_logprobs = _in_range(_field(body, "top_logprobs", "an integer", 0), "top_logprobs", 0, MAX_TOP_LOGPROBS)
@@ -263,6 +264,8 @@ def parse_chat(body: dict, tokenizer, model_id: str, max_context: int, vision=No
             tokens, images = vision[0].build(messages, vision[1])
         else:
             tokens = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+            if answers is not None:
+                tokens = answers.splice(tokenizer, messages, tokens)
     except (jinja2.TemplateError, ValueError) as exc:  # templates raise on e.g. misordered roles
         raise _invalid("messages", f"the model's chat template rejected them: {exc}")
     _require_tokens(tokens, "messages")

@@ -312,6 +312,64 @@ def test_stop_string_across_tokens_ends_and_cancels(client, engine, tokenizer):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def _next_turn(client, question, answer, again):
+    """Ask `question`, then send the answer back with `again`; the engine's two prompts."""
+    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    client.chat.completions.create(model="tandem-test", messages=messages + [{"role": "user", "content": again}])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streamed", "streamed"])
+def test_an_answer_sent_back_goes_in_as_the_tokens_it_was_generated_as(client, engine, tokenizer, stream):
+    """The answer as generated (one token per character: not how the tokenizer
+    cuts the same text) is what the next turn's prompt holds, so the KV that
+    decode committed for it matches: the same text, the model's own tokens."""
+    text = "Hello world. The capital of France is Paris."
+    engine.script = [t for ch in text for t in tokenizer.encode(ch, add_special_tokens=False)]
+    canonical = tokenizer.encode(text, add_special_tokens=False)
+    assert len(canonical) < len(engine.script)  # really a different tokenization
+    kwargs = dict(model="tandem-test", messages=[{"role": "user", "content": "Where is Paris?"}])
+    if stream:
+        answer = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs))
+    else:
+        answer = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert answer == text
+    first_prompt = engine.requests[-1].prompt_tokens
+    _next_turn(client, "Where is Paris?", answer, "And Rome?")
+    prompt = engine.requests[-1].prompt_tokens
+    n = len(first_prompt)
+    assert prompt[:n] == first_prompt
+    assert prompt[n : n + len(engine.script)] == engine.script  # the answer as generated
+    want = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Where is Paris?"}, {"role": "assistant", "content": answer},
+         {"role": "user", "content": "And Rome?"}], add_generation_prompt=True, tokenize=True)
+    assert prompt != list(want) and tokenizer.decode(prompt) == tokenizer.decode(want)
+
+
+def test_an_answer_with_broken_utf8_comes_back_as_its_bytes(client, engine, tokenizer):
+    """Half an emoji's bytes reach the client as U+FFFD, which tokenizes to
+    other bytes: only the remembered tokens give decode's KV back."""
+    emoji = tokenizer.encode("😀", add_special_tokens=False)
+    assert len(emoji) > 1
+    engine.script = tokenizer.encode("Hello there, ", add_special_tokens=False) + emoji[:-1] + \
+        tokenizer.encode(" the quick brown fox.", add_special_tokens=False)
+    answer = chat(client, "Hi").choices[0].message.content
+    assert "\ufffd" in answer
+    _next_turn(client, "Hi", answer, "What?")
+    assert engine.script == engine.requests[-1].prompt_tokens[len(engine.requests[-2].prompt_tokens):][
+        : len(engine.script)]
+
+
+def test_an_answer_cut_by_a_stop_string_is_not_remembered(client, engine, tokenizer):
+    engine.say("Hello world, the quick brown fox XYZSTOP jumps over the lazy dog")
+    answer = chat(client, "Go", stop=["XYZSTOP"]).choices[0].message.content
+    assert answer == "Hello world, the quick brown fox "
+    _next_turn(client, "Go", answer, "More")
+    want = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Go"}, {"role": "assistant", "content": answer},
+         {"role": "user", "content": "More"}], add_generation_prompt=True, tokenize=True)
+    assert engine.requests[-1].prompt_tokens == list(want)
+
+
 def test_models_health_metrics(client, server, engine):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tandem-test"]
@@ -540,3 +598,16 @@ def test_real_tokenizer_through_the_api(real_tokenizer):
     expected = real_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     assert engine.requests[-1].prompt_tokens == list(expected)
     assert engine.requests[-1].sampling.stop_token_ids == sorted(real_tokenizer.eos_token_ids)
+
+
+def test_remembered_answers_are_bounded_by_tokens():
+    from router.answer_tokens import AnswerTokens
+
+    answers = AnswerTokens(max_tokens=10)
+    texts = [f"answer number {i} is long enough" for i in range(3)]
+    for i, text in enumerate(texts):
+        answers.remember(text, [i] * 4)
+    assert answers.get(texts[0]) is None  # the oldest went first
+    assert answers.get(texts[1]).tolist() == [1] * 4 and answers.get(texts[2]).tolist() == [2] * 4
+    answers.remember("short", [7])  # too short to be worth matching
+    assert answers.get("short") is None

@@ -1,0 +1,103 @@
+"""A conversation's next turn in the tokens its last answer was generated as.
+
+An agent sends back our answer as text in its next request. Tokenizing that
+text again need not give the tokens the model generated: a text can have
+several tokenizations, and an answer whose bytes are not valid UTF-8 does not
+come back at all. The prefix cache holds the KV of the prompt and the tokens
+*generated* (committed by the decode worker when the answer ends), so every
+token after the first that differs is computed again on the next turn, and
+with it the rest of the conversation.
+
+The router remembers recent answers' tokens by their text (a digest, with a
+byte bound) and, when a chat's messages repeat such an answer as an
+assistant message, puts those tokens in its place. The spliced prompt is
+used only if it detokenizes to exactly the text of the template's own
+tokens: the model sees the same text, tokenized as it wrote it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import Sequence
+
+import numpy as np
+
+MIN_CHARS = 16  # shorter answers: little to gain, more chances to match the wrong text
+
+
+class AnswerTokens:
+    """Recent answers' generated tokens by their text, LRU under `max_tokens`."""
+
+    def __init__(self, max_tokens: int = 4_000_000):
+        self.max_tokens = max_tokens
+        self._by_text: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._tokens = 0
+        self.spliced_tokens = 0  # answer tokens put back in prompts, for tests and logs
+
+    @staticmethod
+    def _key(text: str) -> bytes:
+        return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+    def remember(self, text: str, tokens: Sequence[int]) -> None:
+        """`tokens` (no end-of-sequence token) were generated as `text`, exactly."""
+        if len(text) < MIN_CHARS or not tokens or len(tokens) > self.max_tokens:
+            return
+        key = self._key(text)
+        old = self._by_text.pop(key, None)
+        if old is not None:
+            self._tokens -= len(old)
+        self._by_text[key] = np.asarray(tokens, dtype=np.int32)
+        self._tokens += len(tokens)
+        while self._tokens > self.max_tokens:
+            _, dropped = self._by_text.popitem(last=False)
+            self._tokens -= len(dropped)
+
+    def get(self, text: str) -> np.ndarray | None:
+        tokens = self._by_text.get(self._key(text))
+        if tokens is not None:
+            self._by_text.move_to_end(self._key(text))
+        return tokens
+
+    def splice(self, tokenizer, messages: list[dict], tokens: list[int]) -> list[int]:
+        """`tokens` (the chat template's own tokenization of `messages`) with
+        every remembered assistant answer in its generated tokens; `tokens`
+        unchanged when there is none or the result would not be the same text."""
+        found = [(i, self.get(m["content"])) for i, m in enumerate(messages)
+                 if m["role"] == "assistant" and isinstance(m.get("content"), str) and len(m["content"]) >= MIN_CHARS]
+        if not any(ids is not None for _, ids in found):
+            return tokens
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        remembered = dict(found)
+        # Where each message's content sits in the rendered text: the template
+        # renders them in order, so each is searched after the one before; a
+        # message it transformed (not found verbatim) ends the search.
+        spans, pos = [], 0
+        for i, m in enumerate(messages):
+            content = m.get("content")
+            if not isinstance(content, str) or not content:
+                continue
+            at = text.find(content, pos)
+            if at < 0:
+                break
+            pos = at + len(content)
+            if remembered.get(i) is not None:
+                spans.append((at, pos, remembered[i]))
+        if not spans:
+            return tokens
+        out: list[int] = []
+        start = 0
+        for at, end, ids in spans:
+            out += _encode(tokenizer, text[start:at])
+            out += ids.tolist()
+            start = end
+        out += _encode(tokenizer, text[start:])
+        if out == tokens or tokenizer.decode(out) != tokenizer.decode(tokens):
+            return tokens
+        self.spliced_tokens += sum(len(ids) for _, _, ids in spans)
+        return out
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    # The rendered template already holds its special tokens as text (BOS included).
+    return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
