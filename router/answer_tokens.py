@@ -9,10 +9,17 @@ token after the first that differs is computed again on the next turn, and
 with it the rest of the conversation.
 
 The router remembers recent answers' tokens by their text (a digest, with a
-byte bound) and, when a chat's messages repeat such an answer as an
-assistant message, puts those tokens in its place. The spliced prompt is
-used only if it detokenizes to exactly the text of the template's own
-tokens: the model sees the same text, tokenized as it wrote it.
+token bound) and, when a chat's messages repeat such an answer as an
+assistant message, puts those tokens in its place; the text around it is
+tokenized piece by piece, each piece checked to give its text back. The
+model sees the same text, tokenized as it wrote it, with one exception: a
+chat answer's first token often carries a word-separating space that the
+client never saw (router/text_stream.py trims it); the prompt then has it
+again, as the model generated it.
+
+Texts are compared through the tokens' exact bytes (TokenBytes), as
+router/text_stream.py made the answer from them: `tokenizer.decode` may
+clean up spaces or differ on broken UTF-8.
 """
 
 from __future__ import annotations
@@ -23,13 +30,16 @@ from typing import Sequence
 
 import numpy as np
 
+from router.text_stream import TokenBytes
+
 MIN_CHARS = 16  # shorter answers: little to gain, more chances to match the wrong text
 
 
 class AnswerTokens:
     """Recent answers' generated tokens by their text, LRU under `max_tokens`."""
 
-    def __init__(self, max_tokens: int = 4_000_000):
+    def __init__(self, token_bytes: TokenBytes, max_tokens: int = 4_000_000):
+        self.token_bytes = token_bytes
         self.max_tokens = max_tokens
         self._by_text: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self._tokens = 0
@@ -39,10 +49,16 @@ class AnswerTokens:
     def _key(text: str) -> bytes:
         return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
+    def _text(self, tokens) -> str:
+        return b"".join(self.token_bytes(int(t)) for t in tokens).decode("utf-8", errors="replace")
+
     def remember(self, text: str, tokens: Sequence[int]) -> None:
-        """`tokens` (no end-of-sequence token) were generated as `text`, exactly."""
+        """`tokens` (no end-of-sequence token) were generated as `text` (the
+        client's text: its leading space may have been trimmed)."""
         if len(text) < MIN_CHARS or not tokens or len(tokens) > self.max_tokens:
             return
+        if self._text(tokens) not in (text, " " + text):
+            return  # not this text's tokens: nothing to put back
         key = self._key(text)
         old = self._by_text.pop(key, None)
         if old is not None:
@@ -87,17 +103,23 @@ class AnswerTokens:
             return tokens
         out: list[int] = []
         start = 0
-        for at, end, ids in spans:
-            out += _encode(tokenizer, text[start:at])
-            out += ids.tolist()
+        for at, end, ids in spans + [(len(text), len(text), None)]:
+            piece = self._encode(tokenizer, text[start:at])
+            if piece is None:
+                return tokens
+            out += piece
+            if ids is not None:
+                out += ids.tolist()
             start = end
-        out += _encode(tokenizer, text[start:])
-        if out == tokens or tokenizer.decode(out) != tokenizer.decode(tokens):
+        if out == tokens:
             return tokens
         self.spliced_tokens += sum(len(ids) for _, _, ids in spans)
         return out
 
-
-def _encode(tokenizer, text: str) -> list[int]:
-    # The rendered template already holds its special tokens as text (BOS included).
-    return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+    def _encode(self, tokenizer, text: str) -> list[int] | None:
+        """`text`'s tokens (the rendered template holds its special tokens,
+        BOS included, as text); None if they do not give `text` back."""
+        if not text:
+            return []
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        return ids if self._text(ids) == text else None

@@ -91,7 +91,7 @@ class _Api:
         self.settings = settings
         self.token_bytes = TokenBytes(tokenizer)  # shared: a cache over the vocabulary
         self.created = int(time.time())
-        self.answers = AnswerTokens()  # recent answers' tokens, for the next turn's prompt
+        self.answers = AnswerTokens(self.token_bytes)  # recent answers' tokens, for the next turn's prompt
         from router.vision_prompt import VisionPrompter
         from workers.model_store import is_vlm
 

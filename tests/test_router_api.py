@@ -600,14 +600,27 @@ def test_real_tokenizer_through_the_api(real_tokenizer):
     assert engine.requests[-1].sampling.stop_token_ids == sorted(real_tokenizer.eos_token_ids)
 
 
-def test_remembered_answers_are_bounded_by_tokens():
+def test_remembered_answers_are_bounded_by_tokens(tokenizer):
     from router.answer_tokens import AnswerTokens
 
-    answers = AnswerTokens(max_tokens=10)
-    texts = [f"answer number {i} is long enough" for i in range(3)]
-    for i, text in enumerate(texts):
-        answers.remember(text, [i] * 4)
+    texts = [f"the quick brown fox number {i}" for i in range(3)]
+    tokens = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    answers = AnswerTokens(TokenBytes(tokenizer), max_tokens=len(tokens[1]) + len(tokens[2]))
+    for text, ids in zip(texts, tokens):
+        answers.remember(text, ids)
     assert answers.get(texts[0]) is None  # the oldest went first
-    assert answers.get(texts[1]).tolist() == [1] * 4 and answers.get(texts[2]).tolist() == [2] * 4
-    answers.remember("short", [7])  # too short to be worth matching
-    assert answers.get("short") is None
+    assert answers.get(texts[1]).tolist() == tokens[1] and answers.get(texts[2]).tolist() == tokens[2]
+    answers.remember("short", tokenizer.encode("short", add_special_tokens=False))  # too short to be worth it
+    answers.remember("the lazy dog sat on the mat", tokens[0])  # not that text's tokens
+    assert answers.get("short") is None and answers.get("the lazy dog sat on the mat") is None
+
+
+def test_an_answer_whose_first_space_was_trimmed_comes_back_with_it(client, engine, tokenizer):
+    """A chat answer's leading space never reaches the client; the next
+    prompt holds the model's own first token, space and all."""
+    engine.say(" Hello world, the quick brown fox.")
+    answer = chat(client, "Hi").choices[0].message.content
+    assert answer == "Hello world, the quick brown fox."
+    _next_turn(client, "Hi", answer, "What?")
+    n = len(engine.requests[-2].prompt_tokens)
+    assert engine.requests[-1].prompt_tokens[n : n + len(engine.script)] == engine.script
