@@ -121,6 +121,7 @@ class _Row:
         k, v = self.view()
         self.keys, self.values = mx.contiguous(k), mx.contiguous(v)
         mx.eval(self.keys, self.values)
+        self.pool.occupants[self.slot] = None  # the pool no longer keeps this row (and its KV) alive
         self.pool, self.slot = None, -1
 
     def share(self, prefix: SharedKV, step: int = 256) -> None:
