@@ -354,7 +354,8 @@ def test_served_end_to_end(request, tmp_path_factory):
     running the encoder; a video_url part goes in as a video (frame pairs,
     "<t.t seconds>" blocks from its frames' times) and its answer equals
     mlx-vlm's for those frames with their VideoMetadata; a second turn about
-    it skips the encoder and reuses the prompt's KV."""
+    it skips the encoder and reuses the prompt's KV; the picture and the clip
+    in one message are answered as mlx-vlm answers them."""
     from mlx_vlm.utils import VideoMetadata
 
     from tests.server_harness import TandemServer
@@ -402,6 +403,14 @@ def test_served_end_to_end(request, tmp_path_factory):
     assert usage.prompt_tokens_details.cached_tokens >= 16
     assert counters(srv) == (4, 2)  # the video's features were not encoded again
     assert answer == text_reference(folder, form + follow, [], video=[frames], video_metadata=meta).lstrip(" ")
+
+    # The picture and the clip in one message, in that order: both from the
+    # embedding store, the answer mlx-vlm's for the two together.
+    both = [{"role": "user", "content": [image_part(data_url(image)), part, question]}]
+    answer, usage = ask(client, both)
+    assert counters(srv) == (6, 4)
+    assert answer == text_reference(folder, [{"role": "user", "content": [{"type": "image"}, {"type": "video"}, question]}],
+                                    [image], video=[frames], video_metadata=meta).lstrip(" ")
 
     from tests.test_e2e_vision import _refused
 
