@@ -70,21 +70,23 @@ class AnswerTokens:
             self._tokens -= len(dropped)
 
     def get(self, text: str) -> np.ndarray | None:
-        tokens = self._by_text.get(self._key(text))
+        key = self._key(text)
+        tokens = self._by_text.get(key)
         if tokens is not None:
-            self._by_text.move_to_end(self._key(text))
+            self._by_text.move_to_end(key)
         return tokens
 
-    def splice(self, tokenizer, messages: list[dict], tokens: list[int]) -> list[int]:
-        """`tokens` (the chat template's own tokenization of `messages`) with
-        every remembered assistant answer in its generated tokens; `tokens`
-        unchanged when there is none or the result would not be the same text."""
-        found = [(i, self.get(m["content"])) for i, m in enumerate(messages)
-                 if m["role"] == "assistant" and isinstance(m.get("content"), str) and len(m["content"]) >= MIN_CHARS]
-        if not any(ids is not None for _, ids in found):
-            return tokens
+    def splice(self, tokenizer, messages: list[dict]) -> list[int] | None:
+        """The chat template's prompt for `messages` with every remembered
+        assistant answer in its generated tokens; None when there is none or
+        the text around them does not tokenize back to itself (the caller
+        then tokenizes the template as usual)."""
+        remembered = {i: ids for i, m in enumerate(messages)
+                      if m["role"] == "assistant" and isinstance(m.get("content"), str)
+                      and len(m["content"]) >= MIN_CHARS and (ids := self.get(m["content"])) is not None}
+        if not remembered:
+            return None
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        remembered = dict(found)
         # Where each message's content sits in the rendered text: the template
         # renders them in order, so each is searched after the one before; a
         # message it transformed (not found verbatim) ends the search.
@@ -97,22 +99,20 @@ class AnswerTokens:
             if at < 0:
                 break
             pos = at + len(content)
-            if remembered.get(i) is not None:
+            if i in remembered:
                 spans.append((at, pos, remembered[i]))
         if not spans:
-            return tokens
+            return None
         out: list[int] = []
         start = 0
         for at, end, ids in spans + [(len(text), len(text), None)]:
             piece = self._encode(tokenizer, text[start:at])
             if piece is None:
-                return tokens
+                return None
             out += piece
             if ids is not None:
                 out += ids.tolist()
             start = end
-        if out == tokens:
-            return tokens
         self.spliced_tokens += sum(len(ids) for _, _, ids in spans)
         return out
 

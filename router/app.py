@@ -234,7 +234,8 @@ class Generation:
                 if event.token in self.eos:  # ends the text; not part of it
                     text, finish = self.text.flush(), "stop"
                 else:
-                    self._tokens.append(event.token)
+                    if self.answers is not None:
+                        self._tokens.append(event.token)
                     if event.logprob is not None:
                         pending.append(event.logprob)
                     text, finish = self.text.add(event.token), event.finish_reason
@@ -242,10 +243,10 @@ class Generation:
                         finish = "stop"
                     elif finish:
                         text += self.text.flush()
-                if self.answers is not None and text:
+                if self.answers is not None:
                     self._texts.append(text)
-                if finish and self.answers is not None and not self.text.stopped:
-                    self.answers.remember("".join(self._texts), self._tokens)
+                    if finish and not self.text.stopped:
+                        self.answers.remember("".join(self._texts), self._tokens)
                 if text or finish:
                     yield Piece(text, pending, finish)
                     pending = []

@@ -263,9 +263,9 @@ def parse_chat(body: dict, tokenizer, model_id: str, max_context: int, vision=No
         if vision is not None and any(isinstance(m["content"], list) for m in messages):
             tokens, images = vision[0].build(messages, vision[1])
         else:
-            tokens = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
-            if answers is not None:
-                tokens = answers.splice(tokenizer, messages, tokens)
+            tokens = answers.splice(tokenizer, messages) if answers is not None else None
+            if tokens is None:
+                tokens = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
     except (jinja2.TemplateError, ValueError) as exc:  # templates raise on e.g. misordered roles
         raise _invalid("messages", f"the model's chat template rejected them: {exc}")
     _require_tokens(tokens, "messages")

@@ -153,18 +153,9 @@ class PrefillJob:
         return prefix.store(self.tokens, self.result.cache, self.owner)
 
     def _finish(self) -> PrefillResult:
-        sampler, processors = build_sampling(self.sampling, draws_done=0)
         logits = self.engine.model(self.prompt[None, -1:], cache=self.cache)[:, -1, :]
-        for proc in processors:
-            logits = proc(self.prompt, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token = sampler(logprobs)
-        mx.eval(token, logprobs, [c.state for c in self.cache])
-        first = int(token.item())
+        first, lp = sample_first(logits, self.prompt, self.sampling, self.cache)
         self.processed = self.total
-        lp = None
-        if wants_logprobs(self.sampling):
-            lp = token_logprob(logprobs, first, self.sampling.top_logprobs)
         return PrefillResult(
             first_token=first,
             logprob=lp,
@@ -174,6 +165,21 @@ class PrefillJob:
             prefill_ms=0.0,
             cached_tokens=self.cached_tokens,
         )
+
+
+def sample_first(logits: mx.array, prompt: mx.array, sampling: SamplingParams, cache: list):
+    """The first token from the prompt's last logits [1, vocab], sampled as
+    decode samples (the request's processors over the whole prompt, its
+    sampler), evaluated with `cache`: (token id, TokenLogprob or None)."""
+    sampler, processors = build_sampling(sampling, draws_done=0)
+    for proc in processors:
+        logits = proc(prompt, logits)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    token = sampler(logprobs)
+    mx.eval(token, logprobs, [c.state for c in cache])
+    first = int(token.item())
+    lp = token_logprob(logprobs, first, sampling.top_logprobs) if wants_logprobs(sampling) else None
+    return first, lp
 
 
 class PrefillEngine:

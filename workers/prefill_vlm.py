@@ -38,8 +38,7 @@ from mlx_lm.generate import generation_stream
 
 from protos.messages import ImageInput, SamplingParams
 from workers.block_hash import image_block_extra
-from workers.prefill_mlx import PrefillResult
-from workers.sampling import build_sampling, token_logprob, wants_logprobs
+from workers.prefill_mlx import PrefillResult, sample_first
 
 
 class VLMPrefillJob:
@@ -62,7 +61,6 @@ class VLMPrefillJob:
         self.encoded = 0  # images run through the vision encoder
         self.skipped = 0  # images not encoded: inside the cached prefix, or their embeddings cached
         self.encode_s = 0.0
-        self.cached_tokens = 0
         self._saved = False
         self._dtype = None  # the encoder's output dtype (cached features are float32)
         self._compute_s = 0.0
@@ -82,8 +80,8 @@ class VLMPrefillJob:
     def step(self) -> Optional[PrefillResult]:
         """One unit of work; the result once the prompt is done. A call
         encodes at most one image (cached embeddings cost nothing) or runs one
-        chunk of the prompt (the first also loads the cached prefix); the last token runs in the same call as the
-        final chunk, as PrefillJob's. A worker thus drains its inbox (cancels,
+        chunk of the prompt (the first also loads the cached prefix); the last
+        token runs in the same call as the final chunk, as PrefillJob's. A worker thus drains its inbox (cancels,
         new requests, decode steps when colocated) between chunks of a long
         prompt with pictures, as it does for text."""
         if self.result is not None:
@@ -92,7 +90,6 @@ class VLMPrefillJob:
         with mx.stream(generation_stream):
             if self._cache is None:
                 self._cache, self._hit = self._load_prefix()
-                self.cached_tokens = self._hit
             encoded = False
             if self._embeds is None:
                 encoded = self._next_feature()
@@ -131,35 +128,29 @@ class VLMPrefillJob:
     def _chunk(self) -> None:
         """The next chunk of all but the last token; the last token and the
         first sampled one in the call that runs the final chunk."""
-        eng, n, hit = self.engine, len(self.tokens), self._hit
+        eng, n = self.engine, len(self.tokens)
         start = self._done
         end = min(start + self.chunk_size, n - 1)
         if self._snapshot_at > start:  # a chunk ends at the snapshot point
             end = min(end, self._snapshot_at)
         if end > start:
-            eng.prefill_chunk(self.tokens[start:end], self._embeds[:, start - hit : end - hit],
-                              None if self._positions is None else self._positions[..., start - hit : end - hit],
-                              self._cache)
+            eng.prefill_chunk(*self._inputs(start, end), self._cache)
             mx.eval([c.state for c in self._cache])
             self._done = end
             if end == self._snapshot_at:
                 self.snapshot = self.prefix.capture(self._cache, end)
         if self._done < n - 1:
             return
-        logits = eng.prefill_chunk(self.tokens[n - 1 :], self._embeds[:, n - 1 - hit :],
-                                   None if self._positions is None else self._positions[..., n - 1 - hit :],
-                                   self._cache).logits[:, -1]
-        sampler, processors = build_sampling(self.sampling, draws_done=0)
-        prompt = mx.array(self.tokens, dtype=mx.int32)
-        for proc in processors:
-            logits = proc(prompt, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token = sampler(logprobs)
-        mx.eval(token, logprobs, [c.state for c in self._cache])
-        first = int(token.item())
-        lp = token_logprob(logprobs, first, self.sampling.top_logprobs) if wants_logprobs(self.sampling) else None
+        logits = eng.prefill_chunk(*self._inputs(n - 1, n), self._cache).logits[:, -1]
+        first, lp = sample_first(logits, mx.array(self.tokens, dtype=mx.int32), self.sampling, self._cache)
         self._embeds = self._positions = None
-        self.result = PrefillResult(first, lp, self._cache, n, n + int(self._delta), 0.0, hit)
+        self.result = PrefillResult(first, lp, self._cache, n, n + int(self._delta), 0.0, self._hit)
+
+    def _inputs(self, start: int, end: int):
+        """Prompt positions [start, end): tokens, input embeddings, M-RoPE positions (or None)."""
+        s, e = start - self._hit, end - self._hit  # the embeddings start at the cached length
+        return (self.tokens[start:end], self._embeds[:, s:e],
+                None if self._positions is None else self._positions[..., s:e])
 
     def _load_prefix(self) -> tuple[list, int]:
         n, prefix = len(self.tokens), self.prefix
