@@ -1,13 +1,15 @@
 """Decode step cost with long contexts: mlx-lm's padded BatchKVCache, Tandem's
 padded batch that drops rows by contiguous copies (workers/batch_cache.py: what
 decode workers use on a GPU) and Tandem's ragged rows (workers/ragged_kv.py: on
-the CPU), with and without a shared prompt prefix.
+the CPU), with and without a shared prompt prefix. Tandem's modes run through
+workers/decode.py's DecodeEngine, as a decode worker does; "batch" is mlx-lm's
+BatchGenerator.
 
 A swarm keeps a decode batch of long contexts whose rows come and go every few
 steps. This measures, on the embedded model and random KV of the given
 lengths, in one process:
   * a steady decode step of B rows;
-  * a row joining (insert + the step it joins in) and a row leaving (remove + a step);
+  * a row joining (add + the step it joins in) and a row leaving (remove + a step);
   * with `--shared N`, every row's first N tokens identical (a system prompt),
     which ragged rows hold and read once.
 
@@ -25,10 +27,11 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from workers import mlx_hooks, ragged_kv
+from protos.messages import DecodeRequest, KVHandoff, SamplingParams
+from workers import ragged_kv
+from workers.decode import DecodeEngine
 from workers.loading import load_model, size_buffer_cache
 from workers.model_store import resolve_model
-from workers.vision import ShiftedKVCache
 
 
 def filled_cache(model, length: int, shared, seed: int):
@@ -50,53 +53,83 @@ def filled_cache(model, length: int, shared, seed: int):
     return cache
 
 
+class _MlxLmBatch:
+    """mlx-lm's own BatchGenerator and padded BatchKVCache (mode "batch"):
+    a newcomer goes through its prompt phase, a forward pass of its own."""
+
+    def __init__(self, model, rows: int):
+        self.gen = BatchGenerator(model, completion_batch_size=rows + 8, prefill_batch_size=rows + 8)
+        self.uid_of = {}
+
+    def add(self, key, tokens, cache):
+        (self.uid_of[key],) = self.gen.insert([[5]], max_tokens=[100_000], caches=[cache])
+
+    def step(self):
+        self.gen.next_generated()
+
+    def remove(self, key):
+        self.gen.remove([self.uid_of.pop(key)])
+
+
+class _TandemBatch:
+    """workers/decode.py's DecodeEngine (modes "runs", "ragged", "ragged+shared"),
+    fed as the decode worker feeds it."""
+
+    def __init__(self, model, rows: int, ragged: bool):
+        self.engine = DecodeEngine(model, max_batch=rows + 8, ragged=ragged)
+        if self.engine.sharing is not None:
+            self.engine.sharing = ragged_kv.PrefixSharing(min_tokens=1)
+
+    def add(self, key, tokens, cache):
+        n = len(tokens)
+        self.engine.add(DecodeRequest(key, tokens, 5, KVHandoff(key, n, n), SamplingParams(max_tokens=100_000, temperature=0.0)), cache)
+
+    def step(self):
+        self.engine.step()
+
+    def remove(self, key):
+        self.engine.cancel(key, save=False)
+
+
 def run(mode: str, rows: int, context: int, shared_len: int, steps: int, spread: int = 37, model_dir=None) -> dict:
     model, _ = load_model(str(resolve_model(model_dir)))
     size_buffer_cache()  # as a worker sizes it
     ragged = mode.startswith("ragged")
-    if ragged:
-        mlx_hooks.install(model)
     shared = None
     if shared_len:
         base = filled_cache(model, shared_len, None, 999)
         shared = [(c.keys[..., :shared_len, :], c.values[..., :shared_len, :]) for c in base]
-    sharing = ragged_kv.PrefixSharing(min_tokens=1) if (ragged and shared_len) else None
-    prefix_tokens = list(range(shared_len))
+    if mode == "batch":
+        batch = _MlxLmBatch(model, rows)
+    else:
+        batch = _TandemBatch(model, rows, ragged)
 
-    def make(i: int, length: int):
-        cache = filled_cache(model, length, shared, i)
-        if mode == "runs":  # as workers/decode.py hands a request's KV to the batch
-            return ShiftedKVCache.of(cache, 0)
-        if not ragged:
-            return cache
-        cache = ragged_kv.rows_of(cache)
-        if sharing is not None:  # tokens: the shared prefix, then the row's own
-            sharing.admit(f"r{i}", prefix_tokens + [10_000 + i] * (length - shared_len), cache)
-        return cache
+    def row(i: int, length: int):
+        # tokens: the shared prefix, then the row's own (what prefix sharing matches)
+        tokens = list(range(shared_len)) + [10_000 + i] * (length - shared_len)
+        return f"r{i}", tokens, filled_cache(model, length, shared, i)
 
-    gen = BatchGenerator(model, completion_batch_size=rows + 8, prefill_batch_size=rows + 8)
     lengths = [context + spread * i for i in range(rows)]
-    uids = gen.insert([[5]] * rows, max_tokens=[100_000] * rows, caches=[make(i, n) for i, n in enumerate(lengths)])
-    gen.next_generated()
-    for _ in range(2):
-        gen.next_generated()
+    for i, n in enumerate(lengths):
+        batch.add(*row(i, n))
+    for _ in range(3):
+        batch.step()
     step_s = []
     for _ in range(steps):
         t = time.perf_counter()
-        gen.next_generated()
+        batch.step()
         step_s.append(time.perf_counter() - t)
     join_s, leave_s = [], []
     for k in range(3):
-        cache = make(rows + k, context + 200)
+        newcomer = row(rows + k, context + 200)
         t = time.perf_counter()
-        gen.insert([[5]], max_tokens=[100_000], caches=[cache])
-        gen.next_generated()
+        batch.add(*newcomer)
+        batch.step()
         join_s.append(time.perf_counter() - t)
         t = time.perf_counter()
-        gen.remove([uids[k]])
-        gen.next_generated()
+        batch.remove(f"r{k}")
+        batch.step()
         leave_s.append(time.perf_counter() - t)
-    gen.close()
     step = statistics.median(step_s)
     return {"mode": mode, "step_ms": step * 1000, "tok_s": rows / step,
             "join_ms": statistics.median(join_s) * 1000, "leave_ms": statistics.median(leave_s) * 1000}

@@ -65,10 +65,10 @@ def test_decode_batch_with_rows_coming_and_going_matches_mlx_lm(model, monkeypat
     monkeypatch.setattr(batch_cache, "_rows", lambda a, keep, trim: trims.append(trim) or rows(a, keep, trim))
 
     def observe(step, decode):
-        batch = decode._gen._generation_batch.prompt_cache
+        batch = decode._batch.prompt_cache
         if batch:
             classes.add(type(batch[0]))
-            sizes.append(len(decode._gen._generation_batch))
+            sizes.append(len(decode._batch))
 
     outs = drive(model, jobs, max_batch=8, ragged=False, observe=observe)
     assert classes == {RunsBatchKVCache}

@@ -205,6 +205,44 @@ def test_eight_requests_join_at_different_steps(model):
         assert outs[rid].tokens == reference(model, prompt, sp.max_tokens).tokens, rid
 
 
+@pytest.mark.parametrize("ragged", [True, False])
+def test_a_request_joins_the_next_step_without_a_forward_pass_of_its_own(model, monkeypatch, ragged):
+    """mlx-lm's BatchGenerator runs newcomers through the model alone before
+    merging them; here their first token rides in the batch's next step."""
+    forwards = []
+    call = type(model).__call__
+    monkeypatch.setattr(type(model), "__call__", lambda self, *a, **kw: forwards.append(a[0].shape) or call(self, *a, **kw))
+    prefill, decode = PrefillEngine(model, chunk_size=64), DecodeEngine(model, 4, ragged=ragged)
+    jobs = {rid: (prompt_of(n, 40 + i), greedy(12)) for i, (rid, n) in enumerate([("a", 9), ("b", 30), ("c", 5)])}
+    outs = {rid: [] for rid in jobs}
+
+    def add(rid):
+        prompt, sp = jobs[rid]
+        res = prefill.run(prompt, sp)
+        outs[rid].append(res.first_token)
+        decode.add(DecodeRequest(rid, prompt, res.first_token, KVHandoff(rid, res.num_tokens, res.rope_offset), sp),
+                   res.cache)
+
+    def step():
+        forwards.clear()
+        for u in decode.step():
+            outs[u.request_id].append(u.token)
+        return list(forwards)
+
+    add("a")
+    # A batch of newcomers alone: fed, then stepped again for their first decode token.
+    assert step() == [(1, 1), (1, 1)] and len(outs["a"]) == 2
+    add("b"), add("c")
+    # Two join a running row: one forward of all three, no pass of their own.
+    assert step() == [(3, 1)]
+    assert len(outs["a"]) == 3 and len(outs["b"]) == len(outs["c"]) == 1  # theirs was fed
+    assert step() == [(3, 1)] and len(outs["b"]) == len(outs["c"]) == 2
+    while decode.has_work:
+        step()
+    for rid, (prompt, sp) in jobs.items():
+        assert outs[rid] == reference(model, prompt, 12).tokens, rid
+
+
 def seeded(seed, **kw):
     return SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, top_k=100,
                           seed=seed, **kw)

@@ -134,7 +134,7 @@ def test_attention_that_bypasses_the_rows_is_caught(model):
 
 
 def _pool_of(decode):
-    batch = decode._gen._generation_batch.prompt_cache
+    batch = decode._batch.prompt_cache
     return batch[0].pool if batch and isinstance(batch[0], ragged_kv.RaggedKVCache) else None
 
 
@@ -195,7 +195,7 @@ def test_a_shared_row_outgrows_the_pool_by_its_own_tokens(model, monkeypatch):
     pooled = []
 
     def observe(step, decode):
-        batch = decode._gen._generation_batch.prompt_cache
+        batch = decode._batch.prompt_cache
         if batch:
             pooled.append(sorted(i for i, r in enumerate(batch[0].rows) if r.pool is not None))
 
@@ -212,7 +212,7 @@ def test_a_row_that_outgrows_the_pool_leaves_it_and_stays_exact(model, monkeypat
     own = []
 
     def observe(step, decode):
-        batch = decode._gen._generation_batch.prompt_cache
+        batch = decode._batch.prompt_cache
         if batch:
             own.append(sum(r.pool is None for r in batch[0].rows))
 

@@ -1,12 +1,19 @@
-"""Continuous-batching decode on MLX, a thin wrapper over mlx_lm's BatchGenerator.
+"""Continuous-batching decode on MLX, a thin wrapper over mlx_lm's GenerationBatch.
 
 A prefilled request arrives as (DecodeRequest, per-layer KV cache holding the
-whole prompt). It enters BatchGenerator with the one-token prompt
-[first_token] and that cache: the batch feeds first_token at the cache's
-position and samples from there, exactly what mlx_lm.generate does after its
-prompt phase. BatchGenerator handles joining at token boundaries (the cache is
-merged into the batch's left-padded BatchKVCache), per-request samplers and
-logits processors, stop tokens and max_tokens, and drops finished rows at once.
+whole prompt) and joins the running batch at a step boundary with first_token
+as its next input: the batch feeds first_token at the cache's position and
+samples from there, exactly what mlx_lm.generate does after its prompt phase.
+mlx-lm's GenerationBatch does the rest: per-request samplers and logits
+processors, stop tokens and max_tokens, the next step computed ahead, and
+finished rows dropped at once.
+
+Joining is ours (`_Joining`), not BatchGenerator's: BatchGenerator takes a
+new row through its prompt phase, which deep-copies the newcomers' KV
+(PromptProcessingBatch.split) and runs a forward pass of the newcomers alone
+before they are merged into the batch. Here newcomers are merged as they are
+and their first token is fed in the running batch's next step, with everyone
+else's: one forward pass per step, whoever joins.
 
 Contract with the caller (workers/runtime.py):
   * A request whose first token already finishes it (first token is a stop/EOS
@@ -34,7 +41,7 @@ happen in `commit_finished()`, which the worker calls right after sending
 the step's tokens (and `step()` calls first, so nothing waits past one step).
 
 Models whose cache is not plain attention KV (sliding window, recurrent) join
-the batch the same way: BatchGenerator merges RotatingKVCache into a
+the batch the same way: their layers' merge turns RotatingKVCache into a
 BatchRotatingKVCache and ArraysCache into a batched ArraysCache. Their prefix
 cache is a snapshot cache, and decode commits nothing to it: the state at the
 end of an answer sits at no block boundary, and neither a window nor a
@@ -50,8 +57,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Tuple
 
-from mlx_lm.generate import BatchGenerator, StopSequences
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch, StopSequences, generation_stream
 from mlx_lm.models.cache import ArraysCache, CacheList
+from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from protos.messages import DecodeRequest, TokenUpdate
 from workers import mlx_hooks, ragged_kv
@@ -71,6 +80,9 @@ class _Live:
     # The KV's tokens are known exactly (prompt_tokens == the handed-off KV),
     # so its blocks may be committed to the prefix cache.
     cacheable: bool = False
+    # Joined and not stepped yet: the batch's next response for it is its
+    # first token, which prefill already reported.
+    fresh: bool = True
 
 
 @dataclass
@@ -103,17 +115,13 @@ class DecodeEngine:
         self.prefix = prefix if getattr(prefix, "kind", "blocks") == "blocks" else None
         # Ended requests whose KV is still to be committed: (request id, tokens, cache).
         self._to_commit: List[Tuple[str, List[int], list]] = []
-        # Prompts are one token, so BatchGenerator's own prompt phase does no
-        # real work; admission (max_batch) is ours, so it never queues.
-        self._gen = BatchGenerator(
-            model,
-            sampler=GREEDY_SAMPLER,
-            completion_batch_size=max_batch,
-            prefill_batch_size=max_batch,
-        )
+        self._batch = GenerationBatch.empty(model, GREEDY_SAMPLER)
+        self._next_uid = 0
         self._queue: deque[_Queued] = deque()  # admitted later, at a step boundary
-        self._live: Dict[int, _Live] = {}  # BatchGenerator uid -> request
+        self._live: Dict[int, _Live] = {}  # batch uid -> request
         self._uid_of: Dict[str, int] = {}  # request_id -> uid
+        # As mlx-lm's BatchGenerator does: keep the model wired (Metal only).
+        self._old_wired_limit = maybe_set_recommended_wired_limit()
 
     # ------------------------------------------------------------------ state
     @property
@@ -135,7 +143,7 @@ class DecodeEngine:
     def kv_bytes(self) -> int:
         """Bytes of KV held for live and waiting requests (allocated buffers)."""
         queued = sum(c.nbytes for q in self._queue for c in q.cache)
-        return self._gen.prompt_cache_nbytes + queued
+        return sum(c.nbytes for c in self._batch.prompt_cache) + queued
 
     def request_ids(self) -> List[str]:
         """Ids of every request held (running, then waiting); a copy, safe to
@@ -181,12 +189,12 @@ class DecodeEngine:
             if self.sharing is not None:
                 self.sharing.leave(request_id)
             keep = save and live.cacheable and self.prefix is not None
-            # remove() filters the batch: its KV rows are gone; extracted
-            # first (lazily, a copy only if committed) when we keep them.
-            extracted = self._gen.remove([uid], return_prompt_caches=keep)
-            if keep and uid in extracted:
-                cache, tokens = extracted[uid]
-                self._to_commit.append((request_id, list(tokens), cache))
+            # The filter drops its KV rows; extracted first (lazily, a copy
+            # only if committed) when we keep them.
+            i = self._batch.uids.index(uid)
+            if keep:
+                self._to_commit.append((request_id, list(self._batch.tokens[i]), self._batch.extract_cache(i)))
+            self._batch.filter([j for j in range(len(self._batch.uids)) if j != i])
             return True
         for q in self._queue:
             if q.request.request_id == request_id:
@@ -200,13 +208,21 @@ class DecodeEngine:
         self._admit()
         if not self._live:
             return []
-        # next_generated keeps stepping while only newcomers are being set up,
-        # so a step on a batch of newcomers alone still yields their tokens.
-        responses = self._gen.next_generated()
+        with mx.stream(generation_stream):
+            responses = self._batch.next()
+            # A batch of newcomers alone steps again, so that a step yields
+            # their first decode tokens (as a step always did).
+            if responses and all(self._live[r.uid].fresh for r in responses):
+                for r in responses:
+                    self._live[r.uid].fresh = False
+                responses = self._batch.next()
         updates = []
         for r in responses:
             live = self._live.get(r.uid)
             if live is None:  # cancelled between steps; nothing to report
+                continue
+            if live.fresh:  # its first token: prefill reported it
+                live.fresh = False
                 continue
             lp = None
             if live.logprobs:
@@ -240,27 +256,29 @@ class DecodeEngine:
         return blocks
 
     def close(self) -> None:
-        self._gen.close()
+        if self._old_wired_limit is not None:
+            mx.synchronize(generation_stream)
+            mx.set_wired_limit(self._old_wired_limit)
+            self._old_wired_limit = None
 
     # --------------------------------------------------------------- internal
     def _admit(self) -> None:
-        while self._queue and len(self._live) < self.max_batch:
-            q = self._queue.popleft()
-            req, sp = q.request, q.request.sampling
+        joining: List[_Queued] = []
+        while self._queue and len(self._live) + len(joining) < self.max_batch:
+            joining.append(self._queue.popleft())
+        if not joining:
+            return
+        uids = list(range(self._next_uid, self._next_uid + len(joining)))
+        self._next_uid += len(joining)
+        samplers, processors = [], []
+        for q in joining:
             # draws_done: prefill already drew `generated` tokens from a seeded
             # stream; continue it rather than replay it.
-            sampler, processors = build_sampling(sp, draws_done=request_draws(req))
-            (uid,) = self._gen.insert(
-                [[int(req.first_token)]],
-                max_tokens=[sp.max_tokens - req.generated],
-                caches=[q.cache],
-                # Context for penalties; BatchGenerator appends first_token
-                # itself when it feeds it, matching generate_step's context.
-                all_tokens=[[int(t) for t in req.prompt_tokens]],
-                samplers=[sampler],
-                logits_processors=[processors],
-                stop_sequences=[StopSequences([[t] for t in q.stop_ids])],
-            )
+            sampler, procs = build_sampling(q.request.sampling, draws_done=request_draws(q.request))
+            samplers.append(sampler)
+            processors.append(procs)
+        for uid, q in zip(uids, joining):
+            req, sp = q.request, q.request.sampling
             # Blocks are keyed by tokens here; a prompt with images needs its
             # images' hashes in the keys too, so its KV is not committed (yet).
             cacheable = len(req.prompt_tokens) == req.handoff.num_tokens and not req.media
@@ -269,6 +287,39 @@ class DecodeEngine:
             self._live[uid] = _Live(req.request_id, uid, wants_logprobs(sp),
                                     int(sp.top_logprobs), cacheable)
             self._uid_of[req.request_id] = uid
+        self._batch.extend(_Joining(
+            self.model, uids,
+            mx.array([int(q.request.first_token) for q in joining], dtype=mx.uint32),
+            _merge([q.cache for q in joining]),
+            # The KV's tokens; the batch appends first_token when it feeds it,
+            # and penalties see the same context as in generate_step.
+            [[int(t) for t in q.request.prompt_tokens] for q in joining],
+            samplers, GREEDY_SAMPLER, processors,
+            [StopSequences([[t] for t in q.stop_ids]) for q in joining],
+            # +1: the first response is first_token itself (dropped in step).
+            [q.request.sampling.max_tokens - q.request.generated + 1 for q in joining],
+        ))
+
+
+class _Joining(GenerationBatch):
+    """Newcomers to a running GenerationBatch, built without a step of their
+    own: their first input (first_token) is fed in the batch's next step,
+    which returns it as their first response (step() drops it, prefill
+    reported it) and samples their first decode token. Counting that
+    response is why their max_tokens carry one more."""
+
+    def _step(self):  # only GenerationBatch.__init__ calls it on this object
+        # The response's logprobs for first_token, never reported.
+        self._next_logprobs = [_NO_LOGPROBS] * len(self.uids)
+
+
+_NO_LOGPROBS = mx.zeros((1,))
+
+
+def _merge(caches: List[list]) -> list:
+    """Per-request caches -> per-layer batch caches (each layer's class merges,
+    as mlx-lm's BatchGenerator does)."""
+    return [type(layer[0]).merge(list(layer)) for layer in zip(*caches)]
 
 
 def request_draws(request: DecodeRequest) -> int:
