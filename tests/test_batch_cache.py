@@ -1,6 +1,8 @@
-"""The decode batch's KV with rows dropped by contiguous copies
-(workers/batch_cache.py): the same rows, offsets and padding as mlx-lm's
-gather, and the same tokens through BatchGenerator."""
+"""The decode batch's KV a GPU uses (workers/batch_cache.py): rows dropped by
+contiguous copies (RunsBatchKVCache: the same rows, offsets and padding as
+mlx-lm's gather), and rows that join and leave in place (SlotBatchKVCache:
+the same rows as mlx-lm's BatchKVCache, with only the rows that move
+copied); the same tokens as mlx-lm through the decode engine."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from workers import batch_cache
-from workers.batch_cache import RunsBatchKVCache, runs
+from workers.batch_cache import RunsBatchKVCache, SlotBatchKVCache, runs, swap_remove_order
 
 try:
     from tests.test_engines import drive, greedy, model, prompt_of, reference
@@ -51,18 +53,114 @@ def test_filter_equals_mlx_lms(keep):
     assert mx.array_equal(k1, k2)
 
 
-def test_decode_batch_with_rows_coming_and_going_matches_mlx_lm(model, monkeypatch):
+def test_swap_remove_order():
+    assert swap_remove_order([0, 2, 3, 4], 5) == [0, 4, 2, 3]
+    assert swap_remove_order([3, 4], 5) == [3, 4]
+    assert swap_remove_order([0, 1, 2], 5) == [0, 1, 2]
+    assert swap_remove_order([1, 4], 5) == [4, 1]
+
+
+def _rows_of(cache) -> list:
+    """Each row's KV without padding, its rope offset: what attention sees."""
+    offsets = cache.offset.tolist()
+    return [(cache.extract(i).keys, cache.extract(i).values, offsets[i]) for i in range(len(offsets))]
+
+
+def test_slot_batch_joins_and_leaves_like_mlx_lms_batch(monkeypatch):
+    """Rows join (shorter than the batch, then longer: every row moves right)
+    and leave (the last row takes the leaver's slot) through decode steps; each
+    row's KV and offset stay those of mlx-lm's BatchKVCache with its rows in
+    the same order, and the buffers grow only when they must."""
+    grows = []
+    grow = SlotBatchKVCache._grow
+    monkeypatch.setattr(SlotBatchKVCache, "_grow", lambda self, *a: grows.append(a) or grow(self, *a))
+    ours = SlotBatchKVCache.merge([row(n, i) for i, n in enumerate([5, 9, 3])])
+    theirs = BatchKVCache.merge([row(n, i) for i, n in enumerate([5, 9, 3])])
+    seed = [100]
+
+    def step():
+        new = mx.random.normal((len(ours._pads), 2, 1, 4), key=mx.random.key(seed[0]))
+        seed[0] += 1
+        k1, v1 = ours.update_and_fetch(new, new * 2)
+        k2, v2 = theirs.update_and_fetch(new, new * 2)
+        assert _same(ours, theirs)
+
+    def join(*lengths):
+        ours.extend(SlotBatchKVCache.merge([row(n, seed[0] + i) for i, n in enumerate(lengths)]))
+        theirs.extend(BatchKVCache.merge([row(n, seed[0] + i) for i, n in enumerate(lengths)]))
+        seed[0] += len(lengths)
+        assert _same(ours, theirs)
+
+    def leave(keep):
+        order = swap_remove_order(keep, len(ours._pads))
+        ours.filter(order)
+        theirs.filter(order)
+        assert _same(ours, theirs)
+
+    step()
+    join(4)  # a merged batch has no spare slots yet: it grows, with spares
+    assert len(grows) == 2 and ours.keys.shape[0] > 4
+    grows.clear()
+    join(2, 6)  # shorter than the batch: into spare slots
+    step()
+    assert grows == []
+    leave([0, 2, 3, 4])  # row 1 leaves, the last row takes its slot
+    step()
+    leave([1, 2, 3])  # the first row leaves
+    assert grows == []
+    join(30)  # longer than every row: all rows move right, with headroom
+    assert len(grows) == 1
+    join(31)  # within the headroom: no move
+    step()
+    assert len(grows) == 1
+    leave([0, 1, 2, 3])  # the last row leaves: nothing moves
+    step()
+    assert len(grows) == 1
+
+
+def _same(ours, theirs) -> bool:
+    a, b = _rows_of(ours), _rows_of(theirs)
+    return len(a) == len(b) and all(
+        mx.array_equal(k1, k2) and mx.array_equal(v1, v2) and o1 == o2 for (k1, v1, o1), (k2, v2, o2) in zip(a, b))
+
+
+def test_a_slot_batch_moves_only_the_rows_that_move():
+    """A leave copies the moved row, a join its own rows, a step its token:
+    never the whole batch (what mlx-lm's BatchKVCache copies each time)."""
+    batch = SlotBatchKVCache.merge([row(2000 + 10 * i, i) for i in range(8)])
+    grown = mx.ones((8, 2, 1, 4))
+    batch.update_and_fetch(grown, grown)  # room for `step` more positions
+    mx.eval(batch.keys, batch.values)
+    whole = batch.keys.nbytes + batch.values.nbytes
+    row_bytes = whole // batch.keys.shape[0]
+
+    def peak(fn) -> int:
+        mx.eval(batch.keys, batch.values, batch.offset, batch.left_padding)
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        fn()
+        mx.eval(batch.keys, batch.values, batch.offset, batch.left_padding)
+        return mx.get_peak_memory() - base
+
+    assert peak(lambda: batch.filter(swap_remove_order([0, 1, 3, 4, 5, 6, 7], 8))) < 2 * row_bytes
+    newcomer = SlotBatchKVCache.merge([row(1500, 99)])
+    mx.eval(newcomer.keys, newcomer.values)
+    assert peak(lambda: batch.extend(newcomer)) < row_bytes
+    token = mx.ones((8, 2, 1, 4))
+    assert peak(lambda: mx.eval(batch.update_and_fetch(token, token))) < row_bytes
+    assert whole > 8 * row_bytes - 1  # (the batch is far bigger than what moved)
+
+
+def test_decode_batch_with_rows_coming_and_going_matches_mlx_lm(model):
     """The padded batch a GPU decodes with, on this CPU: rows join at
-    different steps and leave in every position (first, middle, and the
-    longest, whose padding every other row then sheds); each request's
-    greedy tokens equal mlx-lm's generate_step alone."""
+    different steps (longer and shorter than the batch) and leave in every
+    position (first, middle, the longest); each request's greedy tokens
+    equal mlx-lm's generate_step alone."""
     lengths = [40, 9, 23, 61, 15, 33]
     joins = [0, 0, 1, 2, 4, 7]
     answers = [6, 14, 9, 3, 12, 8]  # the 61-token row leaves first
     jobs = [(f"r{i}", joins[i], prompt_of(n, 200 + i), greedy(answers[i])) for i, n in enumerate(lengths)]
-    classes, sizes, trims = set(), [], []
-    rows = batch_cache._rows
-    monkeypatch.setattr(batch_cache, "_rows", lambda a, keep, trim: trims.append(trim) or rows(a, keep, trim))
+    classes, sizes = set(), []
 
     def observe(step, decode):
         batch = decode._batch.prompt_cache
@@ -71,8 +169,7 @@ def test_decode_batch_with_rows_coming_and_going_matches_mlx_lm(model, monkeypat
             sizes.append(len(decode._batch))
 
     outs = drive(model, jobs, max_batch=8, ragged=False, observe=observe)
-    assert classes == {RunsBatchKVCache}
+    assert classes == {SlotBatchKVCache}
     assert max(sizes) >= 4 and len(set(sizes)) >= 3  # rows really came and went
-    assert any(trims)  # and once the longest left, the rest shed padding
     for rid, _, prompt, sp in jobs:
         assert outs[rid].tokens == reference(model, prompt, sp.max_tokens).tokens, rid

@@ -1,14 +1,20 @@
-"""mlx-lm's padded decode batch KV, with rows dropped by contiguous copies.
+"""mlx-lm's padded decode batch KV, made cheaper to join and leave.
 
-When a request leaves the batch, mlx-lm's BatchKVCache.filter keeps the
-other rows with a gather (`keys[indices]`), reads the kept rows' padding back
-from the device (waiting for the step in flight) and trims the shared padding
-as a view, which makes the next step's in-place token write copy the whole
-batch again. On an H100, 32 rows of 1.3-2.4k tokens (Qwen3-0.6B shape): a
-leave cost 45-60 ms plus up to 100 ms in the step after; copying the kept
-rows as runs of contiguous slices, trimmed as they are copied, costs ~25 ms
-and leaves the next step alone (BENCHMARKS.md, session 6). Everything else is
-mlx-lm's.
+The decode batch on a GPU (Metal or CUDA) is mlx-lm's left-padded
+BatchKVCache, which copies the whole batch whenever a row joins (pad and
+concatenate) or leaves (a gather, a read-back of the padding that waits for
+the step in flight, and a trimmed view that makes the next step's token
+write copy the whole batch again). In a swarm rows come and go about once a
+step.
+
+  * RunsBatchKVCache drops rows by copying the kept rows as runs of
+    contiguous slices, trimmed as they are copied, into fresh arrays
+    (session 6: a leave 45-77 -> 15-18 ms on an H100, 32 rows of 1.3-2.4k
+    tokens of Qwen3-0.6B). It is also the fallback for any reordering.
+  * SlotBatchKVCache (what decode batches use) keeps rows in slots of
+    buffers with room to spare: a joining row writes only its own KV, a
+    leaving row's slot takes the last row; the whole batch moves only when
+    a buffer grows (BENCHMARKS.md, session 8).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 from typing import List, Sequence, Tuple
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 
 class RunsBatchKVCache(BatchKVCache):
@@ -57,3 +63,150 @@ def _rows(a: mx.array, keep: Sequence[int], trim: int) -> mx.array:
     parts = [a[s:e, :, trim:, :] for s, e in runs(keep)]
     # One run is a view of `a`; `* 1` makes it an array of its own (exactly).
     return mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0] * 1
+
+
+class SlotBatchKVCache(RunsBatchKVCache):
+    """mlx-lm's padded batch KV, where rows join and leave in place.
+
+    Rows live in slots [0, n) of buffers with room for more rows and more
+    positions. Joining rows are written into the next free slots, ending at
+    the batch's write position like every row (their own KV is all that is
+    copied); a leaving row's slot takes the last row (one row copied;
+    workers/decode.py orders the batch's other state the same way,
+    `swap_remove_order`). mlx-lm's BatchKVCache copies the whole batch on
+    every join and leave (pad and concatenate; gather): on an H100, 32 rows
+    of ~2k tokens of Qwen3-0.6B, 10-15 ms each, about once a decode step in a
+    swarm. Here the whole batch moves only when a buffer grows: more rows
+    than slots (`spare_rows` more each time), every `step` positions (as
+    mlx-lm), and a newcomer longer than the batch's write position, when
+    every row moves right with `headroom` positions to spare so that the next
+    few longer newcomers fit. The left padding every row shares (read by
+    attention, never used) is trimmed only once it exceeds `max_shared_padding`.
+
+    Each row's padding is also kept on the host (`_pads`): reading the
+    device's copy would wait for the decode step in flight.
+    """
+
+    spare_rows = 8
+    headroom = 128
+    max_shared_padding = 512
+
+    @classmethod
+    def merge(cls, caches):
+        batch = super().merge(caches)
+        batch._pads = [batch._idx - c.size() for c in caches]
+        return batch
+
+    def _n(self) -> int:
+        return len(self._pads)
+
+    def update_and_fetch(self, keys, values):
+        t = keys.shape[2]
+        if self.keys is None:  # (decode batches start filled; for completeness)
+            self._pads = [0] * keys.shape[0]
+            self.keys, self.values = mx.zeros((0,) + keys.shape[1:], keys.dtype), mx.zeros((0,) + values.shape[1:], values.dtype)
+            self._grow(keys.shape[0], t)
+        elif self._idx + t > self.keys.shape[2]:
+            self._grow(self._n(), self._idx + t)
+        prev, n = self._idx, self._n()
+        self.offset = self.offset + t
+        self._idx += t
+        self.keys[:n, :, prev : self._idx, :] = keys
+        self.values[:n, :, prev : self._idx, :] = values
+        return self.keys_and_values()
+
+    def keys_and_values(self):
+        n = self._n()
+        return self.keys[:n, :, : self._idx, :], self.values[:n, :, : self._idx, :]
+
+    def extend(self, other):
+        """Newcomers (a merged batch of them) into the next free slots."""
+        n, m = self._n(), other.left_padding.shape[0]
+        pads = list(getattr(other, "_pads", None) or other.left_padding.tolist())
+        if other._idx > self._idx:  # longer than every row's end: all rows move right
+            shift = other._idx - self._idx + self.headroom
+            self._grow(n + m, self._idx + shift, shift)
+        elif n + m > self.keys.shape[0]:
+            self._grow(n + m, self._idx)
+        d = self._idx - other._idx
+        self.keys[n : n + m, :, d : self._idx, :] = other.keys[:m, :, : other._idx, :]
+        self.values[n : n + m, :, d : self._idx, :] = other.values[:m, :, : other._idx, :]
+        self._pads = self._pads + [p + d for p in pads]
+        self.left_padding = mx.concatenate([self.left_padding, other.left_padding + d])
+        self.offset = mx.concatenate([self.offset, other.offset])
+
+    def filter(self, batch_indices):
+        """Keep rows `batch_indices`, in that order: in place when the order
+        only moves rows from past its end into the slots of rows that left
+        (swap_remove_order's), else as RunsBatchKVCache does."""
+        order = [int(i) for i in (batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices)]
+        pads = [self._pads[i] for i in order]
+        moves = [(i, j) for i, j in enumerate(order) if i != j]
+        if any(j < len(order) for _, j in moves):
+            super().filter(order)  # fresh, trimmed buffers of exactly these rows
+            self._pads = [p - min(pads) for p in pads]
+            return
+        if moves:
+            # Each moved row as an array of its own, evaluated first: a row
+            # written into the buffer it is read from makes MLX copy the
+            # whole buffer (the write cannot take it over while the read
+            # still holds it). This waits for the step in flight.
+            rows = [mx.contiguous(a[j, :, : self._idx, :]) for _, j in moves for a in (self.keys, self.values)]
+            mx.eval(rows)
+            for n, (i, _) in enumerate(moves):
+                self.keys[i, :, : self._idx, :] = rows[2 * n]
+                self.values[i, :, : self._idx, :] = rows[2 * n + 1]
+            del rows
+        index = mx.array(order)
+        self.offset = self.offset[index]
+        self.left_padding = self.left_padding[index]
+        self._pads = pads
+        if pads and min(pads) > self.max_shared_padding:
+            self._grow(len(pads), self._idx - min(pads), -min(pads))
+
+    def extract(self, idx):
+        cache = KVCache()
+        start = self._pads[idx]
+        cache.keys = mx.contiguous(self.keys[idx : idx + 1, :, start : self._idx])
+        cache.values = mx.contiguous(self.values[idx : idx + 1, :, start : self._idx])
+        cache.offset = cache.keys.shape[2]
+        return cache
+
+    def _grow(self, rows: int, length: int, shift: int = 0) -> None:
+        """New buffers with room for `rows` rows (`spare_rows` more when that
+        is more than now) and `length` positions (rounded up to `step`),
+        holding the live rows `shift` positions further right (left when
+        negative: their first -shift positions are dropped)."""
+        n, idx = self._n(), self._idx
+        if rows > self.keys.shape[0]:
+            rows += self.spare_rows
+        rows = max(rows, self.keys.shape[0])
+        length = -(-max(length, idx + shift, 1) // self.step) * self.step
+        lo = max(-shift, 0)
+
+        def grown(old):
+            new = mx.zeros((rows, old.shape[1], length, old.shape[3]), old.dtype)
+            if n and idx > lo:
+                new[:n, :, lo + shift : idx + shift, :] = old[:n, :, lo:idx, :]
+            return new
+
+        self.keys, self.values = grown(self.keys), grown(self.values)
+        self._idx = idx + shift
+        if shift:
+            self._pads = [p + shift for p in self._pads]
+            self.left_padding = self.left_padding + shift
+
+
+def swap_remove_order(keep: Sequence[int], n: int) -> List[int]:
+    """The rows `keep` (ascending) of a batch of `n`, reordered so that rows
+    past the new end fill the slots of the rows that left, and every other
+    row stays where it is: what SlotBatchKVCache.filter does in place."""
+    keep = sorted(int(i) for i in keep)
+    m = len(keep)
+    kept = set(keep)
+    holes = [i for i in range(m) if i not in kept]
+    tail = [j for j in keep if j >= m]
+    order = list(range(m))
+    for h, j in zip(holes, tail):
+        order[h] = j
+    return order

@@ -64,6 +64,7 @@ from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from protos.messages import DecodeRequest, TokenUpdate
 from workers import mlx_hooks, ragged_kv
+from workers.batch_cache import swap_remove_order
 from workers.loading import on_cpu
 from workers.sampling import GREEDY_SAMPLER, build_sampling, token_logprob, wants_logprobs
 from workers.vision import ShiftedKVCache
@@ -115,7 +116,7 @@ class DecodeEngine:
         self.prefix = prefix if getattr(prefix, "kind", "blocks") == "blocks" else None
         # Ended requests whose KV is still to be committed: (request id, tokens, cache).
         self._to_commit: List[Tuple[str, List[int], list]] = []
-        self._batch = GenerationBatch.empty(model, GREEDY_SAMPLER)
+        self._batch = _Batch.empty(model, GREEDY_SAMPLER)
         self._next_uid = 0
         self._queue: deque[_Queued] = deque()  # admitted later, at a step boundary
         self._live: Dict[int, _Live] = {}  # batch uid -> request
@@ -299,6 +300,15 @@ class DecodeEngine:
             # +1: the first response is first_token itself (dropped in step).
             [q.request.sampling.max_tokens - q.request.generated + 1 for q in joining],
         ))
+
+
+class _Batch(GenerationBatch):
+    """mlx-lm's GenerationBatch, whose rows leave by swap-remove: the last
+    rows take the slots of the rows that left, so a padded batch's KV
+    (workers/batch_cache.py SlotBatchKVCache) moves only those rows."""
+
+    def filter(self, keep: List[int]):
+        super().filter(swap_remove_order(keep, len(self.uids)))
 
 
 class _Joining(GenerationBatch):

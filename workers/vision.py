@@ -62,7 +62,7 @@ import numpy as np
 from mlx import nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from workers.batch_cache import RunsBatchKVCache
+from workers.batch_cache import SlotBatchKVCache
 from workers.model_store import ModelError
 
 
@@ -701,7 +701,7 @@ class ShiftedKVCache(KVCache):
 
     @classmethod
     def merge(cls, caches):
-        batch = RunsBatchKVCache.merge(caches)  # workers/batch_cache.py: cheaper leaves
+        batch = SlotBatchKVCache.merge(caches)  # workers/batch_cache.py: joins and leaves in place
         shifts = [getattr(c, "rope_shift", 0) for c in caches]
         if any(shifts):
             batch.offset = batch.offset + mx.array(shifts)
