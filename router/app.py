@@ -115,7 +115,7 @@ class _Api:
     async def _parse_vision_chat(self, body: dict) -> ParsedRequest:
         """Decode the request's images and videos (router/media.py: 400 naming
         the part on any refusal), then template and tokenize in a thread. A
-        video stays one video where the model takes video (Qwen3-VL), else it
+        video stays one video where the model takes video (Qwen-VL), else it
         becomes its frames, each an image."""
         from router.media import DecodedVideo, load_media_parts
 

@@ -7,11 +7,12 @@ the image takes (workers/vision.py's per-architecture `_Arch`, the same code
 the prefill worker runs), tokenizes as mlx-vlm does, and finds each image's
 run of placeholder tokens: the `ImageInput`s a PrefillRequest carries.
 
-An architecture that takes video (`native_video`: Qwen3-VL) gets a video
-part as one video: its grid from the frame count and size, the prompt's
-"<t.t seconds>" blocks from its frames' times (the same `_Arch` code), and
-one `ImageInput` of kind "video" spanning all its blocks. Others get a
-video's frames as images (router/app.py).
+An architecture that takes video (`native_video`: Qwen2.5-VL, Qwen3-VL)
+gets a video part as one video: its grid from the frame count and size, the
+prompt's blocks of video tokens (Qwen3-VL: one per frame pair, stamped
+"<t.t seconds>" from its frames' times; the same `_Arch` code), and one
+`ImageInput` of kind "video" spanning all its blocks. Others get a video's
+frames as images (router/app.py).
 """
 
 from __future__ import annotations
@@ -94,11 +95,12 @@ class VisionPrompter:
             raise MediaError(video.where, f"the model cannot take this video: {exc}") from None
 
     def _video_inputs(self, ids: list[int], videos: list, grids: list) -> list[ImageInput]:
-        """One ImageInput per video: its blocks (one run of video tokens per
-        frame pair) from the first through the last, in order."""
+        """One ImageInput per video: its blocks (runs of video tokens: one per
+        frame pair for Qwen3-VL, one in all for Qwen2.5-VL) from the first
+        through the last, in order."""
         runs, out = _runs(ids, self.video_token_id), []
         for video, batch in zip(videos, grids):
-            pairs = int(np.asarray(batch.extra["video_grid_thw"])[0][0])
+            pairs = self.arch.video_blocks(batch)
             mine, runs = runs[:pairs], runs[pairs:]
             n = batch.tokens_per_image[0]
             if len(mine) != pairs or sum(k for _, k in mine) != n or len({k for _, k in mine}) != 1:

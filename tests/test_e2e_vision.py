@@ -330,11 +330,11 @@ def test_colocated_worker_takes_images(request, tmp_path_factory, media_dir):
     assert answer == reference(folder, template_form(messages), [image]).lstrip(" ")
 
 
-def test_video_is_sampled_to_frames_sent_as_images(vlm_server, media_dir):
-    """A video_url part to a model without a video path of ours (Qwen2.5-VL,
-    Gemma 3): its sampled frames go to the model as images, in order (the
-    answer equals mlx-vlm's for those frames as images). Qwen3-VL takes it
-    as a video: tests/test_vision_qwen3vl.py."""
+def test_a_video_goes_in_as_a_video_or_as_its_frames(vlm_server, media_dir):
+    """A video_url part, sampled to frames by the router: Qwen2.5-VL takes it
+    as a video (the answer equals mlx-vlm's for that video); Gemma 3, which
+    has no video path, gets the frames as images, in order (the answer equals
+    mlx-vlm's for those frames as images). Qwen3-VL: tests/test_vision_qwen3vl.py."""
     from PIL import Image
 
     from router.media import MediaLimits, decode_video_bytes
@@ -347,5 +347,15 @@ def test_video_is_sampled_to_frames_sent_as_images(vlm_server, media_dir):
     part = {"type": "video_url", "video_url": {"url": f"file://{media_dir}/clip.mp4", "fps": 2.0, "max_frames": 2}}
     messages = [{"role": "user", "content": [part, text_part("What happens in this clip?")]}]
     got, _ = ask(client_for(vlm_server), messages)
+    if vlm_server.like == TINY_QWEN_VL:
+        want = [{"role": "user", "content": [{"type": "video"}, text_part("What happens in this clip?")]}]
+        assert got == reference(vlm_server.folder, want, [], video=[frames], fps=2.0).lstrip(" ")
+        # The same clip again with another question: its features come from the store.
+        queries, hits = counters(vlm_server)
+        messages[0]["content"][1] = want[0]["content"][1] = text_part("Who is in this clip?")
+        got, _ = ask(client_for(vlm_server), messages)
+        assert counters(vlm_server) == (queries + 1, hits + 1)
+        assert got == reference(vlm_server.folder, want, [], video=[frames], fps=2.0).lstrip(" ")
+        return
     want = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, text_part("What happens in this clip?")]}]
     assert got == reference(vlm_server.folder, want, frames).lstrip(" ")

@@ -445,3 +445,42 @@ def test_a_vision_worker_reads_only_the_tower_and_projector(like, tmp_path_facto
     assert loaded < rest + language // 10, (loaded, rest, language)
     features = engine.encode(engine.preprocess([synthetic_image(56, 56)]))
     assert features.shape[0] > 0
+
+
+@pytest.mark.parametrize("with_image", [False, True], ids=["video", "image then video"])
+def test_qwen25_video_matches_mlx_vlm_generate(qwen, with_image):
+    """Qwen2.5-VL takes a video as a video (mlx-vlm's processor): frames in
+    temporal pairs, one vision_start/end block of all its tokens; the prompt
+    is mlx-vlm's token for token, the greedy answer too."""
+    from mlx_vlm.generate.dispatch import stream_generate
+
+    from workers.vision import ImageBatch, decode_greedy, shift_rope
+
+    eng = qwen.engine
+    assert eng.native_video
+    frames = [synthetic_image(56, 84, s) for s in range(4)]
+    images = [synthetic_image(84, 56, 9)] if with_image else []
+    parts = ([{"type": "image"}] if with_image else []) + [{"type": "video"},
+                                                          {"type": "text", "text": "What happens in this clip?"}]
+    messages = [{"role": "user", "content": parts}]
+    video = eng.preprocess_video(frames, fps=2.0)
+    t, h, w = np.array(video.extra["video_grid_thw"])[0].tolist()
+    assert t == 2 and video.tokens_per_image == [t * h * w // 4]
+    sized = eng.sized_video(4, 56, 84, 2.0)
+    assert np.array(sized.extra["video_grid_thw"]).tolist() == [[t, h, w]]
+    batches = [eng.preprocess(images)] if with_image else []
+    ids = eng.prompt_tokens(messages, [n for b in batches for n in b.tokens_per_image], videos=[video])
+    video_id = eng.model.config.video_token_id
+    assert sum(1 for i in ids if i == video_id) == video.tokens_per_image[0]
+    batch = ImageBatch.join(batches + [video])  # prompt order: the image, then the video
+    features = mx.concatenate([eng.encode(b) for b in batches + [video]])
+    positions, delta = eng.rope_positions(ids, batch)
+    assert delta < 0  # a frame pair of h x w patches takes fewer positions than tokens
+    cache = eng.make_cache()
+    first = int(mx.argmax(eng.prefill(ids, eng.input_embeddings(ids, features, batch), positions, cache)).item())
+    got = [first] + decode_greedy(qwen.text_model, shift_rope(cache, delta), first, N_TOKENS - 1)
+    last = None
+    for last in stream_generate(qwen.vlm, qwen.vlm_processor, eng.prompt_text(messages), image=images or None,
+                                video=[frames], fps=2.0, max_tokens=N_TOKENS, temperature=0.0):
+        pass
+    assert_same(got, list(last.token_ids))

@@ -75,7 +75,7 @@ class ImageBatch:
     pixel_values: mx.array | None
     extra: dict[str, mx.array] = field(default_factory=dict)  # e.g. image_grid_thw
     tokens_per_image: list[int] = field(default_factory=list)
-    # A video's batch (VisionEngine.preprocess_video, Qwen3-VL): its frames'
+    # A video's batch (VisionEngine.preprocess_video, Qwen-VL): its frames'
     # sampling rate and, when known, each frame's seconds into the video, for
     # the prompt's timestamps; None for images.
     fps: float | None = None
@@ -203,7 +203,10 @@ def _split_expand(text: str, marker: str, expansions: Sequence[str]) -> str:
 
 class _QwenVL(_Arch):
     """Qwen2.5-VL: dynamic resolution, one <|image_pad|> per merged 2x2 patch
-    between <|vision_start|> and <|vision_end|>, M-RoPE positions."""
+    between <|vision_start|> and <|vision_end|>, M-RoPE positions. A video
+    is frame pairs in one block of <|video_pad|>, with mlx-vlm's positions:
+    one time step per pair (mlx-vlm's get_rope_index leaves out the model's
+    tokens_per_second scaling; we answer as mlx-vlm does)."""
 
     def placeholder(self, processor) -> str:
         return processor.image_token
@@ -230,9 +233,53 @@ class _QwenVL(_Arch):
         h, w = resolve(height, width)
         return {"image_grid_thw": mx.array([[1, h // ip.patch_size, w // ip.patch_size]], dtype=mx.int64)}
 
+    # Video (mlx-vlm's Qwen2.5-VL and Qwen3-VL processors share one numpy
+    # video processor, with their own patch sizes): frames in temporal pairs,
+    # one grid of t pairs, t * h * w / merge^2 video tokens.
+    native_video = True
+
+    def preprocess_video(self, processor, frames, fps, timestamps=None):
+        out = processor.video_processor(videos=[list(frames)])
+        grid = np.asarray(out["video_grid_thw"])
+        n = int(grid[0].prod()) // processor.video_processor.merge_size ** 2
+        return ImageBatch(mx.array(np.asarray(out["pixel_values_videos"])),
+                          {"video_grid_thw": mx.array(grid, dtype=mx.int64)}, [n], float(fps),
+                          _times(timestamps, len(frames)))
+
+    def video_for_size(self, processor, n_frames, height, width, fps, timestamps=None):
+        from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import _smart_resize_video
+
+        vp = processor.video_processor
+        # The sizing the video processor's _process_one does before resizing.
+        h, w = _smart_resize_video(n_frames, height, width, vp.temporal_patch_size, vp.patch_size * vp.merge_size,
+                                   vp.min_pixels, vp.max_pixels)
+        grid = [-(-n_frames // vp.temporal_patch_size), h // vp.patch_size, w // vp.patch_size]
+        return ImageBatch(None, {"video_grid_thw": mx.array([grid], dtype=mx.int64)},
+                          [int(np.prod(grid)) // vp.merge_size ** 2], float(fps), _times(timestamps, n_frames))
+
+    def video_blocks(self, video: ImageBatch) -> int:
+        """Runs of video tokens `expand_videos` writes for this video."""
+        return 1
+
+    def expand_videos(self, processor, text, videos):
+        """Qwen2.5-VL: one vision_start/end block of all the video's tokens
+        (mlx-vlm's processor; get_rope_index steps time once per frame pair)."""
+        # (Qwen2.5-VL's processor names no vision_start/end tokens; its
+        # chat template writes these.)
+        start = getattr(processor, "vision_start_token", "<|vision_start|>")
+        end = getattr(processor, "vision_end_token", "<|vision_end|>")
+        blocks = [start + processor.video_token * v.tokens_per_image[0] + end for v in videos]
+        return _split_expand(text, start + processor.video_token + end, blocks)
+
+    def visual_mask(self, model, input_ids):
+        """Where get_input_embeddings puts features: image and video tokens."""
+        cfg = model.config
+        return (input_ids == cfg.image_token_id) | (input_ids == cfg.video_token_id)
+
     def encode(self, model, pixel_values, extra):
         dtype = model.vision_tower.patch_embed.proj.weight.dtype
-        return model.vision_tower(pixel_values.astype(dtype), extra["image_grid_thw"], output_hidden_states=False)
+        grid = extra["image_grid_thw"] if "image_grid_thw" in extra else extra["video_grid_thw"]
+        return model.vision_tower(pixel_values.astype(dtype), grid, output_hidden_states=False)
 
     def merge_kwargs(self, extra):
         return {k: extra[k] for k in ("image_grid_thw", "video_grid_thw") if k in extra}
@@ -276,30 +323,12 @@ class _Qwen3VL(_QwenVL):
     def _hidden(self, model) -> int:
         return model.language_model.model.embed_tokens.weight.shape[-1]
 
-    # Video: frames in temporal pairs (one grid of t pairs); in the prompt
-    # each pair is "<t.t seconds>" then its own vision_start/end block of
-    # video tokens (get_rope_index treats each block as one frame). The
-    # timestamps and block layout are mlx-vlm's processor's own helpers.
-    native_video = True
-
-    def preprocess_video(self, processor, frames, fps, timestamps=None):
-        out = processor.video_processor(videos=[list(frames)])
-        grid = np.asarray(out["video_grid_thw"])
-        n = int(grid[0].prod()) // processor.video_processor.merge_size ** 2
-        return ImageBatch(mx.array(np.asarray(out["pixel_values_videos"])),
-                          {"video_grid_thw": mx.array(grid, dtype=mx.int64)}, [n], float(fps),
-                          _times(timestamps, len(frames)))
-
-    def video_for_size(self, processor, n_frames, height, width, fps, timestamps=None):
-        from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import _smart_resize_video
-
-        vp = processor.video_processor
-        # The sizing the video processor's _process_one does before resizing.
-        h, w = _smart_resize_video(n_frames, height, width, vp.temporal_patch_size, vp.patch_size * vp.merge_size,
-                                   vp.min_pixels, vp.max_pixels)
-        grid = [-(-n_frames // vp.temporal_patch_size), h // vp.patch_size, w // vp.patch_size]
-        return ImageBatch(None, {"video_grid_thw": mx.array([grid], dtype=mx.int64)},
-                          [int(np.prod(grid)) // vp.merge_size ** 2], float(fps), _times(timestamps, n_frames))
+    # Video: as Qwen2.5-VL's, but in the prompt each frame pair is
+    # "<t.t seconds>" then its own vision_start/end block of video tokens
+    # (get_rope_index treats each block as one frame). The timestamps and
+    # block layout are mlx-vlm's processor's own helpers.
+    def video_blocks(self, video):
+        return int(np.asarray(video.extra["video_grid_thw"])[0][0])  # one per frame pair
 
     def expand_videos(self, processor, text, videos):
         from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import (
@@ -339,11 +368,6 @@ class _Qwen3VL(_QwenVL):
         if features.shape[-1] == hidden:
             return features, None
         return features[:, :hidden], features[:, hidden:]
-
-    def visual_mask(self, model, input_ids):
-        """Where get_input_embeddings puts features: image and video tokens."""
-        cfg = model.config
-        return (input_ids == cfg.image_token_id) | (input_ids == cfg.video_token_id)
 
     def prefill_inputs(self, model, input_ids, embeddings):
         hidden = self._hidden(model)
@@ -485,14 +509,14 @@ class VisionEngine:
 
     @property
     def native_video(self) -> bool:
-        """Whether this architecture takes a video as a video (Qwen3-VL)."""
+        """Whether this architecture takes a video as a video (Qwen2.5-VL, Qwen3-VL)."""
         return self.arch.native_video
 
     def preprocess_video(self, frames: Sequence[Any], fps: float, timestamps: Sequence[float] | None = None
                          ) -> ImageBatch:
         """A video's frames (PIL images or HxWx3 uint8 arrays, sampled at `fps`;
         `timestamps`: each frame's seconds into the video, else k / fps) ->
-        one ImageBatch (Qwen3-VL: video_grid_thw; `encode` takes it like an
+        one ImageBatch (Qwen-VL: video_grid_thw; `encode` takes it like an
         image's). Architectures without a video path raise ModelError."""
         return self.arch.preprocess_video(self.processor, list(frames), fps, timestamps)
 
