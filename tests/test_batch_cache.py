@@ -7,6 +7,7 @@ copied); the same tokens as mlx-lm through the decode engine."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
@@ -149,6 +150,37 @@ def test_a_slot_batch_moves_only_the_rows_that_move():
     token = mx.ones((8, 2, 1, 4))
     assert peak(lambda: mx.eval(batch.update_and_fetch(token, token))) < row_bytes
     assert whole > 8 * row_bytes - 1  # (the batch is far bigger than what moved)
+
+
+def test_a_leave_can_leave_its_copies_to_the_next_step():
+    """With defer_moves (the decode batch's way), a leave queues its moved
+    rows' copies and hands them over (`moved`) instead of waiting for them;
+    once they are computed, as the decode batch does just before its next
+    step, the writes and the step still copy rows, never the whole batch,
+    and every row holds what it held."""
+    batch = SlotBatchKVCache.merge([row(1200 + 10 * i, i) for i in range(6)])
+    grown = mx.ones((6, 2, 1, 4))
+    batch.update_and_fetch(grown, grown)  # room for `step` more positions
+    mx.eval(batch.keys, batch.values)
+    row_bytes = (batch.keys.nbytes + batch.values.nbytes) // batch.keys.shape[0]
+    before = [batch.extract(i) for i in range(6)]  # views: copied to the host, then dropped
+    expect = [(np.array(c.keys), np.array(c.values)) for c in before]
+    del before
+    batch.defer_moves = True
+    batch.filter(swap_remove_order([1, 2, 3, 4, 5], 6))  # row 0 leaves, row 5 takes its slot
+    assert len(batch.moved) == 2  # its keys and values, queued, not waited for
+    mx.eval(batch.moved)
+    batch.moved = []
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    token = mx.ones((5, 2, 1, 4))
+    mx.eval(batch.update_and_fetch(token, token))
+    assert mx.get_peak_memory() - base < 2 * row_bytes
+    for slot, old in zip(range(5), [5, 1, 2, 3, 4]):
+        got = batch.extract(slot)
+        n = expect[old][0].shape[2]
+        assert np.array_equal(np.array(got.keys[:, :, :n]), expect[old][0]), (slot, old)
+        assert np.array_equal(np.array(got.values[:, :, :n]), expect[old][1]), (slot, old)
 
 
 def test_decode_batch_with_rows_coming_and_going_matches_mlx_lm(model):

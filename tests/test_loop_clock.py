@@ -57,3 +57,17 @@ def test_a_phase_that_raises_is_still_timed():
     except RuntimeError:
         pass
     assert clock.seconds["decode step"] == 2.0 and clock.counts["decode step"] == 1
+
+def test_parts_of_a_phase_are_reported_apart_and_not_added_twice():
+    now = FakeClock()
+    clock = LoopClock("worker w", interval_s=10.0, clock=now)
+    with clock.phase("decode step"):
+        with clock.part("barrier"):
+            now.t += 1.0
+        now.t += 2.0
+    with clock.phase("wait"):
+        now.t += 7.0
+    line = clock.maybe_report()
+    assert "decode step 3.00 s/1" in line and "barrier 1.00 s/1" in line
+    assert "other 0.00 s" in line  # the part is inside its phase, not extra time
+    assert line.index("other") < line.index("barrier")  # parts come after the phases

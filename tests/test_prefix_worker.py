@@ -457,6 +457,53 @@ def test_stop_commits_the_stop_token_too(model, tiny_dir):
     assert all(h in fake.blocks for h in prefix.hasher.hashes(held))
 
 
+@pytest.mark.parametrize("ragged", [False, True], ids=["padded", "ragged"])
+def test_an_ended_request_is_committed_while_the_next_step_runs(model, tiny_dir, ragged, monkeypatch):
+    """When a request ends its blocks are reserved at once, but written and
+    committed only once the batch's next step is queued (on a GPU the step
+    computes while the host copies), and its last token comes back from that
+    step() call, after the commit: the next turn finds the answer's blocks.
+    Greedy tokens equal mlx-lm's and every full block of each conversation
+    ends up in the cache. Fails if the commit runs before the next forward
+    (the previous order: the GPU idled through every commit)."""
+    fake = FakeCache()
+    prefix = prefix_for(model, tiny_dir, fake)
+    prompts = {"a": prompt_of(19, 31), "b": prompt_of(26, 32)}
+    answers = {"a": 6, "b": 13}
+    decode = DecodeEngine(model, max_batch=4, prefix=prefix, ragged=ragged)
+    firsts = {}
+    for rid, prompt in prompts.items():
+        res = PrefillEngine(model, chunk_size=16, prefix=prefix).run(prompt, greedy(answers[rid]), owner=rid)
+        firsts[rid] = res.first_token
+        decode.add(DecodeRequest(rid, prompt, res.first_token, KVHandoff(rid, res.num_tokens, res.rope_offset),
+                                 greedy(answers[rid])), res.cache)
+    events = []
+    forward = type(model).__call__
+    monkeypatch.setattr(type(model), "__call__",
+                        lambda self, *a, **k: (events.append(("forward",)), forward(self, *a, **k))[1])
+    for call in ("reserve", "commit"):
+        real = getattr(fake, call)
+        monkeypatch.setattr(fake, call, lambda hashes, *a, _real=real, _call=call, **k: (
+            events.append((_call, k.get("owner", a[-1] if a else None))), _real(hashes, *a, **k))[1])
+    tokens = {rid: [t] for rid, t in firsts.items()}
+    while decode.has_work:
+        out = decode.step()
+        for u in out:
+            tokens[u.request_id].append(u.token)
+        events.append(("returned",) + tuple(u.request_id for u in out if u.finish_reason))
+    for rid, prompt in prompts.items():
+        assert tokens[rid] == reference(model, prompt, answers[rid]), rid
+        assert all(h in fake.blocks for h in prefix.hasher.hashes(prompt + tokens[rid])), rid
+    # "a" ends while "b" decodes on: reserve, the next step's forward, the
+    # commit, then its last token.
+    reserve = events.index(("reserve", "a"))
+    commit = events.index(("commit", "a"))
+    returned = next(i for i, e in enumerate(events) if e[0] == "returned" and "a" in e[1:])
+    assert reserve < commit < returned
+    assert ("forward",) in events[reserve:commit]
+    assert all(e[0] != "returned" or "a" not in e[1:] for e in events[:commit])
+
+
 def test_cancel_commits_what_the_kv_holds(model, tiny_dir):
     fake = FakeCache()
     prefix = prefix_for(model, tiny_dir, fake)

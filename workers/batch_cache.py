@@ -90,6 +90,10 @@ class SlotBatchKVCache(RunsBatchKVCache):
     spare_rows = 8
     headroom = 128
     max_shared_padding = 512
+    # A leave's moved rows are computed by the owner before the buffers are
+    # next written (workers/decode.py), not here: see filter.
+    defer_moves = False
+    moved: List[mx.array] = []
 
     @classmethod
     def merge(cls, caches):
@@ -147,12 +151,18 @@ class SlotBatchKVCache(RunsBatchKVCache):
             self._pads = [p - min(pads) for p in pads]
             return
         if moves:
-            # Each moved row as an array of its own, evaluated first: a row
-            # written into the buffer it is read from makes MLX copy the
-            # whole buffer (the write cannot take it over while the read
-            # still holds it). This waits for the step in flight.
+            # Each moved row as an array of its own, computed before it is
+            # written back: a row written into the buffer it is read from
+            # makes MLX copy the whole buffer (the write cannot take the
+            # buffer over while the read still holds it). Computing the rows
+            # waits for the step in flight; with `defer_moves` the owner
+            # does that wait later (`moved`), just before its next step.
             rows = [mx.contiguous(a[j, :, : self._idx, :]) for _, j in moves for a in (self.keys, self.values)]
-            mx.eval(rows)
+            if self.defer_moves:
+                mx.async_eval(rows)
+                self.moved = self.moved + rows
+            else:
+                mx.eval(rows)
             for n, (i, _) in enumerate(moves):
                 self.keys[i, :, : self._idx, :] = rows[2 * n]
                 self.values[i, :, : self._idx, :] = rows[2 * n + 1]
@@ -165,10 +175,13 @@ class SlotBatchKVCache(RunsBatchKVCache):
             self._grow(len(pads), self._idx - min(pads), -min(pads))
 
     def extract(self, idx):
+        """Row `idx` as a KVCache over views of the batch's buffers (nothing
+        is copied): copy what you keep and drop the views before the batch's
+        next step, or that step's write copies the whole buffer (see filter)."""
         cache = KVCache()
         start = self._pads[idx]
-        cache.keys = mx.contiguous(self.keys[idx : idx + 1, :, start : self._idx])
-        cache.values = mx.contiguous(self.values[idx : idx + 1, :, start : self._idx])
+        cache.keys = self.keys[idx : idx + 1, :, start : self._idx]
+        cache.values = self.values[idx : idx + 1, :, start : self._idx]
         cache.offset = cache.keys.shape[2]
         return cache
 

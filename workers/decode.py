@@ -36,9 +36,18 @@ generated token including the last one: mlx-lm feeds each token through the
 model in the same step that returns it (it computes the next token's logits
 ahead), and its `all_tokens` / `GenerationBatch.tokens` list is kept equal to
 the tokens in the cache. Those tokens' full blocks are committed; the cache
-service skips the ones it has (the prompt's, stored by prefill). The writes
-happen in `commit_finished()`, which the worker calls right after sending
-the step's tokens (and `step()` calls first, so nothing waits past one step).
+service skips the ones it has (the prompt's, stored by prefill).
+
+A commit never leaves the GPU waiting on the host. When a request ends, its
+blocks are reserved and laid out as device copies (PrefixCache.prepare_store)
+that are computed behind the step in flight; the batch finishes them just
+before it queues its next step (`_Batch.barrier`, with the rows a leave
+moved), then writes them to the arena and commits them while that step runs
+(`_Batch.on_queued` -> `commit_finished`). Only then is the request's last
+token returned: a client (an agent) sends its next turn the moment it has
+the answer, and that turn must find the answer's blocks. The last token thus
+comes one step's queueing later than the others', and no other row waits
+for a host copy or a round trip to the cache service.
 
 Models whose cache is not plain attention KV (sliding window, recurrent) join
 the batch the same way: their layers' merge turns RotatingKVCache into a
@@ -51,11 +60,12 @@ previous turn's prompt snapshot (that prompt is a prefix of the next one).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, StopSequences, generation_stream
@@ -64,8 +74,9 @@ from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from protos.messages import DecodeRequest, TokenUpdate
 from workers import mlx_hooks, ragged_kv
-from workers.batch_cache import swap_remove_order
+from workers.batch_cache import SlotBatchKVCache, swap_remove_order
 from workers.loading import on_cpu
+from workers.prefix_cache import PreparedStore
 from workers.sampling import GREEDY_SAMPLER, build_sampling, token_logprob, wants_logprobs
 from workers.vision import ShiftedKVCache
 
@@ -114,8 +125,10 @@ class DecodeEngine:
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         # Only block caches take a finished conversation (see the module doc).
         self.prefix = prefix if getattr(prefix, "kind", "blocks") == "blocks" else None
-        # Ended requests whose KV is still to be committed: (request id, tokens, cache).
-        self._to_commit: List[Tuple[str, List[int], list]] = []
+        # Ended requests whose blocks are prepared and not yet written, with
+        # the last update to return once they are (None: a cancel).
+        self._to_commit: List[Tuple[PreparedStore, Optional[TokenUpdate]]] = []
+        self._committed: List[TokenUpdate] = []  # last updates whose blocks are written
         self._batch = _Batch.empty(model, GREEDY_SAMPLER)
         self._next_uid = 0
         self._queue: deque[_Queued] = deque()  # admitted later, at a step boundary
@@ -137,8 +150,9 @@ class DecodeEngine:
 
     @property
     def has_work(self) -> bool:
-        """Requests to step, or ended requests' KV still to commit."""
-        return bool(self._live or self._queue or self._to_commit)
+        """Requests to step, or ended requests' KV still to commit (or their
+        last tokens still to return)."""
+        return bool(self._live or self._queue or self._to_commit or self._committed)
 
     @property
     def kv_bytes(self) -> int:
@@ -189,12 +203,11 @@ class DecodeEngine:
             live = self._live.pop(uid)
             if self.sharing is not None:
                 self.sharing.leave(request_id)
-            keep = save and live.cacheable and self.prefix is not None
-            # The filter drops its KV rows; extracted first (lazily, a copy
-            # only if committed) when we keep them.
             i = self._batch.uids.index(uid)
-            if keep:
-                self._to_commit.append((request_id, list(self._batch.tokens[i]), self._batch.extract_cache(i)))
+            if save and live.cacheable and self.prefix is not None:
+                # Prepared before the filter drops its rows (nothing waits:
+                # the copies are computed before the next step is queued).
+                self._prepare_commit(live.request_id, self._batch.tokens[i], self._batch.extract_cache(i), None)
             self._batch.filter([j for j in range(len(self._batch.uids)) if j != i])
             return True
         for q in self._queue:
@@ -204,19 +217,26 @@ class DecodeEngine:
         return False
 
     def step(self) -> List[TokenUpdate]:
-        """Admit waiting requests, then run one decode step for the batch."""
-        self.commit_finished()  # leftovers of the last step, if the caller did not
-        self._admit()
+        """Admit waiting requests, then run one decode step for the batch.
+        Returns this step's tokens, then the last tokens of requests whose
+        blocks were committed meanwhile (see the module doc)."""
+        with _part(self.clock, "admit"):
+            self._admit()
         if not self._live:
-            return []
+            self.commit_finished()
+            return self._take_committed()
         with mx.stream(generation_stream):
-            responses = self._batch.next()
-            # A batch of newcomers alone steps again, so that a step yields
-            # their first decode tokens (as a step always did).
-            if responses and all(self._live[r.uid].fresh for r in responses):
-                for r in responses:
-                    self._live[r.uid].fresh = False
+            self._batch.on_queued = self.commit_finished
+            try:
                 responses = self._batch.next()
+                # A batch of newcomers alone steps again, so that a step yields
+                # their first decode tokens (as a step always did).
+                if responses and all(self._live[r.uid].fresh for r in responses):
+                    for r in responses:
+                        self._live[r.uid].fresh = False
+                    responses = self._batch.next()
+            finally:
+                self._batch.on_queued = None
         updates = []
         for r in responses:
             live = self._live.get(r.uid)
@@ -228,33 +248,79 @@ class DecodeEngine:
             lp = None
             if live.logprobs:
                 lp = token_logprob(r.logprobs, r.token, live.top_logprobs)
-            updates.append(TokenUpdate(live.request_id, int(r.token), lp, r.finish_reason))
+            update = TokenUpdate(live.request_id, int(r.token), lp, r.finish_reason)
             if r.finish_reason is not None:
                 del self._live[r.uid]
                 del self._uid_of[live.request_id]
                 if self.sharing is not None:
                     self.sharing.leave(live.request_id)
-                if self.prefix is not None and live.cacheable and r.prompt_cache:
-                    self._to_commit.append((live.request_id, list(r.all_tokens), r.prompt_cache))
-        return updates
+                if (self.prefix is not None and live.cacheable and r.prompt_cache
+                        and self._prepare_commit(live.request_id, r.all_tokens, r.prompt_cache, update)):
+                    continue  # returned once its blocks are written
+            updates.append(update)
+        return updates + self._take_committed()
 
     def commit_finished(self) -> int:
-        """Commit the KV blocks of requests that ended since the last call to
-        the prefix cache. Returns the blocks written."""
+        """Write and commit the blocks prepared for requests that ended (their
+        copies are computed by now in a decode loop, else waited for here).
+        Their last updates are returned by the next step(). Returns the
+        blocks written."""
         if not self._to_commit:
             return 0
         pending, self._to_commit = self._to_commit, []
         t0, blocks = time.perf_counter(), 0
-        for rid, tokens, cache in pending:
-            held = cache[0].offset if cache else 0
-            if len(tokens) != held:  # never hash tokens the KV does not hold
-                log.warning("request %s: %d tokens for %d cached positions; not committing its KV",
-                            rid, len(tokens), held)
-                continue
-            blocks += self.prefix.store(tokens, cache, rid)  # never raises: failures are logged
+        with _part(self.clock, "commit"):
+            mx.eval([a for prepared, _ in pending for a in prepared.arrays()])
+            for prepared, update in pending:
+                blocks += self.prefix.finish_store(prepared)  # never raises: failures are logged
+                if update is not None:
+                    self._committed.append(update)
         log.debug("decode prefix commit: %d requests, %d new blocks (%d bytes) in %.2f ms", len(pending),
                   blocks, blocks * self.prefix.layout.block_nbytes, (time.perf_counter() - t0) * 1000)
         return blocks
+
+    def _prepare_commit(self, request_id: str, tokens: List[int], cache: list,
+                        update: Optional[TokenUpdate]) -> bool:
+        """Reserve an ended request's blocks and queue their device copies
+        behind the step in flight; the batch finishes them before it queues
+        its next step, once nothing reads its buffers (they are written in
+        place again). False when there is nothing to commit."""
+        held = cache[0].offset if cache else 0
+        if len(tokens) != held:  # never hash tokens the KV does not hold
+            log.warning("request %s: %d tokens for %d cached positions; not committing its KV",
+                        request_id, len(tokens), held)
+            return False
+        with _part(self.clock, "prepare commit"):
+            prepared = self.prefix.prepare_store(list(tokens), cache, request_id)  # never raises
+        if prepared is None:
+            return False
+        arrays = prepared.arrays()
+        if arrays:
+            mx.async_eval(arrays)
+            self._batch.barrier = self._batch.barrier + arrays
+        self._to_commit.append((prepared, update))
+        return True
+
+    @property
+    def clock(self):
+        return self._batch.clock
+
+    @clock.setter
+    def clock(self, clock) -> None:
+        """A LoopClock to time the parts of a step in (the worker's)."""
+        self._batch.clock = clock
+
+    def abandon_commits(self) -> List[TokenUpdate]:
+        """The last updates held for commits, now, their commits dropped
+        (after a failed step: the batch is suspect)."""
+        held = [u for _, u in self._to_commit if u is not None] + self._committed
+        self._to_commit, self._committed = [], []
+        self._batch.barrier = []
+        return held
+
+    def _take_committed(self) -> List[TokenUpdate]:
+        done, self._committed = self._committed, []
+        return done
 
     def close(self) -> None:
         if self._old_wired_limit is not None:
@@ -303,12 +369,41 @@ class DecodeEngine:
 
 
 class _Batch(GenerationBatch):
-    """mlx-lm's GenerationBatch, whose rows leave by swap-remove: the last
-    rows take the slots of the rows that left, so a padded batch's KV
-    (workers/batch_cache.py SlotBatchKVCache) moves only those rows."""
+    """mlx-lm's GenerationBatch, made to keep the GPU busy between steps.
+
+    Rows leave by swap-remove: the last rows take the slots of the rows that
+    left, so a padded batch's KV (workers/batch_cache.py SlotBatchKVCache)
+    moves only those rows. The moved rows' copies, and the copies of ended
+    requests' blocks, are computed behind the step in flight and waited for
+    only just before the next step is queued (`barrier`): waiting earlier
+    left the GPU idle while the host did everything else between two steps.
+    `on_queued` runs host work (the commits) right after a step is queued,
+    while the GPU computes it."""
+
+    barrier: List[mx.array] = []
+    on_queued: Optional[Callable[[], object]] = None
+    clock = None  # the worker's LoopClock: parts of a step, timed
+
+    def _step(self):
+        if self.barrier:
+            with _part(self.clock, "barrier"):
+                mx.eval(self.barrier)  # the step in flight and the copies behind it
+            self.barrier = []
+        with _part(self.clock, "queue+tokens"):
+            out = super()._step()
+        if self.on_queued is not None:
+            self.on_queued()
+        return out
 
     def filter(self, keep: List[int]):
+        for c in self.prompt_cache:
+            if isinstance(c, SlotBatchKVCache):
+                c.defer_moves = True
         super().filter(swap_remove_order(keep, len(self.uids)))
+        for c in self.prompt_cache:
+            if getattr(c, "moved", None):
+                self.barrier = self.barrier + c.moved
+                c.moved = []
 
 
 class _Joining(GenerationBatch):
@@ -324,6 +419,10 @@ class _Joining(GenerationBatch):
 
 
 _NO_LOGPROBS = mx.zeros((1,))
+
+
+def _part(clock, name: str):
+    return clock.part(name) if clock is not None else contextlib.nullcontext()
 
 
 def _merge(caches: List[list]) -> list:

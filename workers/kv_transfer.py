@@ -355,22 +355,43 @@ def write_blocks(buf, offsets: Sequence[int], cache: Sequence, first_block: int,
     """
     if not offsets:
         return 0
+    arrays = blocks_for_write(cache, first_block, len(offsets), layout)
+    mx.eval(arrays)
+    return write_prepared_blocks(buf, offsets, arrays, range(len(offsets)), layout)
+
+
+def blocks_for_write(cache: Sequence, first_block: int, n: int, layout: KVLayout) -> List[mx.array]:
+    """Blocks first_block .. first_block+n-1 of `cache` as the (lazy) arrays
+    write_prepared_blocks copies from: on a GPU one packed (n, block
+    elements) array; on the CPU each layer's keys and values over those
+    tokens. Evaluating them is the only wait on the device, so a caller may
+    start it early and copy later (workers/decode.py does, between steps)."""
     bs = layout.block_size
-    start, end = first_block * bs, (first_block + len(offsets)) * bs
+    start, end = first_block * bs, (first_block + n) * bs
     if first_block < 0 or any(c.offset < end for c in cache):
         raise ValueError(f"cache holds {min(c.offset for c in cache)} tokens; blocks need "
                          f"tokens [{start}, {end})")
     if kv_layout(cache, bs) != layout:
         raise ValueError(f"cache layout {kv_layout(cache, bs)} is not the prefix cache's {layout}")
+    if _on_cpu():
+        return [a[..., start:end, :] for c in cache for a in (c.keys, c.values)]
+    return [_pack_blocks(cache, start, n, bs)]
+
+
+def write_prepared_blocks(buf, offsets: Sequence[int], arrays: Sequence[mx.array], indices: Sequence[int],
+                          layout: KVLayout) -> int:
+    """Copy blocks `indices` (counted from the first block of evaluated
+    `arrays`, blocks_for_write's) into `buf` at `offsets`, one per offset.
+    Returns the bytes written."""
+    if len(indices) != len(offsets):
+        raise ValueError(f"{len(indices)} blocks for {len(offsets)} offsets")
     mv = memoryview(buf).cast("B")
     try:
         if _on_cpu():
-            _write_strided(mv, offsets, cache, start, end, layout)
+            _write_strided(mv, offsets, arrays, indices, layout)
         else:
-            packed = _pack_blocks(cache, start, len(offsets), bs)
-            mx.eval(packed)
-            host = _as_numpy(packed)  # one transfer of exactly the blocks' bytes
-            for j, off in enumerate(offsets):
+            host = _as_numpy(arrays[0])  # one transfer of exactly the blocks' bytes
+            for j, off in zip(indices, offsets):
                 block = _block_view(mv, off, layout)
                 block[...] = host[j]  # contiguous -> contiguous
                 del block
@@ -387,14 +408,12 @@ def _on_cpu() -> bool:
     return mx.default_device().type == mx.DeviceType.cpu
 
 
-def _write_strided(mv, offsets, cache, start: int, end: int, layout: KVLayout) -> None:
+def _write_strided(mv, offsets, arrays, indices, layout: KVLayout) -> None:
     """CPU: one numpy copy per block and array, strided MLX memory -> block bytes."""
     bs = layout.block_size
-    arrays = [a[..., start:end, :] for c in cache for a in (c.keys, c.values)]
-    mx.eval(arrays)
     srcs = [_as_numpy(a)[0] for a in arrays]  # (heads, tokens, dim) views, no copy
     parts = list(_block_parts(layout))
-    for j, off in enumerate(offsets):
+    for j, off in zip(indices, offsets):
         block = _block_view(mv, off, layout)
         for src, (pos, count, shape) in zip(srcs, parts):
             block[pos:pos + count].reshape(shape)[...] = src[:, j * bs:(j + 1) * bs, :]

@@ -30,6 +30,7 @@ class LoopClock:
         self._start = clock()
         self.seconds: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
+        self.parts: dict[str, float] = defaultdict(float)  # inside phases: see part()
 
     @contextmanager
     def phase(self, name: str):
@@ -38,6 +39,18 @@ class LoopClock:
             yield
         finally:
             self.seconds[name] += self._clock() - t0
+            self.counts[name] += 1
+
+    @contextmanager
+    def part(self, name: str):
+        """Time a part of the phase in progress (a decode step's wait for the
+        step in flight, its commits): reported after the phases, not added
+        to them."""
+        t0 = self._clock()
+        try:
+            yield
+        finally:
+            self.parts[name] += self._clock() - t0
             self.counts[name] += 1
 
     def count(self, name: str, n: int = 1) -> None:
@@ -49,7 +62,8 @@ class LoopClock:
         busy = {k: v for k, v in self.seconds.items() if k != "wait"}
         parts = [f"{k} {v:.2f} s/{self.counts[k]}" for k, v in sorted(busy.items(), key=lambda kv: -kv[1])]
         other = max(elapsed - sum(self.seconds.values()), 0.0)
-        extra = [f"{k} {v}" for k, v in sorted(self.counts.items()) if k not in self.seconds]
+        extra = [f"{k} {v}" for k, v in sorted(self.counts.items()) if k not in self.seconds and k not in self.parts]
+        extra += [f"{k} {v:.2f} s/{self.counts[k]}" for k, v in sorted(self.parts.items(), key=lambda kv: -kv[1])]
         return (f"{self.name} loop, last {elapsed:.1f} s: " + ", ".join(parts)
                 + f", wait {self.seconds.get('wait', 0.0):.2f} s, other {other:.2f} s"
                 + (f" ({', '.join(extra)})" if extra else ""))
@@ -65,4 +79,5 @@ class LoopClock:
         self._start = self._clock()
         self.seconds.clear()
         self.counts.clear()
+        self.parts.clear()
         return line

@@ -27,8 +27,8 @@ from cache_service.client import CacheUnavailable
 from workers.block_hash import BlockHasher, block_extra, model_fingerprint
 from workers.hot_blocks import HotBlocks, block_of, caches_of, concat_blocks, stacked_of_cache
 from workers.kv_transfer import (KVLayout, Snapshot, cache_dtype_name, capture_snapshot, probe_kv_layout,
-                                 read_blocks, read_blocks_stacked, read_snapshot, unblockable_reason, write_blocks,
-                                 write_snapshot)
+                                 blocks_for_write, read_blocks, read_blocks_stacked, read_snapshot, unblockable_reason,
+                                 write_prepared_blocks, write_snapshot)
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class PrefixCache(_ServiceUser):
 
     fetch: hashes -> lookup (leased) -> read_blocks -> release at once.
     store: hashes -> reserve (the service names the blocks it lacks) ->
-           write_blocks -> commit.
+           the arena copy (prepare_store, finish_store) -> commit.
 
     Prefix caching is an optimisation, so nothing here fails a request: every
     failure is logged and means "nothing reused" or "nothing stored". After
@@ -311,75 +311,131 @@ class PrefixCache(_ServiceUser):
         cache service lacks. `tokens` must be exactly the tokens whose KV the
         cache holds, from position 0 (a wrong token here would poison the
         cache for every later request). Returns the blocks written."""
+        prepared = self.prepare_store(tokens, cache, owner, per_block)
+        if prepared is None:
+            return 0
+        mx.eval(prepared.arrays())
+        return self.finish_store(prepared)
+
+    def prepare_store(self, tokens: Sequence[int], cache: Sequence, owner: str,
+                      per_block=None) -> Optional["PreparedStore"]:
+        """store()'s first half: reserve the blocks the service lacks and lay
+        out their KV (and the blocks the hot tier lacks) as device copies,
+        lazily. Evaluate `arrays()`, then finish_store() writes and commits:
+        the decode worker evaluates while its next step is queued and writes
+        while that step runs, so the GPU never waits on the host's copy.
+        Once prepared, `cache` may be dropped (and its batch's buffers
+        written in place again). None when there is nothing to do or the
+        call failed (logged: an optimisation never fails the request)."""
         try:
-            return self._store(tokens, cache, owner, per_block)
-        except Exception:  # noqa: BLE001 - an optimisation never fails the request
+            return self._prepare_store(tokens, cache, owner, per_block)
+        except Exception:  # noqa: BLE001
             self.stats.failures += 1
             log.warning("prefix store for %s failed", owner, exc_info=True)
-            return 0
+            return None
 
-    def _store(self, tokens, cache, owner, per_block=None):
+    def _prepare_store(self, tokens, cache, owner, per_block=None):
         held = min(min(c.offset for c in cache), len(tokens))
         hashes = self.hasher.hashes(tokens, held // self.block_size, per_block)
-        self._keep_cache(hashes, cache)
-        if not hashes or not self._available():
-            return 0
-        t0 = time.perf_counter()
+        if not hashes:
+            return None
+        prepared = PreparedStore(owner, hashes, time.perf_counter())
+        bs = self.block_size
+        hot_new = [j for j, h in enumerate(hashes) if h not in self.hot] if self.hot.enabled else []
+        prepared.arena, prepared.todo = self._reserve(hashes, owner)
+        span = sorted(set(hot_new) | {j for j, _ in prepared.todo})
+        if not span:
+            return prepared
+        first, end = span[0], span[-1] + 1
+        prepared.first = first
+        if hot_new:
+            # One stacking of the span, then a copy per block: a stacking per
+            # block would be layers x blocks small ops.
+            keys, values = stacked_of_cache(cache, first * bs, end * bs)
+            prepared.hot = [(hashes[j], block_of(keys, values, (j - first) * bs, (j - first + 1) * bs))
+                            for j in hot_new]
+        if prepared.todo:
+            prepared.blocks = blocks_for_write(cache, first, end - first, self.layout)
+        return prepared
+
+    def _reserve(self, hashes: List[bytes], owner: str) -> Tuple[str, list]:
+        """(arena, [(block index, reserved ref), ...] in index order): the
+        blocks of `hashes` the cache service asks us to write."""
+        if not self._available():
+            return "", []
         nbytes = self.layout.block_nbytes
         try:
             reply = self.client.reserve(hashes, nbytes, owner, ttl_s=self.ttl_s)
         except CacheUnavailable as exc:
             self._unavailable(exc)
-            return 0
+            return "", []
         if not reply.ok:  # e.g. the arena is full of leased blocks: skip this time
             self.stats.failures += 1
             log.debug("prefix reserve for %s refused: %s", owner, reply.error)
-            return 0
+            return "", []
         index = {h: i for i, h in enumerate(hashes)}
         todo = sorted(((index[bytes(r.hash)], r) for r in reply.blocks if bytes(r.hash) in index),
                       key=lambda item: item[0])
+        if any(r.nbytes < nbytes for _, r in todo):
+            raise ValueError(f"reserved blocks smaller than {nbytes} bytes")
+        return reply.arena, todo
+
+    def finish_store(self, prepared: "PreparedStore") -> int:
+        """store()'s second half, once `prepared.arrays()` are evaluated: the
+        hot tier takes its blocks, the reserved blocks are copied into the
+        arena and committed. Returns the blocks committed; never raises."""
+        try:
+            return self._finish_store(prepared)
+        except Exception:  # noqa: BLE001 (the reservation expires by itself)
+            self.stats.failures += 1
+            log.warning("prefix store for %s failed", prepared.owner, exc_info=True)
+            return 0
+
+    def _finish_store(self, prepared: "PreparedStore") -> int:
+        for h, (k, v) in prepared.hot:
+            self.hot.put(h, k, v)
+        self.hot.touch(prepared.hashes)
+        todo = prepared.todo
         if not todo:
             return 0
         try:
-            if any(r.nbytes < nbytes for _, r in todo):
-                raise ValueError(f"reserved blocks smaller than {nbytes} bytes")
-            buf = self.arena_buf(reply.arena)
-            for run in _consecutive_runs(todo):
-                write_blocks(buf, [r.offset for _, r in run], cache, run[0][0], self.layout)
+            write_prepared_blocks(self.arena_buf(prepared.arena), [r.offset for _, r in todo], prepared.blocks,
+                                  [j - prepared.first for j, _ in todo], self.layout)
             # With our owner: a reservation of ours that expired meanwhile (and
             # was re-reserved by another writer) is not published by us.
-            ack = self.client.commit([r.hash for _, r in todo], owner=owner)
-        except CacheUnavailable as exc:  # (other failures: store() logs; the reservation expires)
+            ack = self.client.commit([r.hash for _, r in todo], owner=prepared.owner)
+        except CacheUnavailable as exc:
             self._unavailable(exc)
             return 0
         if not ack.ok:
             self.stats.failures += 1
-            log.warning("prefix commit for %s refused: %s", owner, ack.error)
+            log.warning("prefix commit for %s refused: %s", prepared.owner, ack.error)
             return 0
         # Fewer when a reservation expired before the commit (a very slow write).
         done = int(ack.stats.get("committed", len(todo)))
         self.stats.stored_blocks += done
-        log.debug("prefix store %s: %d of %d blocks new (%d bytes) in %.2f ms", owner, done, len(hashes),
-                  len(todo) * nbytes, (time.perf_counter() - t0) * 1000)
+        log.debug("prefix store %s: %d of %d blocks new (%d bytes) in %.2f ms", prepared.owner, done,
+                  len(prepared.hashes), len(todo) * self.layout.block_nbytes,
+                  (time.perf_counter() - prepared.started) * 1000)
         return done
 
 
-    def _keep_cache(self, hashes: Sequence[bytes], cache: Sequence) -> None:
-        """The blocks of `cache` the hot tier lacks, into it (copies on the device)."""
-        if not self.hot.enabled or not hashes:
-            return
-        bs = self.block_size
-        new = [j for j, h in enumerate(hashes) if h not in self.hot]
-        if new:
-            # One stacking of the span, then a copy per block: a stacking per
-            # block would be layers x blocks small ops.
-            first = new[0]
-            keys, values = stacked_of_cache(cache, first * bs, (new[-1] + 1) * bs)
-            kept = [block_of(keys, values, (j - first) * bs, (j - first + 1) * bs) for j in new]
-            mx.eval(kept)
-            for j, (k, v) in zip(new, kept):
-                self.hot.put(hashes[j], k, v)
-        self.hot.touch(hashes)
+@dataclass
+class PreparedStore:
+    """A block store between PrefixCache.prepare_store and finish_store."""
+
+    owner: str
+    hashes: List[bytes]  # every full block of the tokens
+    started: float  # perf_counter at prepare (the log's store time)
+    arena: str = ""
+    todo: list = field(default_factory=list)  # [(block index, reserved ref)] to write, in index order
+    first: int = 0  # the block index `blocks` and `hot` count from
+    blocks: List[mx.array] = field(default_factory=list)  # kv_transfer.blocks_for_write's
+    hot: list = field(default_factory=list)  # [(hash, (keys, values))] for the hot tier
+
+    def arrays(self) -> list:
+        """What to evaluate before finish_store."""
+        return list(self.blocks) + [kv for _, block in self.hot for kv in block]
 
 
 @dataclass
@@ -390,17 +446,6 @@ class BlockHold:
     arena: str = ""
     offsets: List[int] = field(default_factory=list)
     lease: int = -1
-
-
-def _consecutive_runs(indexed: list) -> List[list]:
-    """[(block index, ref), ...] sorted -> runs of consecutive block indices."""
-    runs: List[list] = []
-    for item in indexed:
-        if runs and runs[-1][-1][0] + 1 == item[0]:
-            runs[-1].append(item)
-        else:
-            runs.append([item])
-    return runs
 
 
 # Keys of snapshots: derived from the chained block hash at the snapshot

@@ -131,6 +131,8 @@ class Worker:
     # ---------------------------------------------------------- main loop --
     def serve(self) -> None:
         self.clock = LoopClock(f"worker {self.worker_id}")  # from here: loading is not the loop's time
+        if self.decode is not None:
+            self.decode.clock = self.clock
         while not self.stopping:
             self.drain_inbox(block=not self.has_work())
             if self.stopping:
@@ -344,14 +346,19 @@ class Worker:
             t0 = time.perf_counter()
             cache = None
             if h.layers:
-                cache = read_cache(self.arenas.get(h.arena).buf, h.layers, h.cache_meta)
+                with self.clock.part("read handoff"):
+                    cache = read_cache(self.arenas.get(h.arena).buf, h.layers, h.cache_meta)
             if h.allocation >= 0:  # the arena slot is free to reuse once the KV is ours
                 self.cache.free(allocations=[h.allocation], arena=h.arena)
             if h.block_hashes:
-                cache = join(self.take_blocks(h), cache)
+                with self.clock.part("take blocks"):
+                    blocks = self.take_blocks(h)
+                with self.clock.part("join"):
+                    cache = join(blocks, cache)
             log.debug("handoff %s: read %d bytes and %d tokens by reference in %.2f ms (write took %.2f ms)",
                       req.request_id, h.bytes_moved, h.block_tokens, (time.perf_counter() - t0) * 1000, h.write_ms)
-        self.decode.add(req, cache)
+        with self.clock.part("add"):
+            self.decode.add(req, cache)
 
     def take_blocks(self, h: KVHandoff) -> list:
         """The blocks a handoff refers to (see KVHandoff.block_hashes)."""
@@ -371,23 +378,20 @@ class Worker:
                 updates = self.decode.step()
         except Exception as exc:  # noqa: BLE001 - a broken batch fails its requests, not the worker
             log.exception("decode step failed in worker %s", self.worker_id)
+            ended = self.decode.abandon_commits()  # finished before the failure: their answers stand
+            if ended:
+                self.outbox.send(TokenBatch(ended))
             for rid in self.decode.request_ids():
                 self.decode.cancel(rid, save=False)
                 self.outbox.send(RequestFailed(rid, f"decode failed: {type(exc).__name__}: {exc}", 500))
             return
-        # A request's last token goes out only after its KV is committed to
-        # the prefix cache: a client (an agent) sends its next turn the moment
-        # it has the answer, and that turn must find the answer's blocks. The
-        # other requests' tokens go first, so the commit delays no one else.
-        ongoing = [u for u in updates if u.finish_reason is None]
-        ending = [u for u in updates if u.finish_reason is not None]
+        # A request's last token comes back from step() only once its KV is
+        # committed to the prefix cache (workers/decode.py): an agent sends
+        # its next turn the moment it has the answer, and that turn must find
+        # the answer's blocks.
         self.clock.count("tokens", len(updates))
-        if ongoing:
-            self.outbox.send(TokenBatch(ongoing))
-        with self.clock.phase("prefix commit"):
-            self.after_reply("prefix commit", self.decode.commit_finished)
-        if ending:
-            self.outbox.send(TokenBatch(ending))
+        if updates:
+            self.outbox.send(TokenBatch(updates))
 
     def close(self) -> None:
         if self.outbox:
