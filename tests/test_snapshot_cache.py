@@ -354,8 +354,11 @@ def _worker(worker_id, client, arenas):
     """The parts of a worker process that hand KV over (no sockets, no model load)."""
     from workers.runtime import Worker
 
+    from workers.loop_clock import LoopClock
+
     w = Worker.__new__(Worker)
     w.worker_id, w.cache, w.arenas, w.decode = worker_id, client, arenas, None
+    w.clock = LoopClock(f"worker {worker_id}")
     return w
 
 

@@ -147,8 +147,9 @@ def tail_of(cache: Sequence[KVCache], start: int) -> List[KVCache]:
 
 
 def join(head: Sequence[KVCache], tail: Sequence[KVCache] | None) -> List[KVCache]:
-    """Per-layer caches holding `head`'s tokens then `tail`'s (one copy; `head`
-    alone when there is no tail)."""
+    """Per-layer caches holding `head`'s tokens then `tail`'s (one copy, lazy:
+    a decode worker's next step computes it rather than the host waiting on
+    the GPU between steps; `head` alone when there is no tail)."""
     if not tail:
         return list(head)
     if len(tail) != len(head):
@@ -160,5 +161,4 @@ def join(head: Sequence[KVCache], tail: Sequence[KVCache] | None) -> List[KVCach
                    mx.concatenate([h.values[..., :h.offset, :], t.values[..., :t.offset, :]], axis=2),
                    h.offset + t.offset)
         out.append(c)
-    mx.eval([(c.keys, c.values) for c in out])
     return out

@@ -227,9 +227,10 @@ def _to_mlx(a: np.ndarray, name: str) -> mx.array:
 def read_kv(buf, layers: Sequence) -> List[KVCache]:
     """Rebuild per-layer KVCache objects from slices `write_kv` produced.
 
-    The returned caches own their memory (nothing keeps `buf` exported, so a
-    shared-memory segment can be closed right after) and are ready for
-    BatchGenerator.insert / DecodeEngine.add.
+    The returned caches own their memory: mx.array copies out of `buf` at
+    once (nothing keeps `buf` exported, so a shared-memory segment can be
+    closed or its slot reused right after). Nothing here waits on the
+    device: the caller's next evaluation does what is left (a bfloat16 view).
     """
     mv = memoryview(buf).cast("B")
     caches = []
@@ -241,8 +242,6 @@ def read_kv(buf, layers: Sequence) -> List[KVCache]:
             c = KVCache()
             c.state = (keys, values, keys.shape[2])
             caches.append(c)
-        # mx.array copied eagerly; eval resolves the lazy bfloat16 views too.
-        mx.eval([(c.keys, c.values) for c in caches])
     finally:
         _release(mv)
     return caches
@@ -527,7 +526,9 @@ _STAGING = _StagingBuffer(keep_bytes=256 << 20)
 
 def read_blocks_stacked(buf, offsets: Sequence[int], layout: KVLayout) -> Tuple[mx.array, mx.array]:
     """Like read_blocks, for a layout whose layers are alike: keys and values
-    of every layer stacked, (layers, kv_heads, tokens, head_dim), evaluated."""
+    of every layer stacked, (layers, kv_heads, tokens, head_dim), copied out
+    of `buf` at once (on a GPU the rearranging is left lazy: no wait on the
+    device)."""
     if not offsets:
         raise ValueError("read_blocks_stacked needs at least one block")
     if len(set(layout.layers)) != 1:
@@ -549,7 +550,6 @@ def read_blocks_stacked(buf, offsets: Sequence[int], layout: KVLayout) -> Tuple[
         return mx.transpose(piece, (1, 2, 0, 3, 4)).reshape(n_layers, h, n * bs, d)
 
     keys, values = stacked(0, dk), stacked(h * bs * dk, dv)
-    mx.eval(keys, values)
     return keys, values
 
 
@@ -730,7 +730,7 @@ def write_cache(buf, base_offset: int, cache: Sequence) -> Tuple[List[List[Arena
 
 def read_cache(buf, layers: Sequence, meta: Sequence) -> list:
     """Rebuild what `write_cache` wrote: per-layer caches that own their
-    memory, evaluated, ready for BatchGenerator.insert / DecodeEngine.add."""
+    memory (copied out of `buf` at once), ready for DecodeEngine.add."""
     if not meta:
         return read_kv(buf, layers)
     if len(meta) != len(layers):

@@ -207,7 +207,7 @@ class PrefixCache(_ServiceUser):
             self.load_cost.add((time.perf_counter() - t_read) / len(refs))
             return read
         finally:
-            # The read returned evaluated copies: the blocks may go now.
+            # The read copied the blocks out of the arena: they may go now.
             self.release(reply.lease)
 
     def _read(self, arena: str, offsets: Sequence[int]):
@@ -268,7 +268,6 @@ class PrefixCache(_ServiceUser):
                 keys, values = read_blocks_stacked(self.arena_buf(arena), [offsets[j] for j in missing], self.layout)
                 bs = self.block_size
                 read = [block_of(keys, values, i * bs, (i + 1) * bs) for i in range(len(missing))]
-                mx.eval(read)
                 for j, block in zip(missing, read):
                     have[hashes[j]] = block
                     self.hot.put(hashes[j], *block)
