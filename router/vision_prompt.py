@@ -18,6 +18,7 @@ frames as images (router/app.py).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,15 @@ class VisionPrompter:
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.arch.image_token(self.processor))
         self.video_token_id = (self.tokenizer.convert_tokens_to_ids(self.processor.video_token)
                                if self.native_video else None)
+        # Placeholder text -> id, for those the tokenizer keeps whole (see _tokenize).
+        tokens = {self.arch.image_token(self.processor): self.image_token_id}
+        if self.native_video:
+            tokens[self.processor.video_token] = self.video_token_id
+        self._placeholders = {t: i for t, i in tokens.items()
+                              if self.tokenizer(t * 2, add_special_tokens=False)["input_ids"] == [i, i]}
+        self._placeholder_ids = set(self._placeholders.values())
+        self._runs_of = (re.compile("(" + "|".join(map(re.escape, self._placeholders)) + ")\\1*")
+                         if self._placeholders else None)
 
     @property
     def native_video(self) -> bool:
@@ -72,8 +82,7 @@ class VisionPrompter:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         text = self.arch.expand_videos(self.processor, text, grids)
         text = self.arch.expand(self.processor, text, counts)
-        add_special = should_add_special_tokens(self.model_type, self.processor)
-        ids = [int(t) for t in self.tokenizer(text, add_special_tokens=add_special)["input_ids"]]
+        ids = self._tokenize(text, should_add_special_tokens(self.model_type, self.processor))
         starts = _runs(ids, self.image_token_id)
         if [n for _, n in starts] != counts:
             raise ValueError(f"placeholder runs {[n for _, n in starts]} do not match the images' tokens {counts}")
@@ -82,6 +91,31 @@ class VisionPrompter:
             inputs += self._video_inputs(ids, videos, grids)
             inputs.sort(key=lambda im: im.start)
         return ids, inputs
+
+    def _tokenize(self, text: str, add_special: bool) -> list[int]:
+        """Token ids of the expanded prompt, as the tokenizer gives them. Each
+        run of a placeholder (an image's or video's hundreds to thousands of
+        tokens) is tokenized as one placeholder and then repeated as ids: a
+        special token is split out before anything else is tokenized, so the
+        ids are the same, and tokenizing the runs' text was most of a cached
+        picture turn's templating (1,369 image tokens: 2.5 of 2.7 ms)."""
+        runs: list[tuple[int, int]] = []  # (placeholder id, run length) in prompt order
+
+        def one(match: re.Match) -> str:
+            token = match.group(1)
+            runs.append((self._placeholders[token], len(match.group(0)) // len(token)))
+            return token
+
+        short = self._runs_of.sub(one, text) if self._runs_of is not None else text
+        ids = [int(t) for t in self.tokenizer(short, add_special_tokens=add_special)["input_ids"]]
+        if not runs:
+            return ids
+        if [t for t in ids if t in self._placeholder_ids] != [t for t, _ in runs]:  # not split out: tokenize it all
+            return [int(t) for t in self.tokenizer(text, add_special_tokens=add_special)["input_ids"]]
+        out, lengths = [], iter(n for _, n in runs)
+        for t in ids:
+            out.extend([t] * next(lengths) if t in self._placeholder_ids else (t,))
+        return out
 
     def _video(self, video):
         """The video's ImageBatch by size (its grid and tokens), or a 400 naming the part."""
