@@ -2,7 +2,9 @@
 
 A conversation resends its picture every turn. Once the picture's KV is in
 the prefix cache, the turn's new tokens are text: the router tokenizes the
-placeholder runs as one token each (router/vision_prompt.py), and on a CPU
+placeholder runs as one token each (router/vision_prompt.py), VLMPrefillJob
+embeds only the text after the cached prefix and takes its M-RoPE positions
+from the rope delta the engine remembers (workers/vision.py), and on a CPU
 mlx-vlm's language model attends to the cached picture through
 workers/cpu_attention.py as the text model does. Each test counts the work
 taken another way or skipped; the answers stay mlx-vlm's.
@@ -12,10 +14,12 @@ from __future__ import annotations
 
 import os
 
+import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models.cache import KVCache
 
-from tests.test_vision_engine import _setup, _user, assert_same, reference
+from tests.test_vision_engine import N_TOKENS, _setup, _user, assert_same, reference
 from tests.tiny_vlms import TINY_GEMMA3, TINY_QWEN3_VL, TINY_QWEN_VL, synthetic_image
 
 QWENS = (TINY_QWEN_VL, TINY_QWEN3_VL)
@@ -32,10 +36,56 @@ def any_vlm(request, tmp_path_factory):
     return _setup(tmp_path_factory, request.param)
 
 
+class BlockPrefix:
+    """The block prefix cache as VLMPrefillJob uses it (fetch and store by
+    image-aware block hashes), in memory: a fetch returns a copy of the
+    longest stored run of blocks."""
+
+    kind = "blocks"
+
+    def __init__(self, block_size: int = 16):
+        from workers.block_hash import BlockHasher
+
+        self.block_size = block_size
+        self.hasher = BlockHasher(b"test", block_size)
+        self.stored: list[tuple[list[bytes], list]] = []
+
+    def store(self, tokens, cache, owner="", per_block=None) -> int:
+        hashes = self.hasher.hashes(tokens, per_block=per_block)
+        self.stored.append((hashes, cache))
+        return len(hashes)
+
+    def fetch(self, tokens, n_blocks, owner="", per_block=None):
+        want = self.hasher.hashes(tokens, n_blocks, per_block=per_block)
+        blocks, cache = 0, None
+        for hashes, stored in self.stored:
+            k = next((i for i, (a, b) in enumerate(zip(want, hashes)) if a != b), min(len(want), len(hashes)))
+            if k > blocks:
+                blocks, cache = k, stored
+        if not blocks:
+            return None, 0
+        hit = blocks * self.block_size
+        out = []
+        for c in cache:
+            layer = KVCache()
+            layer.keys, layer.values, layer.offset = c.keys[..., :hit, :], c.values[..., :hit, :], hit
+            out.append(layer)
+        return out, hit
+
+
 def _decoded(pixels: np.ndarray, where: str):
     from router.media import DecodedImage, image_content_hash
 
     return DecodedImage(pixels, pixels.shape[1], pixels.shape[0], image_content_hash(pixels), "data", where)
+
+
+def _answer(s, job) -> list[int]:
+    from workers.vision import decode_greedy, shift_rope
+
+    result = job.run()
+    delta = result.rope_offset - result.num_tokens
+    return [result.first_token] + decode_greedy(s.text_model, shift_rope(result.cache, delta), result.first_token,
+                                                N_TOKENS - 1)
 
 
 def _count_calls(monkeypatch, owner, name: str) -> list:
@@ -48,6 +98,122 @@ def _count_calls(monkeypatch, owner, name: str) -> list:
 
     monkeypatch.setattr(owner, name, spy)
     return calls
+
+
+# ---------------------------------------------------------------- the job
+
+
+def test_a_follow_up_turn_embeds_and_positions_only_its_text(qwen, monkeypatch):
+    """Turn 2 resends turn 1's picture: with its KV cached, the job looks
+    up no embedding, embeds only the tokens past the cached prefix, and
+    computes no M-RoPE index over the picture (the delta is remembered from
+    turn 1). The answer is mlx-vlm's for the whole conversation."""
+    from protos.messages import SamplingParams
+    from router.vision_prompt import VisionPrompter
+    from workers.prefill_vlm import VLMPrefillJob
+
+    from tests.test_vision_qwen3vl import _Store
+
+    eng, prompter = qwen.engine, VisionPrompter(qwen.folder)
+    picture = synthetic_image(64, 96, 5)
+    image = _decoded(np.asarray(picture), "messages[0].content[0].image_url")
+    turn1 = [_user(None, "What is in this picture? Tell me about every colour in it, please.")]
+    turn2 = turn1 + [{"role": "assistant", "content": ANSWER}, _user("And which shape is the largest one?")]
+    prefix, store = BlockPrefix(), _Store()
+    sampling = SamplingParams(max_tokens=N_TOKENS, temperature=0.0)
+
+    ids, inputs = prompter.build(turn1, [image])
+    first = VLMPrefillJob(eng, ids, inputs, sampling, prefix=prefix, embeddings=store)
+    first.run()
+    first.save_prefix()
+
+    rope_index = _count_calls(monkeypatch, eng.arch, "rope_positions")
+    embedded = _count_calls(monkeypatch, eng, "input_embeddings")
+    ids, inputs = prompter.build(turn2, [image])
+    job = VLMPrefillJob(eng, ids, inputs, sampling, prefix=prefix, embeddings=store)
+    got = _answer(qwen, job)
+    hit = job.result.cached_tokens
+    assert hit >= inputs[0].end and len(ids) - hit < 48  # the picture is in the cached prefix
+    assert (job.encoded, job.skipped, len(store.gets)) == (0, 1, 1)  # the store was asked on turn 1 only
+    assert rope_index == []
+    assert [len(args[0]) for args in embedded] == [len(ids) - hit]
+    assert_same(got, reference(qwen, turn2, [picture]))
+
+
+def test_without_the_remembered_delta_the_whole_prompt_is_positioned(qwen, monkeypatch):
+    """Another process (no turn 1 seen): the positions come from the whole
+    prompt, cut at the cached length, and are the same."""
+    from workers.vision import ImageBatch
+
+    eng = qwen.engine
+    ids, batch = _prompt(qwen, [synthetic_image(64, 96, 6)], "Tell me more about it")
+    start = len(ids) - 5
+    eng._deltas.clear()
+    rope_index = _count_calls(monkeypatch, eng.arch, "rope_positions")
+    cold, cold_delta = eng.rope_positions(ids, batch, start=start)
+    warm, warm_delta = eng.rope_positions(ids, ImageBatch.join([batch]), start=start)
+    assert len(rope_index) == 1
+    assert cold_delta == warm_delta < 0
+    assert cold.dtype == warm.dtype and np.array_equal(np.array(cold), np.array(warm))
+
+
+# ---------------------------------------------------------------- the pieces
+
+
+def _prompt(s, pictures, question: str, video=None):
+    """(ids, the prompt's ImageBatch by size) for a user turn with pictures
+    (and a video) and a question, then an answer and one more question."""
+    from workers.vision import ImageBatch
+
+    eng = s.engine
+    parts = [None] * len(pictures) + [question]
+    messages = [_user(*parts)]
+    if video is not None:
+        messages[0]["content"].insert(len(pictures), {"type": "video"})
+    messages += [{"role": "assistant", "content": ANSWER}, _user("And then? Say it in a few more words.")]
+    batches = [eng.sized(p.height, p.width) for p in pictures] + ([video] if video is not None else [])
+    ids = eng.prompt_tokens(messages, [b.tokens_per_image[0] for b in batches[: len(pictures)]],
+                            videos=[video] if video is not None else ())
+    return ids, ImageBatch.join(batches)
+
+
+@pytest.mark.parametrize("media", ["a picture", "two pictures", "a picture and a video"])
+def test_text_after_the_pictures_is_positioned_and_embedded_as_in_the_whole_prompt(any_vlm, media):
+    """The tail's positions from the remembered delta, and its embeddings
+    from its own tokens, equal the whole prompt's cut at the same place
+    (exactly: same values, same dtype)."""
+    eng = any_vlm.engine
+    pictures = [synthetic_image(64, 96, 1)] + ([synthetic_image(96, 64, 2)] if media == "two pictures" else [])
+    video = None
+    if media.endswith("video"):
+        if not eng.native_video:
+            pytest.skip("this architecture takes a video as its frames")
+        video = eng.sized_video(4, 64, 96, 2.0)
+    ids, batch = _prompt(any_vlm, pictures, "What do you see?", video)
+    features = mx.concatenate([eng.encode(eng.preprocess([p])) for p in pictures]
+                              + ([eng.encode(eng.preprocess_video([np.asarray(synthetic_image(64, 96, k))
+                                                                   for k in range(4)], 2.0))] if video else []))
+    whole = eng.input_embeddings(ids, features, batch)
+    positions, delta = eng.rope_positions(ids, batch)  # remembers the delta
+    visual = [i for i, t in enumerate(ids) if t in _visual_ids(eng)]
+    for start in (visual[-1] + 1, len(ids) - 7):
+        tail = eng.input_embeddings(ids[start:], None)
+        hidden = tail.shape[-1]
+        assert np.array_equal(np.array(tail), np.array(whole[:, start:, :hidden]))
+        assert not np.any(np.array(whole[:, start:, hidden:]))  # DeepStack rows: none off the picture
+        got, got_delta = eng.rope_positions(ids, batch, start=start)
+        assert got_delta == delta
+        if positions is None:
+            assert got is None
+        else:
+            assert got.dtype == positions.dtype
+            assert np.array_equal(np.array(got), np.array(positions[..., start:]))
+
+
+def _visual_ids(eng) -> set[int]:
+    cfg = eng.model.config
+    return {getattr(cfg, "image_token_id", None), getattr(cfg, "video_token_id", None),
+            getattr(cfg, "image_token_index", None)} - {None}
 
 
 def test_the_vlm_prefill_attends_through_cpu_attention(qwen, monkeypatch):

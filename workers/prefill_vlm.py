@@ -109,18 +109,25 @@ class VLMPrefillJob:
         return result
 
     def _inputs_ready(self) -> None:
-        """The whole prompt's input embeddings and positions (positions depend
-        on every earlier image's grid), cut at the cached length."""
+        """The input embeddings and positions of the prompt past the cached
+        length. With a picture there, the whole prompt's are made and cut
+        (positions depend on every earlier image's grid); when every picture
+        is in the cached prefix (a follow-up turn), only the text after it
+        is embedded, and its positions come from the delta the engine
+        remembers (workers/vision.py rope_positions)."""
         from workers.vision import ImageBatch
 
         eng, hit = self.engine, self._hit
-        embed = eng.model.language_model.model.embed_tokens.weight
-        dtype = self._dtype or embed.dtype
-        features = mx.concatenate([p.astype(dtype) for p in self._parts]) if self._parts else None
         batch = ImageBatch.join(self._batches)
-        self._embeds = eng.input_embeddings(self.tokens, features, batch)[:, hit:]
-        positions, self._delta = eng.rope_positions(self.tokens, batch)
-        self._positions = None if positions is None else positions[..., hit:]
+        if all(im.end <= hit for im in self.images):
+            # Every picture is in the cached prefix: the rest is text.
+            self._embeds = eng.input_embeddings(self.tokens[hit:], None)
+        else:
+            embed = eng.model.language_model.model.embed_tokens.weight
+            dtype = self._dtype or embed.dtype
+            features = mx.concatenate([p.astype(dtype) for p in self._parts])
+            self._embeds = eng.input_embeddings(self.tokens, features, batch)[:, hit:]
+        self._positions, self._delta = eng.rope_positions(self.tokens, batch, start=hit)
         self._parts = self._batches = None  # the embeddings hold what is needed now
         self._done = hit
         self._snapshot_at = self.prefix.snapshot_point(len(self.tokens)) if self.snapshots else 0
