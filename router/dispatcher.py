@@ -15,9 +15,10 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Optional
 
+import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -27,6 +28,7 @@ from protos import transport
 from protos.messages import (
     Cancel,
     DecodeRequest,
+    ImageInput,
     KVHandoff,
     PrefillDone,
     PrefillRequest,
@@ -215,11 +217,18 @@ class Dispatcher:
         try:
             if req.images:
                 await self._vision(st)
-            if not await self._send(st.prefill_worker, PrefillRequest(
-                    rid, list(req.prompt_tokens), req.sampling, st.prefill_worker if local else "", list(req.images))):
-                raise EngineError(503, "prefill worker unreachable; retry shortly", retry_after=1.0)
+            sized_only = await self._prefill(st, local)
             while True:
-                item = await self._next_event(st)
+                try:
+                    item = await self._next_event(st)
+                except EngineError as exc:
+                    if not (sized_only and last is None and exc.status == 503):
+                        raise
+                    # A picture's features went from the cache service since a vision worker stored them.
+                    for im in req.images:
+                        self._stored_images.pop(im.content_hash, None)
+                    sized_only = await self._prefill(st, local, pixels=True)
+                    continue
                 now = time.monotonic()
                 (m.ttft if last is None else m.itl).observe(now - (st.started if last is None else last))
                 last = now
@@ -236,6 +245,21 @@ class Dispatcher:
         finally:
             m.requests.labels(status=outcome).inc()
             await self._finish(st)
+
+    async def _prefill(self, st: RequestState, local: bool, pixels: bool = False) -> bool:
+        """Send the request to its prefill worker. A picture whose features a
+        vision worker stored goes by its size alone (unless `pixels`): prefill
+        takes its features from the cache service, or needs none when it is
+        in the cached prefix, and a 1024x1024 picture's 3 MB cost ~1 ms of
+        every turn about it. If they are gone, prefill answers 503 and the
+        request comes again with its pixels. Returns whether any went without."""
+        images = [im if pixels or im.content_hash not in self._stored_images else _sized_only(im)
+                  for im in st.req.images]
+        if not await self._send(st.prefill_worker, PrefillRequest(
+                st.req.request_id, list(st.req.prompt_tokens), st.req.sampling,
+                st.prefill_worker if local else "", images)):
+            raise EngineError(503, "prefill worker unreachable; retry shortly", retry_after=1.0)
+        return any(a is not b for a, b in zip(images, st.req.images))
 
     async def _next_event(self, st: RequestState):
         """The request's next event from the workers, within its whole-request
@@ -452,3 +476,11 @@ class Dispatcher:
                     log.warning("cache service unavailable")
                 self.cache_ok = False
             await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+
+def _sized_only(im: ImageInput) -> ImageInput:
+    """The picture (or video) known by its size alone: its pixels' shape with
+    no channels, which is all prefill needs to place cached features."""
+    if not isinstance(im.pixels, np.ndarray) or not im.pixels.size:
+        return im
+    return replace(im, pixels=np.empty(im.pixels.shape[:-1] + (0,), np.uint8))

@@ -278,3 +278,82 @@ def test_the_router_tokenizes_each_placeholder_run_as_one_token(any_vlm, monkeyp
     placeholders = list(prompter._placeholders)
     assert placeholders  # every tiny architecture's placeholders are special tokens
     assert len(texts) == 1 and not any(p * 2 in texts[0] for p in placeholders)
+
+
+# ---------------------------------------------------------------- the pixels
+
+
+def test_prefill_takes_a_stored_picture_by_its_size_alone(qwen):
+    """A picture whose features are in the embedding store needs no pixels:
+    the job places them by the picture's size (the router sends a
+    channel-less array), and answers as mlx-vlm does. If they are gone, the
+    job fails as a cache miss, which the router answers with the pixels."""
+    from cache_service.client import CacheUnavailable
+    from protos.messages import SamplingParams
+    from router.dispatcher import _sized_only
+    from router.vision_prompt import VisionPrompter
+    from workers.prefill_vlm import VLMPrefillJob
+
+    from tests.test_vision_qwen3vl import _Store
+
+    picture = synthetic_image(64, 96, 8)
+    image = _decoded(np.asarray(picture), "messages[0].content[0].image_url")
+    messages = [_user(None, "What is in this picture?")]
+    ids, inputs = VisionPrompter(qwen.folder).build(messages, [image])
+    sized = [_sized_only(im) for im in inputs]
+    assert sized[0].pixels.shape == (64, 96, 0) and sized[0].pixels.nbytes == 0
+    sampling = SamplingParams(max_tokens=N_TOKENS, temperature=0.0)
+    with pytest.raises(CacheUnavailable):
+        VLMPrefillJob(qwen.engine, ids, sized, sampling, embeddings=_Store()).run()
+    store = _Store()
+    VLMPrefillJob(qwen.engine, ids, inputs, sampling, embeddings=store).run()  # encodes and stores
+    job = VLMPrefillJob(qwen.engine, ids, sized, sampling, embeddings=store)
+    got = _answer(qwen, job)
+    assert (job.encoded, job.skipped) == (0, 1)
+    assert_same(got, reference(qwen, messages, [picture]))
+
+
+def test_the_router_sends_a_stored_picture_by_its_size_and_its_pixels_after_a_miss():
+    """Through the dispatcher, with scripted workers: once a vision worker
+    stored a picture, prefill gets it without pixels (the first time too);
+    a 503 from prefill (its features were evicted) brings the same request
+    again with the pixels, and the next turn asks the vision worker again."""
+    import asyncio
+
+    from protos import transport
+    from protos.messages import (ImageInput, KVHandoff, PrefillDone, PrefillRequest, RequestFailed, VisionDone,
+                                 VisionRequest)
+
+    from tests.test_dispatcher import request, run, wait_for
+
+    pixels = np.zeros((32, 48, 3), np.uint8)
+
+    async def body(disp, worker):
+        vis, pre = worker("vision-0", ["vision"]), worker("prefill-0", ["prefill", "decode"])
+        await vis.beat()
+        await pre.beat()
+        await wait_for(lambda: len(disp.workers) == 2)
+
+        def with_image(rid):
+            r = request(rid, n=1)
+            r.images = [ImageInput("h1", pixels, 0, 1)]
+            return r
+
+        async def play(rid, expect_vision, evicted):
+            if expect_vision:
+                assert isinstance(await vis.next(), VisionRequest)
+                await transport.asend(vis.sock, VisionDone(rid, encoded=1))
+            msg = await pre.next()
+            assert isinstance(msg, PrefillRequest) and msg.images[0].pixels.shape == (32, 48, 0)
+            if evicted:
+                await transport.asend(pre.sock, RequestFailed(rid, "CacheUnavailable: features gone", 503))
+                msg = await pre.next()
+                assert isinstance(msg, PrefillRequest) and np.array_equal(msg.images[0].pixels, pixels)
+            await transport.asend(pre.sock, PrefillDone(rid, 7, KVHandoff(rid, 3, 3, local=True), finish_reason="length"))
+
+        for rid, expect_vision, evicted in (("a", True, False), ("b", False, True), ("c", True, False)):
+            player = asyncio.create_task(play(rid, expect_vision, evicted))
+            assert [e.token async for e in disp.generate(with_image(rid))] == [7]
+            await player
+
+    run(body)

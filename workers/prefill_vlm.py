@@ -34,8 +34,10 @@ import time
 from typing import Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import generation_stream
 
+from cache_service.client import CacheUnavailable
 from protos.messages import ImageInput, SamplingParams
 from workers.block_hash import image_block_extra
 from workers.prefill_mlx import PrefillResult, sample_first
@@ -191,7 +193,7 @@ class VLMPrefillJob:
             if not encoded:
                 self.skipped += 1
             else:
-                batch = eng.preprocess_input(im)
+                batch = eng.preprocess_input(_with_pixels(im))
                 t0 = time.perf_counter()
                 features = eng.encode(batch)
                 mx.eval(features)
@@ -201,7 +203,7 @@ class VLMPrefillJob:
                 if self.embeddings is not None:
                     self.embeddings.put(im.content_hash, features, self.owner)
             if batch is None:  # this architecture needs the pixels even for positions
-                batch = eng.preprocess_input(im)
+                batch = eng.preprocess_input(_with_pixels(im))
             if batch.tokens_per_image[0] != im.n_tokens:
                 raise ValueError(f"an image takes {batch.tokens_per_image[0]} tokens, "
                                  f"the prompt has {im.n_tokens}")
@@ -220,3 +222,14 @@ class VLMPrefillJob:
             snapshot, self.snapshot = self.snapshot, None
             return self.prefix.store(self.tokens, snapshot, self.owner, per_block=self.per_block)
         return self.prefix.store(self.tokens, self.result.cache, self.owner, per_block=self.per_block)
+
+
+def _with_pixels(im: ImageInput) -> ImageInput:
+    """`im`, which is about to be preprocessed. The router sends a picture
+    whose features a vision worker stored by its size alone (its pixels'
+    shape, no channels): if those features are gone since, the request fails
+    as a cache miss (503), and the router sends it again with the pixels."""
+    if np.size(im.pixels) == 0:
+        raise CacheUnavailable(f"the features of image {im.content_hash[:16]} are no longer stored, "
+                               "and the request came without its pixels")
+    return im
