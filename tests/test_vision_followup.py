@@ -349,7 +349,8 @@ def test_the_router_sends_a_stored_picture_by_its_size_and_its_pixels_after_a_mi
                 await transport.asend(pre.sock, RequestFailed(rid, "CacheUnavailable: features gone", 503))
                 msg = await pre.next()
                 assert isinstance(msg, PrefillRequest) and np.array_equal(msg.images[0].pixels, pixels)
-            await transport.asend(pre.sock, PrefillDone(rid, 7, KVHandoff(rid, 3, 3, local=True), finish_reason="length"))
+            done = PrefillDone(rid, 7, KVHandoff(rid, 3, 3, local=True), finish_reason="length")
+            await transport.asend(pre.sock, done)
 
         for rid, expect_vision, evicted in (("a", True, False), ("b", False, True), ("c", True, False)):
             player = asyncio.create_task(play(rid, expect_vision, evicted))
