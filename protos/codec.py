@@ -41,6 +41,8 @@ def _hints(cls: type) -> dict[str, Any]:
 
 # ----------------------------------------------------------------- encoding --
 
+_SCALARS = frozenset({int, float, str, bytes, bool, type(None)})  # msgpack's own (np.generic is not)
+
 
 def _pack(value: Any, arrays: list) -> Any:
     if dataclasses.is_dataclass(value):
@@ -53,6 +55,10 @@ def _pack(value: Any, arrays: list) -> Any:
         arrays.append(arr)
         return {"~a": len(arrays) - 1, "d": arr.dtype.str, "s": list(arr.shape)}
     if isinstance(value, (list, tuple)):
+        # Token lists are most of a request's bytes: msgpack takes a list of
+        # scalars as it is, without a Python call per element.
+        if all(type(v) in _SCALARS for v in value):
+            return value if type(value) is list else list(value)
         return [_pack(v, arrays) for v in value]
     if isinstance(value, dict):
         return {str(k): _pack(v, arrays) for k, v in value.items()}
@@ -113,6 +119,8 @@ def _unpack(value: Any, frames: list, where: str) -> Any:
             return _build(name, value, frames, where)
         return {k: _unpack(v, frames, f"{where}.{k}") for k, v in value.items()}
     if isinstance(value, list):
+        if all(type(v) in _SCALARS for v in value):  # a token list: nothing inside to rebuild
+            return value
         return [_unpack(v, frames, where) for v in value]
     return value
 

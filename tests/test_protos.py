@@ -51,6 +51,16 @@ def test_nested_messages_round_trip():
     assert decode(encode(batch)) == batch
 
 
+def test_token_lists_pack_as_they_are_and_numpy_scalars_still_become_numbers():
+    tokens = list(range(5000))
+    msg = DecodeRequest("r", tokens, 5, KVHandoff("r", 3, 3), SamplingParams())
+    back = decode(encode(msg))
+    assert back == msg and type(back.prompt_tokens[0]) is int
+    # A list holding numpy scalars or tuples takes the element-wise path.
+    mixed = DecodeRequest("r", [np.int32(4), 5, (6, 7)], 5, KVHandoff("r", 3, 3), SamplingParams())
+    assert decode(encode(mixed)).prompt_tokens == [4, 5, [6, 7]]
+
+
 def test_arrays_travel_as_their_own_frames():
     # Any message field may carry a numpy array; it is never inside the msgpack header.
     arr = np.arange(1000, dtype=np.float32).reshape(10, 100)
