@@ -60,7 +60,6 @@ previous turn's prompt snapshot (that prompt is a prefix of the next one).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import deque
@@ -76,6 +75,7 @@ from protos.messages import DecodeRequest, TokenUpdate
 from workers import mlx_hooks, ragged_kv
 from workers.batch_cache import SlotBatchKVCache, swap_remove_order
 from workers.loading import on_cpu
+from workers.loop_clock import part
 from workers.prefix_cache import PreparedStore
 from workers.sampling import GREEDY_SAMPLER, build_sampling, token_logprob, wants_logprobs
 from workers.vision import ShiftedKVCache
@@ -220,7 +220,7 @@ class DecodeEngine:
         """Admit waiting requests, then run one decode step for the batch.
         Returns this step's tokens, then the last tokens of requests whose
         blocks were committed meanwhile (see the module doc)."""
-        with _part(self.clock, "admit"):
+        with part(self.clock, "admit"):
             self._admit()
         if not self._live:
             self.commit_finished()
@@ -269,7 +269,7 @@ class DecodeEngine:
             return 0
         pending, self._to_commit = self._to_commit, []
         t0, blocks = time.perf_counter(), 0
-        with _part(self.clock, "commit"):
+        with part(self.clock, "commit"):
             mx.eval([a for prepared, _ in pending for a in prepared.arrays()])
             for prepared, update in pending:
                 blocks += self.prefix.finish_store(prepared)  # never raises: failures are logged
@@ -290,7 +290,7 @@ class DecodeEngine:
             log.warning("request %s: %d tokens for %d cached positions; not committing its KV",
                         request_id, len(tokens), held)
             return False
-        with _part(self.clock, "prepare commit"):
+        with part(self.clock, "prepare commit"):
             prepared = self.prefix.prepare_store(list(tokens), cache, request_id)  # never raises
         if prepared is None:
             return False
@@ -386,10 +386,10 @@ class _Batch(GenerationBatch):
 
     def _step(self):
         if self.barrier:
-            with _part(self.clock, "barrier"):
+            with part(self.clock, "barrier"):
                 mx.eval(self.barrier)  # the step in flight and the copies behind it
             self.barrier = []
-        with _part(self.clock, "queue+tokens"):
+        with part(self.clock, "queue+tokens"):
             out = super()._step()
         if self.on_queued is not None:
             self.on_queued()
@@ -419,10 +419,6 @@ class _Joining(GenerationBatch):
 
 
 _NO_LOGPROBS = mx.zeros((1,))
-
-
-def _part(clock, name: str):
-    return clock.part(name) if clock is not None else contextlib.nullcontext()
 
 
 def _merge(caches: List[list]) -> list:

@@ -11,6 +11,7 @@ waits on its own tokens), so the split is exact per phase boundary.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import defaultdict
@@ -81,3 +82,8 @@ class LoopClock:
         self.counts.clear()
         self.parts.clear()
         return line
+
+
+def part(clock: LoopClock | None, name: str):
+    """`clock.part(name)`, or nothing when no clock is set (engines outside a worker)."""
+    return clock.part(name) if clock is not None else contextlib.nullcontext()

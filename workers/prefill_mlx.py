@@ -44,6 +44,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from protos.messages import SamplingParams, TokenLogprob
 from workers import mlx_hooks
+from workers.loop_clock import part
 from workers.prefix_cache import RecentMin
 from workers.sampling import build_sampling, token_logprob, wants_logprobs
 
@@ -96,7 +97,8 @@ class PrefillJob:
         tic = time.perf_counter()
         model, chunk = self.engine.model, self.engine.chunk_size
         if self.cache is None:
-            self._load_prefix()
+            with part(self.engine.clock, "load prefix"):
+                self._load_prefix()
         with mx.stream(generation_stream):
             remaining = self.total - self.processed - 1  # all but the last token
             if remaining > 0:
@@ -104,15 +106,17 @@ class PrefillJob:
                 if self.snapshot_at > self.processed:  # a chunk ends at the snapshot point
                     n = min(n, self.snapshot_at - self.processed)
                 t_chunk = time.perf_counter()
-                model(self.prompt[None, self.processed : self.processed + n],
-                      cache=self.cache)
-                mx.eval([c.state for c in self.cache])
+                with part(self.engine.clock, "chunk"):
+                    model(self.prompt[None, self.processed : self.processed + n],
+                          cache=self.cache)
+                    mx.eval([c.state for c in self.cache])
                 self.engine.observe_compute(n, time.perf_counter() - t_chunk)
                 self.processed += n
                 if self.processed == self.snapshot_at:
                     self.snapshot = self.engine.prefix.capture(self.cache, self.processed)
             if self.total - self.processed == 1:
-                self.result = self._finish()
+                with part(self.engine.clock, "first token"):
+                    self.result = self._finish()
         self._compute_s += time.perf_counter() - tic
         if self.result is not None:
             self.result.prefill_ms = self._compute_s * 1000.0
@@ -195,6 +199,7 @@ class PrefillEngine:
         # Seconds per prompt token, recent chunks of at least MIN_TIMED_CHUNK
         # tokens: the prefix cache weighs loading a hit against recomputing it.
         self.compute_cost = RecentMin()
+        self.clock = None  # the worker's LoopClock: parts of a prefill, timed
         mlx_hooks.install(model)  # on the CPU, attention and SwiGLU without MLX's slow exp
 
     MIN_TIMED_CHUNK = 64  # shorter chunks are mostly fixed per-call cost
