@@ -389,6 +389,42 @@ def test_cold_partial_and_full_hits_match_mlx_lm(model, tiny_dir):
 
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_new_blocks_are_stored_from_a_host_copy_of_the_tail(dtype, tiny_dir, model, monkeypatch):
+    """A prefill worker stores a prompt's new blocks from its handoff's tail,
+    already in host memory (on a GPU: no second device-to-host transfer);
+    the blocks read back equal the KV, and a tail that starts after the first
+    new block leaves the store to the device copy."""
+    import workers.kv_transfer as kv
+    import workers.prefix_cache as pc
+    from workers.hot_blocks import tail_of
+
+    monkeypatch.setattr(kv, "_on_cpu", lambda: False)  # the GPU path, where it matters
+    device_copies = []
+    monkeypatch.setattr(pc, "blocks_for_write", lambda *a: device_copies.append(a) or kv.blocks_for_write(*a))
+    cache = _filled(dtype, 45, 5)  # 5 full blocks
+    tokens = prompt_of(45, 9)
+    layout = kv_layout(cache, BS)
+    fake = FakeCache()
+    prefix = PrefixCache(fake, fake.buffer, BlockHasher(b"m", BS), layout)
+    # Blocks 0-1 are cached already (referred to); the tail from token 16 is the handoff's.
+    assert prefix.store(tokens[:16], tail_of(cache, 0)[:3], "first") == 2 and len(device_copies) == 1
+    buf = bytearray(kv.kv_nbytes(tail_of(cache, 16)) + 64)
+    layers = kv.write_kv(buf, 0, tail_of(cache, 16))
+    host = (16, kv.arena_kv_views(buf, layers))
+    assert prefix.store(tokens, cache, "second", host=host) == 3 and len(device_copies) == 1
+    got, hit = prefix.fetch(tokens + [0], 5, "reader")
+    assert hit == 5 * BS
+    for a, b in zip(cache, got):
+        assert mx.array_equal(a.keys[..., :40, :], b.keys) and mx.array_equal(a.values[..., :40, :], b.values)
+    # A tail from token 24 does not hold block 2 (tokens 16-23): the device copy serves.
+    other = prompt_of(45, 10)
+    prefix.store(other[:16], cache, "third")
+    calls = len(device_copies)
+    assert prefix.store(other, cache, "fourth", host=(24, kv.arena_kv_views(buf, layers))) == 3
+    assert len(device_copies) == calls + 1
+
+
 def test_a_hit_is_recomputed_when_that_is_faster(model, tiny_dir):
     """With measured costs saying a block loads slower than its tokens
     compute (a fast GPU, a small model), the hit is left unread: computed,

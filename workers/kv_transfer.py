@@ -112,8 +112,11 @@ def kv_nbytes(cache: Sequence) -> int:
     return encode_cache(cache).nbytes
 
 
-def _as_numpy(a: mx.array) -> np.ndarray:
-    """Zero-copy numpy view of an evaluated MLX array (strided views allowed)."""
+def _as_numpy(a) -> np.ndarray:
+    """Zero-copy numpy view of an evaluated MLX array (strided views allowed);
+    a numpy array as it is."""
+    if isinstance(a, np.ndarray):
+        return a
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
     return np.asarray(a)
@@ -204,7 +207,8 @@ def _write_packed(mv, arrays, offset, layers) -> None:
         del dst
 
 
-def _read_slice(mv: memoryview, s) -> mx.array:
+def _slice_view(mv: memoryview, s) -> np.ndarray:
+    """The bytes of one ArenaSlice as a numpy array of its storage dtype (no copy)."""
     if isinstance(s, dict):  # tolerate codecs that hand back plain dicts
         s = ArenaSlice(**s)
     dtype = storage_dtype(s.dtype)
@@ -213,8 +217,21 @@ def _read_slice(mv: memoryview, s) -> mx.array:
         raise ValueError(f"slice nbytes {s.nbytes} does not match {s.dtype}{s.shape}")
     if s.offset < 0 or s.offset + s.nbytes > mv.nbytes:
         raise ValueError(f"slice at {s.offset} (+{s.nbytes}) is outside the buffer of {mv.nbytes} bytes")
-    view = np.frombuffer(mv, dtype=dtype, count=count, offset=s.offset).reshape(s.shape)
-    return _to_mlx(view, s.dtype)  # the one copy: buffer -> MLX memory
+    return np.frombuffer(mv, dtype=dtype, count=count, offset=s.offset).reshape(s.shape)
+
+
+def arena_kv_views(buf, layers: Sequence) -> List[np.ndarray]:
+    """Numpy views (no copies) of plain KV that write_kv put in `buf`: layer 0
+    keys, layer 0 values, layer 1 keys, ... as blocks_for_write's CPU form,
+    which write_prepared_blocks copies blocks from. They keep `buf` exported
+    until dropped."""
+    mv = memoryview(buf).cast("B")
+    return [_slice_view(mv, s) for pair in layers for s in pair]
+
+
+def _read_slice(mv: memoryview, s) -> mx.array:
+    view = _slice_view(mv, s)
+    return _to_mlx(view, s["dtype"] if isinstance(s, dict) else s.dtype)  # the one copy: buffer -> MLX memory
 
 
 def _to_mlx(a: np.ndarray, name: str) -> mx.array:
@@ -380,13 +397,14 @@ def blocks_for_write(cache: Sequence, first_block: int, n: int, layout: KVLayout
 def write_prepared_blocks(buf, offsets: Sequence[int], arrays: Sequence[mx.array], indices: Sequence[int],
                           layout: KVLayout) -> int:
     """Copy blocks `indices` (counted from the first block of evaluated
-    `arrays`, blocks_for_write's) into `buf` at `offsets`, one per offset.
-    Returns the bytes written."""
+    `arrays`, blocks_for_write's, or host copies in its CPU form: see
+    arena_kv_views) into `buf` at `offsets`, one per offset. Returns the
+    bytes written."""
     if len(indices) != len(offsets):
         raise ValueError(f"{len(indices)} blocks for {len(offsets)} offsets")
     mv = memoryview(buf).cast("B")
     try:
-        if _on_cpu():
+        if _on_cpu() or isinstance(arrays[0], np.ndarray):
             _write_strided(mv, offsets, arrays, indices, layout)
         else:
             host = _as_numpy(arrays[0])  # one transfer of exactly the blocks' bytes

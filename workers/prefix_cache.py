@@ -305,19 +305,22 @@ class PrefixCache(_ServiceUser):
         return refs
 
     # ----------------------------------------------------------------- store
-    def store(self, tokens: Sequence[int], cache: Sequence, owner: str, per_block=None) -> int:
+    def store(self, tokens: Sequence[int], cache: Sequence, owner: str, per_block=None, host=None) -> int:
         """Commit every full block of `tokens` that `cache` holds and the
         cache service lacks. `tokens` must be exactly the tokens whose KV the
         cache holds, from position 0 (a wrong token here would poison the
-        cache for every later request). Returns the blocks written."""
-        prepared = self.prepare_store(tokens, cache, owner, per_block)
+        cache for every later request). `host`: (start, arrays), the same KV
+        from token `start` on already in host memory (kv_transfer.arena_kv_views
+        of a handoff's tail): blocks from there are copied from it, not from
+        the device. Returns the blocks written."""
+        prepared = self.prepare_store(tokens, cache, owner, per_block, host)
         if prepared is None:
             return 0
         mx.eval(prepared.arrays())
         return self.finish_store(prepared)
 
     def prepare_store(self, tokens: Sequence[int], cache: Sequence, owner: str,
-                      per_block=None) -> Optional["PreparedStore"]:
+                      per_block=None, host=None) -> Optional["PreparedStore"]:
         """store()'s first half: reserve the blocks the service lacks and lay
         out their KV (and the blocks the hot tier lacks) as device copies,
         lazily. Evaluate `arrays()`, then finish_store() writes and commits:
@@ -327,13 +330,13 @@ class PrefixCache(_ServiceUser):
         written in place again). None when there is nothing to do or the
         call failed (logged: an optimisation never fails the request)."""
         try:
-            return self._prepare_store(tokens, cache, owner, per_block)
+            return self._prepare_store(tokens, cache, owner, per_block, host)
         except Exception:  # noqa: BLE001
             self.stats.failures += 1
             log.warning("prefix store for %s failed", owner, exc_info=True)
             return None
 
-    def _prepare_store(self, tokens, cache, owner, per_block=None):
+    def _prepare_store(self, tokens, cache, owner, per_block=None, host=None):
         held = min(min(c.offset for c in cache), len(tokens))
         hashes = self.hasher.hashes(tokens, held // self.block_size, per_block)
         if not hashes:
@@ -353,7 +356,12 @@ class PrefixCache(_ServiceUser):
             keys, values = stacked_of_cache(cache, first * bs, end * bs)
             prepared.hot = [(hashes[j], block_of(keys, values, (j - first) * bs, (j - first + 1) * bs))
                             for j in hot_new]
-        if prepared.todo:
+        if prepared.todo and host is not None and prepared.todo[0][0] * bs >= host[0]:
+            # On a GPU the host copy saves a device-to-host transfer per block.
+            start = prepared.blocks_first = prepared.todo[0][0]
+            prepared.blocks = [a[..., start * bs - host[0]:, :] for a in host[1]]
+        elif prepared.todo:
+            prepared.blocks_first = first
             prepared.blocks = blocks_for_write(cache, first, end - first, self.layout)
         return prepared
 
@@ -399,7 +407,7 @@ class PrefixCache(_ServiceUser):
             return 0
         try:
             write_prepared_blocks(self.arena_buf(prepared.arena), [r.offset for _, r in todo], prepared.blocks,
-                                  [j - prepared.first for j, _ in todo], self.layout)
+                                  [j - prepared.blocks_first for j, _ in todo], self.layout)
             # With our owner: a reservation of ours that expired meanwhile (and
             # was re-reserved by another writer) is not published by us.
             ack = self.client.commit([r.hash for _, r in todo], owner=prepared.owner)
@@ -428,13 +436,14 @@ class PreparedStore:
     started: float  # perf_counter at prepare (the log's store time)
     arena: str = ""
     todo: list = field(default_factory=list)  # [(block index, reserved ref)] to write, in index order
-    first: int = 0  # the block index `blocks` and `hot` count from
-    blocks: List[mx.array] = field(default_factory=list)  # kv_transfer.blocks_for_write's
+    first: int = 0  # the block index `hot` counts from
+    blocks_first: int = 0  # the block index `blocks` counts from
+    blocks: list = field(default_factory=list)  # kv_transfer.blocks_for_write's, or host copies
     hot: list = field(default_factory=list)  # [(hash, (keys, values))] for the hot tier
 
     def arrays(self) -> list:
         """What to evaluate before finish_store."""
-        return list(self.blocks) + [kv for _, block in self.hot for kv in block]
+        return [a for a in self.blocks if isinstance(a, mx.array)] + [kv for _, block in self.hot for kv in block]
 
 
 @dataclass

@@ -243,9 +243,15 @@ class Worker:
             with self.clock.part("hold blocks"):
                 hold = self.hold_blocks(req, job, result)
             with self.clock.part("hand off"):
-                self.outbox.send(self.hand_off(req, result, hold))
-        # Storing new blocks delays neither the first token nor (unless the
-        # handoff refers to them) the handoff.
+                handoff = self.hand_off(req, result, hold)
+            # The prompt's new blocks are in the handoff's tail, in host
+            # memory: stored from there (a host copy, not another transfer
+            # from the device), before the handoff is sent, after which a
+            # decode worker may free and another prefill worker reuse it.
+            with self.clock.part("store"):
+                self.after_reply("prefix store", lambda: job.save_prefix(host=self.handoff_tail(handoff)))
+            self.outbox.send(handoff)
+        # Storing new blocks delays not the first token.
         with self.clock.part("store"):
             self.after_reply("prefix store", job.save_prefix)
 
@@ -305,6 +311,15 @@ class Worker:
         hold = self.prefix.hold(req.prompt_tokens, owner=req.request_id, lease_s=HANDOFF_TTL_S,
                                 per_block=getattr(job, "per_block", None))
         return hold if hold.hashes else None
+
+    def handoff_tail(self, h: KVHandoff):
+        """(first token, host views) of a handoff's plain-KV tail in the
+        arena, as PrefixCache.store's `host`; None when it has none."""
+        from workers.kv_transfer import arena_kv_views
+
+        if not h.layers or h.cache_meta:
+            return None
+        return h.block_tokens, arena_kv_views(self.arenas.get(h.arena).buf, h.layers)
 
     def hand_off(self, req: PrefillRequest, result, hold=None) -> KVHandoff:
         """Put the prompt's KV in the arena, where a decode worker will find it
