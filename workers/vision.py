@@ -53,7 +53,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -476,6 +475,7 @@ class VisionEngine:
                  encoder_only: bool = False):
         from mlx_vlm.utils import get_model_and_args, load_model, load_processor
 
+        from workers import mlx_hooks
         from workers.loading import on_cpu
 
         self.folder = Path(folder)
@@ -498,8 +498,8 @@ class VisionEngine:
             _to_float32(self.model)
         self.text_model = text_model
         self.shared_params = _share_language_weights(self.model, text_model) if text_model is not None else 0
-        if text_model is not None and on_cpu() and not os.environ.get("TANDEM_MLX_EXP"):
-            _cpu_kernels(self.model.language_model)
+        if text_model is not None:  # our prefill: this backend's kernels (workers/mlx_hooks.py)
+            mlx_hooks.install_vlm(self.model.language_model)
         if encoder_only:
             # A vision worker: only the tower and projector are ever read
             # (preprocess + encode); the lazily loaded language weights stay on disk.
@@ -821,41 +821,6 @@ def _to_float32(model) -> None:
         model.set_dtype(mx.float32)
         dequantize_model(model)
     model.set_dtype(mx.float32)
-
-
-def _cpu_attention(queries, keys, values, cache, scale, mask, sinks=None):
-    """mlx-vlm's attention, but over an mlx-lm cache (ours: prefill writes
-    the text model's cache) through workers/cpu_attention.py when it takes
-    the mask; mlx-vlm's own caches (its generate) keep mlx-vlm's attention."""
-    from mlx_lm.models.cache import _BaseCache
-    from mlx_vlm.models.base import scaled_dot_product_attention
-
-    from workers import cpu_attention
-
-    if sinks is None and isinstance(cache, _BaseCache) and not hasattr(cache, "bits"):
-        out = cpu_attention.attention(queries, keys, values, scale, mask)
-        if out is not None:
-            return out
-    return scaled_dot_product_attention(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-
-
-def _cpu_kernels(language_model) -> None:
-    """On the CPU backend, mlx-vlm's language model takes the fast-exp
-    attention and SwiGLU that workers/mlx_hooks.py gives mlx-lm's text model:
-    MLX's exp is scalar there, and a follow-up turn's attention over the
-    cached picture paid for it (tiny Qwen2.5-VL, 62 tokens over 1,472
-    cached: ~20 -> ~14.5 ms). Patched by module, as
-    mlx_hooks does (the functions are looked up there by name)."""
-    from mlx_vlm.models import activations, base
-
-    from workers import cpu_math
-
-    for name in {type(m).__module__ for _, m in language_model.named_modules()}:
-        module = sys.modules.get(name)
-        if getattr(module, "scaled_dot_product_attention", None) is base.scaled_dot_product_attention:
-            module.scaled_dot_product_attention = _cpu_attention
-        if getattr(module, "swiglu", None) is activations.swiglu:
-            module.swiglu = cpu_math.silu_mul
 
 
 def _share_language_weights(vlm, text_model) -> int:

@@ -1,0 +1,76 @@
+"""workers/cuda_attention.py: a prefill's attention on MLX's CUDA backend
+without cuDNN. It must compute exactly what MLX computes where no fused
+kernel applies; on this CPU, MLX's own attention for several queries is that
+computation, so the two are compared bit for bit here. The routing through
+workers/mlx_hooks.py is tested with the backend check answering "CUDA" (the
+CUDA kernels themselves cannot run on this machine)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from workers import cuda_attention, mlx_hooks
+
+try:
+    from tests.tiny_models import load_tiny_model, make_tiny_llama
+except ImportError:  # pragma: no cover
+    from tiny_models import load_tiny_model, make_tiny_llama
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("heads,kv_heads,n,length,mask", [
+    (16, 8, 65, 1537, "causal"),  # a follow-up turn after a cached picture (Qwen2.5-VL-3B's heads)
+    (9, 3, 31, 895, "causal"),  # a warm chat turn
+    (4, 4, 7, 7, "causal"),  # a whole short prompt
+    (8, 2, 5, 40, None),
+])
+def test_attention_equals_mlx_bit_for_bit(dtype, heads, kv_heads, n, length, mask):
+    k0, k1, k2 = mx.random.split(mx.random.key(n), 3)
+    q = mx.random.normal((1, heads, n, 64), key=k0).astype(dtype)
+    k = mx.random.normal((1, kv_heads, length, 64), key=k1).astype(dtype)
+    v = mx.random.normal((1, kv_heads, length, 64), key=k2).astype(dtype)
+    got = cuda_attention.attention(q, k, v, 0.125, mask)
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    assert got.dtype == ref.dtype and mx.array_equal(got, ref).item()
+
+
+def test_one_query_array_masks_and_large_scores_are_left_to_mlx():
+    q, kv = mx.zeros((1, 2, 3, 8)), mx.zeros((1, 2, 5, 8))
+    assert cuda_attention.attention(q[:, :, :1], kv, kv, 1.0, None) is None  # decode: MLX's vector kernel
+    assert cuda_attention.attention(q, kv, kv, 1.0, mx.ones((3, 5), dtype=mx.bool_)) is None
+    big = mx.zeros((1, 8, 1024, 8))
+    long_kv = mx.zeros((1, 8, cuda_attention.MAX_SCORES // (8 * 1024) + 1, 8))
+    assert cuda_attention.attention(big, long_kv, long_kv, 1.0, "causal") is None
+
+
+@pytest.fixture
+def as_if_cuda(monkeypatch):
+    """mlx_hooks' backend check answers "CUDA" (what runs is still the CPU)."""
+    monkeypatch.setattr(mlx_hooks, "on_cpu", lambda: False)
+    monkeypatch.setattr(mlx_hooks.mx.cuda, "is_available", lambda: True)
+    yield
+    monkeypatch.undo()
+    mlx_hooks._set_backend()  # back to this machine's own
+
+
+def test_on_cuda_a_prefill_takes_it_and_decode_does_not(as_if_cuda, tmp_path, monkeypatch):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = load_tiny_model(make_tiny_llama(tmp_path, seed=1))
+    assert mlx_hooks.install(model) and mlx_hooks._CUDA["on"] and not mlx_hooks._CPU["on"]
+    took = []
+    real = cuda_attention.attention
+    monkeypatch.setattr(cuda_attention, "attention", lambda *a: took.append(real(*a)) or took[-1])
+    layers = len(model.layers)
+    cache = make_prompt_cache(model)
+    logits = model(mx.arange(1, 41)[None], cache=cache)  # a 40-token prompt
+    assert len(took) == layers and all(t is not None for t in took)
+    model(mx.argmax(logits[:, -1:], axis=-1), cache=cache)  # one decode step: MLX's kernel
+    assert len(took) == 2 * layers and all(t is None for t in took[layers:])
+    # The same logits as MLX's own attention.
+    monkeypatch.setenv("TANDEM_CUDNN_PREFILL", "1")
+    mlx_hooks.install(model)
+    assert not mlx_hooks._CUDA["on"]
+    again = model(mx.arange(1, 41)[None], cache=make_prompt_cache(model))
+    assert mx.array_equal(logits, again).item() and len(took) == 2 * layers
