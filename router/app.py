@@ -104,12 +104,16 @@ class _Api:
             self.recent_images = RecentImages()
 
     async def chat_completions(self, request: Request) -> "GenerationResponse":
+        t0 = time.perf_counter()
         body = await read_json(request, self.settings.max_request_bytes)
+        t_read = time.perf_counter()
         if self.vision is not None and _has_media(body):
             parsed = await self._parse_vision_chat(body)
         else:
             parsed = parse_chat(body, self.tokenizer, self.engine.model_id, self.engine.max_context,
                                 answers=self.answers)
+        log.debug("chat request of %d prompt tokens: body read in %.2f ms, parsed in %.2f ms",
+                  len(parsed.prompt_tokens), (t_read - t0) * 1000, (time.perf_counter() - t_read) * 1000)
         return self._generation_response(parsed, ChatFormat)
 
     async def _parse_vision_chat(self, body: dict) -> ParsedRequest:

@@ -388,6 +388,9 @@ class Dispatcher:
             return
         self.metrics.prefix_queries.inc()
         self.metrics.prefix_hit_tokens.inc(done.cached_tokens)
+        log.debug("request %s: first token %.2f ms after dispatch, %.2f ms of it prefill (%d of %d tokens cached)",
+                  done.request_id, (time.monotonic() - st.started) * 1000, done.prefill_ms, done.cached_tokens,
+                  len(st.req.prompt_tokens))
         if st.req.images and st.vision is None:  # no vision worker: prefill encoded
             self.metrics.vision_queries.inc(done.images_encoded + done.images_cached)
             self.metrics.vision_hits.inc(done.images_cached)

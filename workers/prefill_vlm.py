@@ -40,10 +40,13 @@ from mlx_lm.generate import generation_stream
 from cache_service.client import CacheUnavailable
 from protos.messages import ImageInput, SamplingParams
 from workers.block_hash import image_block_extra
+from workers.loop_clock import part
 from workers.prefill_mlx import PrefillResult, sample_first
 
 
 class VLMPrefillJob:
+    clock = None  # the worker's LoopClock: parts of a prefill, timed
+
     def __init__(self, engine, prompt_tokens: Sequence[int], images: Sequence[ImageInput],
                  sampling: SamplingParams, chunk_size: int = 512, owner: str = "", prefix=None,
                  embeddings=None):
@@ -91,12 +94,15 @@ class VLMPrefillJob:
         tic = time.perf_counter()
         with mx.stream(generation_stream):
             if self._cache is None:
-                self._cache, self._hit = self._load_prefix()
+                with part(self.clock, "load prefix"):
+                    self._cache, self._hit = self._load_prefix()
             encoded = False
             if self._embeds is None:
-                encoded = self._next_feature()
+                with part(self.clock, "image features"):
+                    encoded = self._next_feature()
                 if len(self._parts) == len(self.images):
-                    self._inputs_ready()
+                    with part(self.clock, "inputs"):
+                        self._inputs_ready()
             if self._embeds is not None and not encoded:
                 self._chunk()
         self._compute_s += time.perf_counter() - tic
@@ -143,15 +149,17 @@ class VLMPrefillJob:
         if self._snapshot_at > start:  # a chunk ends at the snapshot point
             end = min(end, self._snapshot_at)
         if end > start:
-            eng.prefill_chunk(*self._inputs(start, end), self._cache)
-            mx.eval([c.state for c in self._cache])
+            with part(self.clock, "chunk"):
+                eng.prefill_chunk(*self._inputs(start, end), self._cache)
+                mx.eval([c.state for c in self._cache])
             self._done = end
             if end == self._snapshot_at:
                 self.snapshot = self.prefix.capture(self._cache, end)
         if self._done < n - 1:
             return
-        logits = eng.prefill_chunk(*self._inputs(n - 1, n), self._cache).logits[:, -1]
-        first, lp = sample_first(logits, mx.array(self.tokens, dtype=mx.int32), self.sampling, self._cache)
+        with part(self.clock, "first token"):
+            logits = eng.prefill_chunk(*self._inputs(n - 1, n), self._cache).logits[:, -1]
+            first, lp = sample_first(logits, mx.array(self.tokens, dtype=mx.int32), self.sampling, self._cache)
         self._embeds = self._positions = None
         self.result = PrefillResult(first, lp, self._cache, n, n + int(self._delta), 0.0, self._hit)
 

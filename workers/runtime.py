@@ -279,9 +279,11 @@ class Worker:
             raise ValueError("this model does not take images")
         from workers.prefill_vlm import VLMPrefillJob
 
-        return VLMPrefillJob(self.vision, req.prompt_tokens, req.images, req.sampling,
-                             chunk_size=self.settings.prefill_chunk, owner=req.request_id, prefix=self.prefix,
-                             embeddings=self.embeddings)
+        job = VLMPrefillJob(self.vision, req.prompt_tokens, req.images, req.sampling,
+                            chunk_size=self.settings.prefill_chunk, owner=req.request_id, prefix=self.prefix,
+                            embeddings=self.embeddings)
+        job.clock = self.clock
+        return job
 
     def after_reply(self, what: str, fn) -> None:
         """Work done after the client's answer is on its way: a failure is
