@@ -299,9 +299,10 @@ class Worker:
         request. The decode worker takes most of them from its own memory (a
         swarm's system prompt, the conversation it answered last turn), so
         only the rest crosses the arena, in the handoff's tail. The prompt's
-        new blocks are stored after the handoff is sent: storing them first
-        put a reserve, a device-to-host copy and a commit (~15 ms on the
-        H100) between every first token and its decode. A prompt with images
+        new blocks are stored from that tail (prefill_chunk), not before it
+        is written: storing them first copied them off the device twice, and
+        put a reserve, a copy and a commit (~15 ms on the H100) between every
+        first token and its decode. A prompt with images
         is held under its image-aware block keys. None when the handoff must
         carry all the KV: no block cache, a cache that is not plain KV
         (Gemma 3's sliding window)."""
