@@ -139,7 +139,9 @@ class ImageInput:
     its placeholder tokens sit in the prompt."""
 
     content_hash: str  # SHA-256 hex over width, height and RGB pixels; a video's names its sampling (router/media.py)
-    pixels: object = None  # numpy uint8 [H, W, 3]; a video: its sampled frames [T, H, W, 3]
+    # numpy uint8 [H, W, 3]; a video: its sampled frames [T, H, W, 3]. [H, W, 0] ([T, H, W, 0]):
+    # its size alone, for a picture whose embedding a vision worker stored (router/dispatcher.py)
+    pixels: object = None
     start: int = 0  # index of its first placeholder token in prompt_tokens
     n_tokens: int = 0  # placeholder tokens it takes (a video: in all its blocks)
     kind: str = "image"  # "image" | "video"
