@@ -1,13 +1,16 @@
 """workers/cuda_attention.py: a prefill's attention on MLX's CUDA backend
-without cuDNN. It must compute exactly what MLX computes where no fused
-kernel applies; on this CPU, MLX's own attention for several queries is that
-computation, so the two are compared bit for bit here. The routing through
-workers/mlx_hooks.py is tested with the backend check answering "CUDA" (the
-CUDA kernels themselves cannot run on this machine)."""
+without cuDNN. For float32 inputs it must compute exactly what MLX computes
+where no fused kernel applies (on this CPU, MLX's own attention for several
+queries is that computation: compared bit for bit); for half precision it
+keeps the scores in float32, so it must be closer to exact attention than
+that fallback. The routing through workers/mlx_hooks.py is tested with the
+backend check answering "CUDA" (the CUDA kernels themselves cannot run on
+this machine)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from workers import cuda_attention, mlx_hooks
@@ -18,21 +21,56 @@ except ImportError:  # pragma: no cover
     from tiny_models import load_tiny_model, make_tiny_llama
 
 
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
-@pytest.mark.parametrize("heads,kv_heads,n,length,mask", [
+SHAPES = [
     (16, 8, 65, 1537, "causal"),  # a follow-up turn after a cached picture (Qwen2.5-VL-3B's heads)
     (9, 3, 31, 895, "causal"),  # a warm chat turn
     (4, 4, 7, 7, "causal"),  # a whole short prompt
     (8, 2, 5, 40, None),
-])
-def test_attention_equals_mlx_bit_for_bit(dtype, heads, kv_heads, n, length, mask):
+]
+
+
+def _qkv(heads, kv_heads, n, length, dtype, spread=1.0):
     k0, k1, k2 = mx.random.split(mx.random.key(n), 3)
-    q = mx.random.normal((1, heads, n, 64), key=k0).astype(dtype)
-    k = mx.random.normal((1, kv_heads, length, 64), key=k1).astype(dtype)
+    q = (mx.random.normal((1, heads, n, 64), key=k0) * spread).astype(dtype)
+    k = (mx.random.normal((1, kv_heads, length, 64), key=k1) * spread).astype(dtype)
     v = mx.random.normal((1, kv_heads, length, 64), key=k2).astype(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("heads,kv_heads,n,length,mask", SHAPES)
+def test_float32_equals_mlx_bit_for_bit(heads, kv_heads, n, length, mask):
+    q, k, v = _qkv(heads, kv_heads, n, length, mx.float32)
     got = cuda_attention.attention(q, k, v, 0.125, mask)
     ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
     assert got.dtype == ref.dtype and mx.array_equal(got, ref).item()
+
+
+def _exact(q, k, v, scale, mask):
+    """Attention in float64 (numpy) over the same rounded inputs."""
+    q, k, v = (np.array(a.astype(mx.float32), dtype=np.float64) for a in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+    s = q @ k.swapaxes(-1, -2) * scale
+    if mask == "causal":
+        n, total = q.shape[2], k.shape[2]
+        s = np.where(np.arange(total - n, total)[:, None] >= np.arange(total)[None], s, -np.inf)
+    w = np.exp(s - s.max(axis=-1, keepdims=True))
+    return (w / w.sum(axis=-1, keepdims=True)) @ v
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("heads,kv_heads,n,length,mask", SHAPES)
+def test_half_precision_scores_stay_float32(dtype, heads, kv_heads, n, length, mask):
+    # Spread 2.5: scores of ~10, as trained models' are, where bfloat16 scores lose the weights' precision.
+    q, k, v = _qkv(heads, kv_heads, n, length, dtype, spread=2.5)
+    got = cuda_attention.attention(q, k, v, 0.125, mask)
+    fallback = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    exact = _exact(q, k, v, 0.125, mask)
+    err = lambda out: float(np.abs(np.array(out.astype(mx.float32), dtype=np.float64) - exact).max())  # noqa: E731
+    rounded = mx.array(exact.astype(np.float32)).astype(dtype)  # the best a result in `dtype` can be
+    assert got.dtype == dtype
+    assert err(got) < err(fallback)  # (up to 8x here: scores rounded to 8 bits before the softmax)
+    assert err(got) <= 3 * err(rounded)
 
 
 def test_one_query_array_masks_and_large_scores_are_left_to_mlx():
