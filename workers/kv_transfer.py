@@ -207,10 +207,13 @@ def _write_packed(mv, arrays, offset, layers) -> None:
         del dst
 
 
+def _arena_slice(s) -> ArenaSlice:
+    return ArenaSlice(**s) if isinstance(s, dict) else s  # tolerate codecs that hand back plain dicts
+
+
 def _slice_view(mv: memoryview, s) -> np.ndarray:
     """The bytes of one ArenaSlice as a numpy array of its storage dtype (no copy)."""
-    if isinstance(s, dict):  # tolerate codecs that hand back plain dicts
-        s = ArenaSlice(**s)
+    s = _arena_slice(s)
     dtype = storage_dtype(s.dtype)
     count = int(np.prod(s.shape, dtype=np.int64))
     if count * dtype.itemsize != s.nbytes:
@@ -230,8 +233,8 @@ def arena_kv_views(buf, layers: Sequence) -> List[np.ndarray]:
 
 
 def _read_slice(mv: memoryview, s) -> mx.array:
-    view = _slice_view(mv, s)
-    return _to_mlx(view, s["dtype"] if isinstance(s, dict) else s.dtype)  # the one copy: buffer -> MLX memory
+    s = _arena_slice(s)
+    return _to_mlx(_slice_view(mv, s), s.dtype)  # the one copy: buffer -> MLX memory
 
 
 def _to_mlx(a: np.ndarray, name: str) -> mx.array:

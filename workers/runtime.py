@@ -244,16 +244,15 @@ class Worker:
                 hold = self.hold_blocks(req, job, result)
             with self.clock.part("hand off"):
                 handoff = self.hand_off(req, result, hold)
-            # The prompt's new blocks are in the handoff's tail, in host
-            # memory: stored from there (a host copy, not another transfer
-            # from the device), before the handoff is sent, after which a
-            # decode worker may free and another prefill worker reuse it.
-            with self.clock.part("store"):
-                self.after_reply("prefix store", lambda: job.save_prefix(host=self.handoff_tail(handoff)))
-            self.outbox.send(handoff)
-        # Storing new blocks delays not the first token.
+        # The prompt's new blocks: from the handoff's tail, in host memory (a
+        # host copy, not another transfer from the device), before the
+        # handoff is sent, after which a decode worker may free the tail and
+        # another prefill worker reuse it.
         with self.clock.part("store"):
-            self.after_reply("prefix store", job.save_prefix)
+            self.after_reply("prefix store",
+                             lambda: job.save_prefix(host=None if local else self.handoff_tail(handoff)))
+        if not local:
+            self.outbox.send(handoff)
 
     # ------------------------------------------------------------- vision --
     def encode_images(self, req: VisionRequest) -> None:
