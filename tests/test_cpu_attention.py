@@ -36,3 +36,18 @@ def test_other_masks_and_dtypes_are_left_to_mlx():
     kv = mx.zeros((1, 2, 5, 8))
     assert cpu_attention.attention(q, kv, kv, 1.0, mx.ones((3, 5), dtype=mx.bool_)) is None
     assert cpu_attention.attention(q.astype(mx.float16), kv.astype(mx.float16), kv.astype(mx.float16), 1.0, None) is None
+
+
+def test_prompt_attention_over_a_cache_buffer_view():
+    """Keys and values as a KV cache hands them over: views of a larger
+    buffer. A prompt's softmax goes through numpy here (enough scores), which
+    reads MLX's buffers in place."""
+    n, length = 40, 700
+    k0, k1, k2 = mx.random.split(mx.random.key(7), 3)
+    q = mx.random.normal((1, 9, n, 64), key=k0)
+    kbuf, vbuf = mx.random.normal((1, 3, 1024, 64), key=k1), mx.random.normal((1, 3, 1024, 64), key=k2)
+    k, v = kbuf[..., :length, :], vbuf[..., :length, :]
+    assert 3 * 3 * n * length >= cpu_attention.NUMPY_MIN_SCORES
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
+    got = cpu_attention.attention(q, k, v, 0.125, "causal")
+    assert mx.allclose(got, ref, atol=2e-6, rtol=1e-5).item()
