@@ -204,12 +204,12 @@ def text_words_for(new_tokens: int | None, overhead: int | None, fallback: int) 
 # ---------------------------------------------------------------- the workload
 
 async def vision(target: Target, cfg: WorkloadConfig, metrics_url: str | None = None) -> dict:
-    before = await _vision_counters(metrics_url)
     with tempfile.TemporaryDirectory(prefix="tandem-bench-media-") as tmp:
         folder = Path(tmp)
         with MediaServer(folder) as media:
             async with _client(2) as client:
                 warmup, transport = await _warm_up(client, target, cfg, folder, media)
+                before = await _vision_counters(metrics_url)  # the measured requests' own
                 image = await _image_conversations(client, target, cfg)
                 video = await _videos(client, target, cfg, folder, media, transport or "data")
     after = await _vision_counters(metrics_url)
@@ -228,16 +228,16 @@ def video_url(path: Path, transport: str, media: MediaServer) -> str:
 
 async def _warm_up(client, target: Target, cfg: WorkloadConfig, folder: Path,
                    media: MediaServer) -> tuple[list[str], str | None]:
-    """One picture and one video of the most frames asked for (of 4 where that
-    fails both ways), never used again: first-call costs (compilation, lazy
-    loading) stay out of every system's numbers. Returns the warm-up's errors
-    and the video transport that worked ("data", "http", or None: neither, or
-    no videos asked for)."""
-    errors = []
-    pic = png_data_url(bench_picture(cfg.image_size, cfg.seed, "vision-warmup"))
-    r = await send(client, target, cfg, [image_turn(pic, question(cfg.seed, "vision-warmup"))], cfg.vision_max_tokens)
-    if not r.ok:
-        errors.append(f"image: {r.status} {r.error}")
+    """One conversation as the image workload has them (three turns about a
+    picture, then a text-only request) and one video of the most frames asked
+    for (of 4 where that fails both ways), never used again: first-call costs
+    (compilation, lazy loading, kernels for a follow-up turn's shapes) stay
+    out of every system's numbers. Returns the warm-up's errors and the video
+    transport that worked ("data", "http", or None: neither, or no videos
+    asked for)."""
+    conversation = await _conversation(client, target, cfg, "vision-warmup", None)
+    errors = [f"image, {key}: {_error_line(p)}" for key in ("turn1", "turn2", "turn3", "text")
+              if (p := conversation[key]) is not None and not p["ok"]]
     if not cfg.video_frames:
         return errors, None
     # The longest video first: a server may read short data URLs only (mlx-vlm hands the URL to
@@ -260,33 +260,8 @@ async def _image_conversations(client, target: Target, cfg: WorkloadConfig) -> d
     probe = await send(client, target, cfg, [{"role": "user", "content": "ok"}], 1)
     progress.update(probe)
     overhead = probe.prompt_tokens - 1 if probe.ok and probe.prompt_tokens else None
-    runs = []
-    for rep in range(cfg.vision_repeats):
-        salt = f"vision-{rep}"
-        pic = png_data_url(bench_picture(cfg.image_size, cfg.seed, salt))
-        history = [image_turn(pic, question(cfg.seed, f"{salt}-q0"))]
-        turns: list[RequestResult] = []
-        for k in range(3):
-            if k:
-                history += [{"role": "assistant", "content": turns[-1].text},
-                            {"role": "user", "content": question(cfg.seed, f"{salt}-q{k}")}]
-            r = await send(client, target, cfg, history, cfg.vision_max_tokens)
-            progress.update(r)
-            turns.append(r)
-            if not r.ok:
-                break
-        t2, t3 = (turns + [None, None])[1:3]
-        # The prompt tokens turn 3 adds to turn 2 (turn 2's answer and the new question): what
-        # it computes with a perfect cache. The same for every system that answers alike.
-        added = t3.prompt_tokens - t2.prompt_tokens if t3 and t3.ok and t2.prompt_tokens and t3.prompt_tokens \
-            else None
-        n_words = text_words_for(added, overhead, cfg.vision_max_tokens + 20)
-        text = await send(client, target, cfg, [{"role": "user", "content": words(n_words, cfg.seed, salt + "-text")}],
-                          cfg.vision_max_tokens)
-        progress.update(text)
-        points = [_point(r) for r in turns] + [None] * (3 - len(turns))
-        runs.append({"turn1": points[0], "turn2": points[1], "turn3": points[2], "text": _point(text),
-                     "turn3_added_tokens": added, "text_words": n_words})
+    runs = [await _conversation(client, target, cfg, f"vision-{rep}", overhead, progress)
+            for rep in range(cfg.vision_repeats)]
     progress.close()
     out: dict = {"repeats": runs, "template_overhead_tokens": overhead}
     for key in ("turn1", "turn2", "turn3", "text"):
@@ -303,6 +278,38 @@ async def _image_conversations(client, target: Target, cfg: WorkloadConfig) -> d
     out["errors"] = len(failed) + (0 if probe.ok else 1)
     out["first_error"] = _error_line(failed[0]) if failed else (None if probe.ok else _error_line(_point(probe)))
     return out
+
+
+async def _conversation(client, target: Target, cfg: WorkloadConfig, salt: str, overhead: int | None,
+                        progress: Progress | None = None) -> dict:
+    """Three turns about one new picture, then a text-only request of the
+    prompt tokens turn 3 added: one repeat of the image workload."""
+    pic = png_data_url(bench_picture(cfg.image_size, cfg.seed, salt))
+    history = [image_turn(pic, question(cfg.seed, f"{salt}-q0"))]
+    turns: list[RequestResult] = []
+    for k in range(3):
+        if k:
+            history += [{"role": "assistant", "content": turns[-1].text},
+                        {"role": "user", "content": question(cfg.seed, f"{salt}-q{k}")}]
+        r = await send(client, target, cfg, history, cfg.vision_max_tokens)
+        if progress:
+            progress.update(r)
+        turns.append(r)
+        if not r.ok:
+            break
+    t2, t3 = (turns + [None, None])[1:3]
+    # The prompt tokens turn 3 adds to turn 2 (turn 2's answer and the new question): what
+    # it computes with a perfect cache. The same for every system that answers alike.
+    added = t3.prompt_tokens - t2.prompt_tokens if t3 and t3.ok and t2.prompt_tokens and t3.prompt_tokens \
+        else None
+    n_words = text_words_for(added, overhead, cfg.vision_max_tokens + 20)
+    text = await send(client, target, cfg, [{"role": "user", "content": words(n_words, cfg.seed, salt + "-text")}],
+                      cfg.vision_max_tokens)
+    if progress:
+        progress.update(text)
+    points = [_point(r) for r in turns] + [None] * (3 - len(turns))
+    return {"turn1": points[0], "turn2": points[1], "turn3": points[2], "text": _point(text),
+            "turn3_added_tokens": added, "text_words": n_words}
 
 
 async def _videos(client, target: Target, cfg: WorkloadConfig, folder: Path, media: MediaServer,

@@ -47,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=_positive, default=d.block_size, help="tokens per KV block")
     p.add_argument("--max-batch", type=_positive, default=d.max_batch, help="decode batch size per decode worker")
     p.add_argument("--prefill-chunk", type=_positive, default=d.prefill_chunk, help="tokens per prefill step")
+    p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                   help="workers say ready without first running a short prompt (faster start, slower first request)")
     p.add_argument("--max-queue", type=_positive, default=d.max_queue, help="queued requests beyond which clients get 429")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s, help="seconds in-flight streams get on shutdown")
     p.add_argument("--allow-local-media", default=None, metavar="DIR",
@@ -75,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_key=args.api_key,
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, colocate=args.colocate,
         cache_memory_bytes=args.cache_memory, cache_dir=None if args.no_disk_cache else args.cache_dir,
-        cache_disk_bytes=args.cache_disk_bytes, hot_kv_bytes=args.hot_kv_memory, block_size=args.block_size, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
+        cache_disk_bytes=args.cache_disk_bytes, hot_kv_bytes=args.hot_kv_memory, block_size=args.block_size, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, warm_up=args.warm_up,
         max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, log_level=args.log_level,
         allow_local_media=args.allow_local_media, max_images=args.max_images,
         max_image_pixels=args.max_image_pixels, media_fetch_timeout_s=args.media_fetch_timeout,

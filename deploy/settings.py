@@ -58,6 +58,7 @@ class Settings:
     max_batch: int = 32  # decode batch size per decode worker
     prefill_chunk: int = 512  # tokens per prefill step (bounds how long decode waits in --colocate)
     max_queue: int = 256  # requests admitted but not yet decoding, beyond which 429
+    warm_up: bool = True  # model workers run a short prompt before "ready" (workers/warm_up.py)
     # Deadlines (seconds)
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 3.0

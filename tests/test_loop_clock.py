@@ -1,6 +1,6 @@
 """The worker loop's phase clock: what it sums and when it reports."""
 
-from workers.loop_clock import LoopClock
+from workers.loop_clock import LoopClock, part, tally_line
 
 
 class FakeClock:
@@ -71,3 +71,19 @@ def test_parts_of_a_phase_are_reported_apart_and_not_added_twice():
     assert "decode step 3.00 s/1" in line and "barrier 1.00 s/1" in line
     assert "other 0.00 s" in line  # the part is inside its phase, not extra time
     assert line.index("other") < line.index("barrier")  # parts come after the phases
+
+
+def test_part_adds_to_the_loop_clock_and_to_a_request_tally():
+    now = FakeClock()
+    clock = LoopClock("worker w", interval_s=10.0, clock=now)
+    tally = {}
+    with clock.phase("prefill"):
+        with part(clock, "chunk", tally):
+            now.t += 2.0
+        with part(clock, "chunk", tally):
+            now.t += 1.0
+        with part(None, "first token", tally):  # no loop clock: the tally alone
+            pass
+    assert clock.parts["chunk"] == 3.0 and clock.counts["chunk"] == 2
+    assert set(tally) == {"chunk", "first token"} and all(v >= 0.0 for v in tally.values())
+    assert tally_line({"load prefix": 0.0006, "chunk": 0.212}) == "load prefix 0.6 ms, chunk 212.0 ms"

@@ -81,6 +81,7 @@ class PrefillJob:
         self.result: Optional[PrefillResult] = None
         self._saved = False
         self._compute_s = 0.0
+        self.parts: dict[str, float] = {}  # this prompt's parts, seconds (its debug line)
 
     @property
     def done(self) -> bool:
@@ -97,7 +98,7 @@ class PrefillJob:
         tic = time.perf_counter()
         model, chunk = self.engine.model, self.engine.chunk_size
         if self.cache is None:
-            with part(self.engine.clock, "load prefix"):
+            with part(self.engine.clock, "load prefix", self.parts):
                 self._load_prefix()
         with mx.stream(generation_stream):
             remaining = self.total - self.processed - 1  # all but the last token
@@ -106,7 +107,7 @@ class PrefillJob:
                 if self.snapshot_at > self.processed:  # a chunk ends at the snapshot point
                     n = min(n, self.snapshot_at - self.processed)
                 t_chunk = time.perf_counter()
-                with part(self.engine.clock, "chunk"):
+                with part(self.engine.clock, "chunk", self.parts):
                     model(self.prompt[None, self.processed : self.processed + n],
                           cache=self.cache)
                     mx.eval([c.state for c in self.cache])
@@ -115,7 +116,7 @@ class PrefillJob:
                 if self.processed == self.snapshot_at:
                     self.snapshot = self.engine.prefix.capture(self.cache, self.processed)
             if self.total - self.processed == 1:
-                with part(self.engine.clock, "first token"):
+                with part(self.engine.clock, "first token", self.parts):
                     self.result = self._finish()
         self._compute_s += time.perf_counter() - tic
         if self.result is not None:

@@ -69,6 +69,7 @@ class VLMPrefillJob:
         self._saved = False
         self._dtype = None  # the encoder's output dtype (cached features are float32)
         self._compute_s = 0.0
+        self.parts: dict[str, float] = {}  # this prompt's parts, seconds (its debug line)
         # Stages, one per step(): the cache (and cached length), then features
         # image by image, then the input embeddings, then chunks.
         self._cache, self._hit = None, 0
@@ -94,14 +95,14 @@ class VLMPrefillJob:
         tic = time.perf_counter()
         with mx.stream(generation_stream):
             if self._cache is None:
-                with part(self.clock, "load prefix"):
+                with part(self.clock, "load prefix", self.parts):
                     self._cache, self._hit = self._load_prefix()
             encoded = False
             if self._embeds is None:
-                with part(self.clock, "image features"):
+                with part(self.clock, "image features", self.parts):
                     encoded = self._next_feature()
                 if len(self._parts) == len(self.images):
-                    with part(self.clock, "inputs"):
+                    with part(self.clock, "inputs", self.parts):
                         self._inputs_ready()
             if self._embeds is not None and not encoded:
                 self._chunk()
@@ -149,7 +150,7 @@ class VLMPrefillJob:
         if self._snapshot_at > start:  # a chunk ends at the snapshot point
             end = min(end, self._snapshot_at)
         if end > start:
-            with part(self.clock, "chunk"):
+            with part(self.clock, "chunk", self.parts):
                 eng.prefill_chunk(*self._inputs(start, end), self._cache)
                 mx.eval([c.state for c in self._cache])
             self._done = end
@@ -157,7 +158,7 @@ class VLMPrefillJob:
                 self.snapshot = self.prefix.capture(self._cache, end)
         if self._done < n - 1:
             return
-        with part(self.clock, "first token"):
+        with part(self.clock, "first token", self.parts):
             logits = eng.prefill_chunk(*self._inputs(n - 1, n), self._cache).logits[:, -1]
             first, lp = sample_first(logits, mx.array(self.tokens, dtype=mx.int32), self.sampling, self._cache)
         self._embeds = self._positions = None

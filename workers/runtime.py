@@ -39,7 +39,7 @@ from protos.messages import (
     VisionRequest,
     WorkerHello,
 )
-from workers.loop_clock import LoopClock
+from workers.loop_clock import LoopClock, part, tally_line
 from workers.model_store import is_vlm
 from workers.prefill_mlx import first_token_finishes
 from workers.socket_loop import Outbox, SocketLoop
@@ -108,6 +108,10 @@ class Worker:
             self.load_vision(model)
         if "decode" in self.roles:
             self.decode = DecodeEngine(model, max_batch=self.settings.max_batch, prefix=self.prefix)
+        if model is not None and self.settings.warm_up:
+            from workers.warm_up import warm_up
+
+            log.info("worker %s warmed up in %.2fs", self.worker_id, warm_up(model, self.decode))
         self.outbox = Outbox(self.ctx)
         self.hello.max_context = context_length(self.settings.model_dir)
         self.hello.state = "ready"
@@ -223,8 +227,6 @@ class Worker:
         if result is None:
             return
         self.current = None
-        log.debug("prefill %s: %d tokens, %d cached, %.1f ms", req.request_id, result.num_tokens,
-                  result.cached_tokens, result.prefill_ms)
         first = result.first_token
         finish = first_token_finishes(first, req.sampling)
         local = finish is not None or (req.decode_worker == self.worker_id and self.decode is not None)
@@ -240,19 +242,21 @@ class Worker:
                                      encode_s=getattr(job, "encode_s", 0.0)))
         # The first token is on its way; the KV copy to the arena follows.
         if not local:
-            with self.clock.part("hold blocks"):
+            with part(self.clock, "hold blocks", job.parts):
                 hold = self.hold_blocks(req, job, result)
-            with self.clock.part("hand off"):
+            with part(self.clock, "hand off", job.parts):
                 handoff = self.hand_off(req, result, hold)
         # The prompt's new blocks: from the handoff's tail, in host memory (a
         # host copy, not another transfer from the device), before the
         # handoff is sent, after which a decode worker may free the tail and
         # another prefill worker reuse it.
-        with self.clock.part("store"):
+        with part(self.clock, "store", job.parts):
             self.after_reply("prefix store",
                              lambda: job.save_prefix(host=None if local else self.handoff_tail(handoff)))
         if not local:
             self.outbox.send(handoff)
+        log.debug("prefill %s: %d tokens, %d cached, %.1f ms to the first token (%s)", req.request_id,
+                  result.num_tokens, result.cached_tokens, result.prefill_ms, tally_line(job.parts))
 
     # ------------------------------------------------------------- vision --
     def encode_images(self, req: VisionRequest) -> None:

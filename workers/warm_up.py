@@ -1,0 +1,62 @@
+"""A worker's first prompt and decode steps, run before it says it is ready.
+
+A process's first calls pay for set-up that later ones do not: MLX compiles
+kernels on first use (Metal and CUDA JIT kernels, mx.compile's functions on
+the CPU), BLAS, cuBLAS and cuDNN make their handles and plans, allocators
+fill their caches. A launchd service restarts with nobody watching, and its
+first client should not be the one who pays. So a worker runs a short prompt
+(two chunks: the second over the first's cache, as a follow-up turn does)
+and a few decode steps of it, with greedy sampling, before it reports
+"ready". Nothing here reads or writes the prefix cache, counts in the
+metrics or in the loop clock: the engines' clocks are not set yet, the
+prefill engine here has no prefix cache, and the decode engine's is
+detached for the duration.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from protos.messages import DecodeRequest, KVHandoff, SamplingParams
+
+log = logging.getLogger(__name__)
+
+PROMPT_TOKENS = 40  # two chunks of a short prompt, then its last token alone
+DECODE_TOKENS = 4
+REQUEST_ID = "tandem-warm-up"
+
+
+def warm_up(model, decode=None) -> float:
+    """Prefill a fixed prompt with `model` and, given a DecodeEngine, decode a
+    few tokens of it there. Returns the seconds taken. Any failure is logged
+    and swallowed: a worker that cannot warm up still serves (the first
+    request then fails or pays, as it would have)."""
+    from workers.prefill_mlx import PrefillEngine
+
+    t0 = time.perf_counter()
+    greedy = SamplingParams(max_tokens=DECODE_TOKENS + 1, temperature=0.0)
+    # Ids below 1,000 exist in every vocabulary; which ones does not matter.
+    tokens = [10 + (i * 7919) % 1000 for i in range(PROMPT_TOKENS)]
+    try:
+        result = PrefillEngine(model, chunk_size=PROMPT_TOKENS // 2).run(tokens, greedy)
+        if decode is not None and result.first_token not in decode.eos_token_ids:
+            _decode(decode, tokens, result, greedy)
+    except Exception as e:  # noqa: BLE001 - never fatal; see the docstring
+        log.warning("warm-up failed (%s: %s); the first request will pay for set-up", type(e).__name__, e)
+    return time.perf_counter() - t0
+
+
+def _decode(decode, tokens: list[int], result, sampling: SamplingParams) -> None:
+    request = DecodeRequest(REQUEST_ID, tokens, result.first_token,
+                            KVHandoff(REQUEST_ID, result.num_tokens, result.rope_offset, local=True), sampling)
+    prefix, decode.prefix = decode.prefix, None  # nothing of the warm-up is committed
+    try:
+        decode.add(request, result.cache)
+        for _ in range(4 * DECODE_TOKENS):  # bounded: a request ends after max_tokens
+            if not decode.has_work:
+                break
+            decode.step()
+    finally:
+        decode.cancel(REQUEST_ID, save=False)  # still there only if a step failed
+        decode.prefix = prefix
