@@ -11,6 +11,14 @@ and a few decode steps of it, with greedy sampling, before it reports
 metrics or in the loop clock: the engines' clocks are not set yet, the
 prefill engine here has no prefix cache, and the decode engine's is
 detached for the duration.
+
+Not done, measured (BENCHMARKS.md, session 12): on MLX's CUDA backend a
+prefill's first pass at some (new tokens, cached tokens) pairs costs 25-85 ms
+more than the same pass again (benchmarks/first_pass.py), but not by any
+rule a sweep can cover: running every token count to 128 and every 8th to
+512 over 64 and 1,536 cached tokens, through the text model and mlx-vlm's
+language model (12-32 s at start), left a follow-up picture turn's 63-token
+chunk over 1,472 cached tokens as slow as without it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,64 @@
+"""What a forward pass of a new shape costs the first time, per shape.
+
+On MLX's CUDA backend a prefill's first pass at some token counts costs tens
+of ms more than the same pass again (kernels picked and set up per shape).
+This tells which dimension it keys on: the new tokens (n) over a fixed
+cached prefix, or the cached prefix (keys) under a fixed n. Each pass runs
+over a prefix cache trimmed back to P cached tokens, twice: first and again.
+
+    python benchmarks/first_pass.py --model DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from workers import mlx_hooks
+from workers.loading import load_model
+
+
+def _ids(n: int) -> list[int]:
+    return [10 + (i * 7919) % 1000 for i in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    args = ap.parse_args()
+    model, _ = load_model(args.model)
+    mlx_hooks.install(model)  # as the workers run it (attention routing)
+    cache = make_prompt_cache(model)
+    top = 1600
+    model(mx.array([_ids(top)]), cache=cache)
+    mx.eval([c.state for c in cache])
+    ids = _ids(600)
+
+    def once(p: int, n: int) -> float:
+        trim_prompt_cache(cache, cache[0].offset - p)
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval(model(mx.array([ids[:n]]), cache=cache)[:, -1])
+        mx.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+
+    def row(label: str, p: int, n: int) -> None:
+        a, b = once(p, n), once(p, n)
+        print(f"{label:>10} P={p:>5} n={n:>4}: first {a:7.2f} ms, again {b:6.2f} ms, extra {a - b:6.2f}", flush=True)
+
+    print(mx.default_device())
+    for n in (63, 64, 65, 57, 59, 70, 100, 128, 129, 200):  # new tokens, fixed keys
+        row("tokens", 1472, n)
+    for p in (1400, 1410, 1473, 1500, 1536, 1537, 1590):  # cached prefix, fixed tokens
+        row("prefix", p, 63)
+    for p in (1400, 1401, 1500):  # a decode-like single token
+        row("one", p, 1)
+    for n in (63, 64, 65, 57, 59, 70, 100, 128, 129, 200):  # the same again: all seen?
+        row("repeat", 1472, n)
+
+
+if __name__ == "__main__":
+    main()
