@@ -5,8 +5,12 @@ of ms more than the same pass again (kernels picked and set up per shape).
 This tells which dimension it keys on: the new tokens (n) over a fixed
 cached prefix, or the cached prefix (keys) under a fixed n. Each pass runs
 over a prefix cache trimmed back to P cached tokens, twice: first and again.
+`--parts` times a pass's pieces one by one instead (each evaluated on its
+own): the layers without the output projection, the output projection of n
+rows, and the KV caches' updates alone (every layer's keys and values
+written at offset P).
 
-    python benchmarks/first_pass.py --model DIR
+    python -m benchmarks.first_pass --model DIR [--parts]
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ def _ids(n: int) -> list[int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
+    ap.add_argument("--parts", action="store_true", help="time a pass's pieces one by one")
     args = ap.parse_args()
     model, _ = load_model(args.model)
     mlx_hooks.install(model)  # as the workers run it (attention routing)
@@ -37,17 +42,41 @@ def main() -> None:
     mx.eval([c.state for c in cache])
     ids = _ids(600)
 
-    def once(p: int, n: int) -> float:
-        trim_prompt_cache(cache, cache[0].offset - p)
+    def timed(fn) -> float:
         mx.synchronize()
         t0 = time.perf_counter()
-        mx.eval(model(mx.array([ids[:n]]), cache=cache)[:, -1])
+        mx.eval(fn())
         mx.synchronize()
         return (time.perf_counter() - t0) * 1e3
 
+    def whole(p: int, n: int) -> dict:
+        trim_prompt_cache(cache, cache[0].offset - p)
+        return {"pass": timed(lambda: model(mx.array([ids[:n]]), cache=cache)[:, -1])}
+
+    inner = getattr(model, "model", None)
+    out_proj = model.lm_head if hasattr(model, "lm_head") else inner.embed_tokens.as_linear
+
+    def pieces(p: int, n: int) -> dict:
+        trim_prompt_cache(cache, cache[0].offset - p)
+        h = None
+
+        def layers():
+            nonlocal h
+            h = inner(mx.array([ids[:n]]), cache=cache)
+            return h
+        t = {"layers": timed(layers), "output": timed(lambda: out_proj(h))}
+        trim_prompt_cache(cache, n)
+        k = [mx.zeros((1, c.keys.shape[1], n, c.keys.shape[3]), c.keys.dtype) for c in cache]
+        mx.eval(k)
+        t["cache update"] = timed(lambda: [c.update_and_fetch(x, x)[0] for c, x in zip(cache, k)])
+        return t
+
+    once = pieces if args.parts else whole
+
     def row(label: str, p: int, n: int) -> None:
         a, b = once(p, n), once(p, n)
-        print(f"{label:>10} P={p:>5} n={n:>4}: first {a:7.2f} ms, again {b:6.2f} ms, extra {a - b:6.2f}", flush=True)
+        cells = ", ".join(f"{k} {a[k]:7.2f} / {b[k]:6.2f} ms" for k in a)
+        print(f"{label:>10} P={p:>5} n={n:>4}: first / again: {cells}", flush=True)
 
     print(mx.default_device())
     for n in (63, 64, 65, 57, 59, 70, 100, 128, 129, 200):  # new tokens, fixed keys
