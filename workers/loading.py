@@ -3,7 +3,8 @@
 On MLX's CPU backend quantized matmuls are far slower than float32 matmuls
 through BLAS, so quantized layers are expanded to float32 at load; on a GPU
 (Metal or CUDA) they stay quantized, which is both smaller and faster there.
-How many freed buffers MLX keeps per process is sized here too (`size_buffer_cache`).
+How many freed buffers MLX keeps per process is sized here too (`size_buffer_cache`),
+and whether a process records CUDA graphs (`set_cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,32 @@ def hot_kv_bytes(cpu: bool, device: dict, processes: int = 1) -> int:
         return CPU_HOT_KV
     total = device.get("max_recommended_working_set_size") or device.get("total_memory") or device.get("memory_size")
     return int(total) // (8 * max(1, processes)) if total else CPU_HOT_KV
+
+
+def cuda_graphs_wanted(roles) -> bool:
+    """Whether a worker of these roles should let MLX's CUDA backend record
+    its kernels into CUDA graphs (its default).
+
+    A decode worker runs the same few shapes step after step, and replaying a
+    recorded graph saves it the launches: a one-token pass of Qwen3-0.6B on an
+    H100 takes 7.5 ms with graphs, 11.5 ms without. A prefill worker meets a
+    new shape on nearly every follow-up turn (its new tokens over its cached
+    ones), and MLX records and instantiates a graph for a shape it has not
+    seen: 25-85 ms the first time a pass meets it (benchmarks/first_pass.py),
+    which a follow-up turn about a picture paid on most turns (its time to
+    first token 2.1x a text-only request's with graphs, 1.05x without;
+    BENCHMARKS.md, session 12). So a prefill-only worker runs without them;
+    a process that also decodes (`--colocate`) keeps them."""
+    return not ("prefill" in roles and "decode" not in roles)
+
+
+def set_cuda_graphs(roles, environ=os.environ) -> None:
+    """Turn MLX's CUDA graphs off for this process where
+    `cuda_graphs_wanted(roles)` says so, unless MLX_USE_CUDA_GRAPHS is set
+    already (the operator's choice stands). MLX reads the variable at the
+    first GPU work, so a worker calls this before any; other backends ignore it."""
+    if not cuda_graphs_wanted(roles):
+        environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")
 
 
 def size_buffer_cache(processes: int = 1) -> None:

@@ -433,6 +433,9 @@ class Worker:
 
 def run(settings: Settings, roles: list[str], worker_id: str) -> None:
     """Process main for a worker (a `spawn` target)."""
+    from workers.loading import set_cuda_graphs
+
+    set_cuda_graphs(roles)  # before any GPU work: MLX reads it once
     setup_logging(settings.log_level, f"worker:{worker_id}")
     ctx = zmq.Context()
     hello = WorkerHello(worker_id=worker_id, roles=list(roles), pid=os.getpid(), state="loading",

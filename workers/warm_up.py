@@ -18,7 +18,9 @@ more than the same pass again (benchmarks/first_pass.py), but not by any
 rule a sweep can cover: running every token count to 128 and every 8th to
 512 over 64 and 1,536 cached tokens, through the text model and mlx-vlm's
 language model (12-32 s at start), left a follow-up picture turn's 63-token
-chunk over 1,472 cached tokens as slow as without it.
+chunk over 1,472 cached tokens as slow as without it. The cost was MLX's CUDA
+graphs, recorded per shape; a prefill-only worker now runs without them
+(workers/loading.py set_cuda_graphs).
 """
 
 from __future__ import annotations
