@@ -8,9 +8,12 @@ over a prefix cache trimmed back to P cached tokens, twice: first and again.
 `--parts` times a pass's pieces one by one instead (each evaluated on its
 own): the layers without the output projection, the output projection of n
 rows, and the KV caches' updates alone (every layer's keys and values
-written at offset P).
+written at offset P). `--layer` times the first layer's steps one by one
+(Llama- and Qwen3-style layers: q/k/v/o projections, RoPE, q/k norms
+where the model has them): norm, projections, q/k norms, RoPE, cache update, attention,
+output projection, MLP.
 
-    python -m benchmarks.first_pass --model DIR [--parts]
+    python -m benchmarks.first_pass --model DIR [--parts | --layer]
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--parts", action="store_true", help="time a pass's pieces one by one")
+    ap.add_argument("--layer", action="store_true", help="time the first layer's steps one by one")
     args = ap.parse_args()
     model, _ = load_model(args.model)
     mlx_hooks.install(model)  # as the workers run it (attention routing)
@@ -71,7 +75,37 @@ def main() -> None:
         t["cache update"] = timed(lambda: [c.update_and_fetch(x, x)[0] for c, x in zip(cache, k)])
         return t
 
-    once = pieces if args.parts else whole
+    def layer_steps(p: int, n: int) -> dict:
+        import sys
+
+        trim_prompt_cache(cache, cache[0].offset - p)
+        layer, c = inner.layers[0], cache[0]
+        a = layer.self_attn
+        x = mx.random.normal((1, n, a.q_proj.weight.shape[1]), key=mx.random.key(n)).astype(a.q_proj.weight.dtype)
+        mx.eval(x)
+        t, v = {}, {}
+
+        def step(name, fn):
+            t[name] = timed(lambda: v.__setitem__(name, fn()) or v[name])
+
+        step("norm", lambda: layer.input_layernorm(x))
+        step("qkv", lambda: [a.q_proj(v["norm"]), a.k_proj(v["norm"]), a.v_proj(v["norm"])])
+        q, k, val = v["qkv"]
+        q_norm, k_norm = (getattr(a, name, lambda y: y) for name in ("q_norm", "k_norm"))  # Llama has none
+        step("qk norm", lambda: [q_norm(q.reshape(1, n, a.n_heads, -1)).transpose(0, 2, 1, 3),
+                                 k_norm(k.reshape(1, n, a.n_kv_heads, -1)).transpose(0, 2, 1, 3)])
+        step("rope", lambda: [a.rope(v["qk norm"][0], offset=c.offset), a.rope(v["qk norm"][1], offset=c.offset)])
+        vv = val.reshape(1, n, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        step("cache", lambda: list(c.update_and_fetch(v["rope"][1], vv)))
+        # The attention the model's module calls (workers/mlx_hooks.py's where installed).
+        attend = sys.modules[type(a).__module__].scaled_dot_product_attention
+        step("attention", lambda: attend(
+            v["rope"][0], *v["cache"], cache=c, scale=a.scale, mask="causal"))
+        step("o proj", lambda: a.o_proj(v["attention"].transpose(0, 2, 1, 3).reshape(1, n, -1)))
+        step("mlp", lambda: layer.mlp(layer.post_attention_layernorm(x + v["o proj"])))
+        return t
+
+    once = layer_steps if args.layer else pieces if args.parts else whole
 
     def row(label: str, p: int, n: int) -> None:
         a, b = once(p, n), once(p, n)
