@@ -1,9 +1,10 @@
 """What a forward pass of a new shape costs the first time, per shape.
 
-On MLX's CUDA backend a prefill's first pass at some token counts costs tens
-of ms more than the same pass again (kernels picked and set up per shape).
-This tells which dimension it keys on: the new tokens (n) over a fixed
-cached prefix, or the cached prefix (keys) under a fixed n. Each pass runs
+On MLX's CUDA backend a prefill's first pass at some shapes costs tens of ms
+more than the same pass again (MLX records and instantiates a CUDA graph for
+kernels it has not recorded; cuBLAS picks kernels per row count; compare with
+MLX_USE_CUDA_GRAPHS=0). This tells which dimension it keys on: the new
+tokens (n) over a fixed cached prefix, or the cached prefix (keys) under a fixed n. Each pass runs
 over a prefix cache trimmed back to P cached tokens, twice: first and again.
 `--parts` times a pass's pieces one by one instead (each evaluated on its
 own): the layers without the output projection, the output projection of n
@@ -19,6 +20,7 @@ output projection, MLP.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import mlx.core as mx
@@ -76,8 +78,6 @@ def main() -> None:
         return t
 
     def layer_steps(p: int, n: int) -> dict:
-        import sys
-
         trim_prompt_cache(cache, cache[0].offset - p)
         layer, c = inner.layers[0], cache[0]
         a = layer.self_attn

@@ -12,15 +12,13 @@ metrics or in the loop clock: the engines' clocks are not set yet, the
 prefill engine here has no prefix cache, and the decode engine's is
 detached for the duration.
 
-Not done, measured (BENCHMARKS.md, session 12): on MLX's CUDA backend a
-prefill's first pass at some (new tokens, cached tokens) pairs costs 25-85 ms
-more than the same pass again (benchmarks/first_pass.py), but not by any
-rule a sweep can cover: running every token count to 128 and every 8th to
-512 over 64 and 1,536 cached tokens, through the text model and mlx-vlm's
-language model (12-32 s at start), left a follow-up picture turn's 63-token
-chunk over 1,472 cached tokens as slow as without it. The cost was MLX's CUDA
-graphs, recorded per shape; a prefill-only worker now runs without them
-(workers/loading.py set_cuda_graphs).
+Not done, measured (BENCHMARKS.md, session 12): a sweep of every prompt
+size at start-up, to set up per-shape state before the first client. On
+MLX's CUDA backend that state is mostly CUDA graphs, one per new shape in a
+cache of 400; a sweep over every token count to 128 and every 8th to 512,
+over 64 and 1,536 cached tokens (12-32 s at start), filled that cache and
+left a follow-up picture turn as slow as before. A prefill-only worker now
+runs without CUDA graphs instead (workers/loading.py set_cuda_graphs).
 """
 
 from __future__ import annotations
