@@ -3,7 +3,9 @@ without cuDNN. For float32 inputs it must compute exactly what MLX computes
 where no fused kernel applies (on this CPU, MLX's own attention for several
 queries is that computation: compared bit for bit); for half precision it
 keeps the scores in float32, so it must be closer to exact attention than
-that fallback. The routing through workers/mlx_hooks.py is tested with the
+that fallback (written out here with MLX's ops: on a CUDA device
+`mx.fast.scaled_dot_product_attention` would take cuDNN's fused kernel
+instead, which keeps its scores in float32 too). The routing through workers/mlx_hooks.py is tested with the
 backend check answering "CUDA" (the CUDA kernels themselves cannot run on
 this machine)."""
 
@@ -58,13 +60,26 @@ def _exact(q, k, v, scale, mask):
     return (w / w.sum(axis=-1, keepdims=True)) @ v
 
 
+def _fallback(q, k, v, scale, mask):
+    """MLX's attention where no fused kernel applies: scores in the inputs'
+    dtype, masked, a precise softmax, then the values."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
+    s = (q * mx.array(scale, q.dtype)) @ k.swapaxes(-1, -2)
+    if mask == "causal":
+        n, total = q.shape[2], k.shape[2]
+        s = mx.where(mx.arange(total - n, total)[:, None] >= mx.arange(total)[None], s,
+                     mx.array(-mx.inf, s.dtype))
+    return mx.softmax(s, axis=-1, precise=True) @ v
+
+
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("heads,kv_heads,n,length,mask", SHAPES)
 def test_half_precision_scores_stay_float32(dtype, heads, kv_heads, n, length, mask):
     # Spread 2.5: scores of ~10, as trained models' are, where bfloat16 scores lose the weights' precision.
     q, k, v = _qkv(heads, kv_heads, n, length, dtype, spread=2.5)
     got = cuda_attention.attention(q, k, v, 0.125, mask)
-    fallback = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    fallback = _fallback(q, k, v, 0.125, mask)
     exact = _exact(q, k, v, 0.125, mask)
     err = lambda out: float(np.abs(np.array(out.astype(mx.float32), dtype=np.float64) - exact).max())  # noqa: E731
     rounded = mx.array(exact.astype(np.float32)).astype(dtype)  # the best a result in `dtype` can be

@@ -11,7 +11,10 @@ process:
         its row-by-row attention;
       - on the CPU backend, plain and causal masks to workers/cpu_attention.py;
       - on MLX's CUDA backend, a prefill's short queries to
-        workers/cuda_attention.py (no cuDNN graph per shape);
+        workers/cuda_attention.py (no cuDNN graph per shape), and a padded
+        decode batch's one query per row (mlx-lm's BatchKVCache and ours)
+        to workers/cuda_decode_attention.py (no mask, so no fallback to
+        separate ops);
       - everything else (Metal, quantized KV, sinks, array masks) to mlx-lm's
         own function, untouched;
   * on the CPU backend only (MLX's exp is scalar there: workers/cpu_math.py),
@@ -21,7 +24,8 @@ process:
 `install_vlm(language_model)` does the same for mlx-vlm's language model
 (attention and swiglu), over the mlx-lm caches Tandem's VLM prefill gives it.
 TANDEM_MLX_EXP=1 keeps MLX's own attention, swiglu and logsumexp on the CPU,
-TANDEM_CUDNN_PREFILL=1 MLX's own attention on CUDA (to compare).
+TANDEM_CUDNN_PREFILL=1 MLX's own prefill attention on CUDA, and
+TANDEM_MLX_DECODE_ATTENTION=1 its masked decode attention (to compare).
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ import types
 import mlx.core as mx
 from mlx_lm.models import activations as mlx_lm_activations
 from mlx_lm.models import base as mlx_lm_base
+from mlx_lm.models.cache import BatchKVCache
 
-from workers import cpu_attention, cpu_math, cuda_attention
+from workers import cpu_attention, cpu_math, cuda_attention, cuda_decode_attention
 from workers.loading import on_cpu
 from workers.ragged_kv import RaggedKVCache
 
@@ -44,13 +49,14 @@ mlx_lm_generate = importlib.import_module("mlx_lm.generate")
 _ORIGINAL = mlx_lm_base.scaled_dot_product_attention
 _ORIGINAL_SWIGLU = mlx_lm_activations.swiglu
 _CPU = {"on": False}
-_CUDA = {"on": False}
+_CUDA = {"on": False, "decode": False}
 
 
 def _set_backend() -> None:
     _CPU["on"] = on_cpu() and not os.environ.get("TANDEM_MLX_EXP")
-    _CUDA["on"] = (not on_cpu() and mx.cuda.is_available()
-                   and not os.environ.get("TANDEM_CUDNN_PREFILL"))
+    cuda = not on_cpu() and mx.cuda.is_available()
+    _CUDA["on"] = cuda and not os.environ.get("TANDEM_CUDNN_PREFILL")
+    _CUDA["decode"] = cuda and not os.environ.get("TANDEM_MLX_DECODE_ATTENTION")
 
 
 def _ours(queries, keys, values, cache, scale, mask, sinks):
@@ -59,6 +65,11 @@ def _ours(queries, keys, values, cache, scale, mask, sinks):
         return None
     if _CPU["on"]:
         return cpu_attention.attention(queries, keys, values, scale, mask)
+    if (_CUDA["decode"] and isinstance(cache, BatchKVCache) and mask is not None
+            and cuda_decode_attention.supported(queries, keys, values)):
+        # mlx-lm's mask there says no more than each row's left padding (a
+        # window comes with rotating caches, BatchRotatingKVCache, not here)
+        return cuda_decode_attention.attention(queries, keys, values, scale, cache.left_padding)
     if _CUDA["on"]:
         return cuda_attention.attention(queries, keys, values, scale, mask)
     return None
