@@ -425,6 +425,53 @@ def test_new_blocks_are_stored_from_a_host_copy_of_the_tail(dtype, tiny_dir, mod
     assert len(device_copies) == calls + 1
 
 
+def test_a_store_from_host_copies_can_be_written_by_another_thread(tiny_dir, model, monkeypatch):
+    """With `later`, a store from a handoff's host copy reserves and fills
+    the hot tier on the calling (MLX) thread, then hands the arena write and
+    the commit on: until they run, this worker serves the new blocks from its
+    hot tier and the cache service does not have them; after they run on
+    another thread (no MLX there), another worker reads them back exact. A
+    store that needs the device copy is never handed on."""
+    import threading
+
+    import workers.kv_transfer as kv
+    from workers.hot_blocks import tail_of
+
+    monkeypatch.setattr(kv, "_on_cpu", lambda: False)  # the GPU path: host copies vs device copies
+    cache = _filled(mx.float32, 45, 6)  # 5 full blocks
+    tokens = prompt_of(45, 11)
+    layout = kv_layout(cache, BS)
+    fake = FakeCache()
+    prefix = PrefixCache(fake, fake.buffer, BlockHasher(b"m", BS), layout, hot_bytes=64 << 20)
+    other = PrefixCache(fake, fake.buffer, BlockHasher(b"m", BS), layout)  # another worker: no hot tier
+    assert prefix.store(tokens[:16], tail_of(cache, 0)[:3], "first") == 2
+    buf = bytearray(kv.kv_nbytes(tail_of(cache, 16)) + 64)
+    layers = kv.write_kv(buf, 0, tail_of(cache, 16))
+    pending = []
+    assert prefix.store(tokens, cache, "second", host=(16, kv.arena_kv_views(buf, layers)),
+                        later=pending.append) == 3
+    assert len(pending) == 1 and pending[0].host_only()
+    assert other.fetch(tokens + [0], 5, "reader")[1] == 2 * BS  # not committed yet
+    assert prefix.fetch(tokens + [0], 5, "self")[1] == 5 * BS  # this worker's hot tier has them
+    calls = len(fake.calls)
+    done = []
+    writer = threading.Thread(target=lambda: done.append(prefix.write_store(pending[0], client=fake)))
+    writer.start()
+    writer.join(10)
+    assert done == [3] and fake.calls[calls:] == ["commit"]
+    got, hit = other.fetch(tokens + [0], 5, "reader")
+    assert hit == 5 * BS
+    for a, b in zip(cache, got):
+        assert mx.array_equal(a.keys[..., :40, :], b.keys) and mx.array_equal(a.values[..., :40, :], b.values)
+    # A tail from token 24 lacks block 2: the device copy serves, on this thread.
+    third = prompt_of(45, 12)
+    prefix.store(third[:16], cache, "third")
+    pending.clear()
+    assert prefix.store(third, cache, "fourth", host=(24, kv.arena_kv_views(buf, layers)),
+                        later=pending.append) == 3
+    assert pending == [] and other.fetch(third + [0], 5, "reader")[1] == 5 * BS
+
+
 def test_a_hit_is_recomputed_when_that_is_faster(model, tiny_dir):
     """With measured costs saying a block loads slower than its tokens
     compute (a fast GPU, a small model), the hit is left unread: computed,

@@ -144,10 +144,10 @@ class PrefillJob:
                 return
         self.cache = make_prompt_cache(self.engine.model)
 
-    def save_prefix(self, host=None) -> int:
+    def save_prefix(self, host=None, later=None) -> int:
         """Store the prompt's full blocks that the prefix cache lacks, or its
         snapshot (once, after the result). Returns the blocks (snapshots)
-        written; 0 without a cache. `host`: as PrefixCache.store's."""
+        written; 0 without a cache. `host`, `later`: as PrefixCache.store's."""
         prefix = self.engine.prefix
         if prefix is None or self.result is None or self._saved:
             return 0
@@ -155,7 +155,7 @@ class PrefillJob:
         if getattr(prefix, "kind", "blocks") == "snapshot":
             snapshot, self.snapshot = self.snapshot, None  # host memory: drop it once stored
             return prefix.store(self.tokens, snapshot, self.owner)
-        return prefix.store(self.tokens, self.result.cache, self.owner, host=host)
+        return prefix.store(self.tokens, self.result.cache, self.owner, host=host, later=later)
 
     def _finish(self) -> PrefillResult:
         logits = self.engine.model(self.prompt[None, -1:], cache=self.cache)[:, -1, :]

@@ -222,16 +222,17 @@ class VLMPrefillJob:
                 return True
         return False
 
-    def save_prefix(self, host=None) -> int:
+    def save_prefix(self, host=None, later=None) -> int:
         """Store the prompt's blocks (or snapshot) under image-aware hashes.
-        `host`: as PrefixCache.store's."""
+        `host`, `later`: as PrefixCache.store's."""
         if self.prefix is None or self.result is None or self._saved:
             return 0
         self._saved = True
         if self.snapshots:
             snapshot, self.snapshot = self.snapshot, None
             return self.prefix.store(self.tokens, snapshot, self.owner, per_block=self.per_block)
-        return self.prefix.store(self.tokens, self.result.cache, self.owner, per_block=self.per_block, host=host)
+        return self.prefix.store(self.tokens, self.result.cache, self.owner, per_block=self.per_block, host=host,
+                                 later=later)
 
 
 def _with_pixels(im: ImageInput) -> ImageInput:

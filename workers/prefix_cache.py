@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from cache_service.client import CacheUnavailable
@@ -111,7 +112,8 @@ class PrefixCache(_ServiceUser):
     failure is logged and means "nothing reused" or "nothing stored". After
     the service misses a deadline, calls are skipped for `retry_after_s`, so
     a dead service costs one timeout rather than one per request.
-    One per worker process, used on its MLX thread only.
+    One per worker process, used on its MLX thread only, but for
+    `write_store` of host copies (a prefill worker's store thread).
     """
 
     kind = "blocks"
@@ -305,18 +307,26 @@ class PrefixCache(_ServiceUser):
         return refs
 
     # ----------------------------------------------------------------- store
-    def store(self, tokens: Sequence[int], cache: Sequence, owner: str, per_block=None, host=None) -> int:
+    def store(self, tokens: Sequence[int], cache: Sequence, owner: str, per_block=None, host=None,
+              later: Optional[Callable[["PreparedStore"], None]] = None) -> int:
         """Commit every full block of `tokens` that `cache` holds and the
         cache service lacks. `tokens` must be exactly the tokens whose KV the
         cache holds, from position 0 (a wrong token here would poison the
         cache for every later request). `host`: (start, arrays), the same KV
         from token `start` on already in host memory (kv_transfer.arena_kv_views
         of a handoff's tail): blocks from there are copied from it, not from
-        the device. Returns the blocks written."""
+        the device. `later`: given blocks to write from host memory only, it
+        is handed the prepared store instead, whose `write_store` (host work
+        and a commit, no MLX) another thread may run; the hot tier has the
+        blocks by then. Returns the blocks written (or handed on)."""
         prepared = self.prepare_store(tokens, cache, owner, per_block, host)
         if prepared is None:
             return 0
         mx.eval(prepared.arrays())
+        if later is not None and prepared.todo and prepared.host_only():
+            self.keep_hot(prepared)
+            later(prepared)
+            return len(prepared.todo)
         return self.finish_store(prepared)
 
     def prepare_store(self, tokens: Sequence[int], cache: Sequence, owner: str,
@@ -392,16 +402,34 @@ class PrefixCache(_ServiceUser):
         hot tier takes its blocks, the reserved blocks are copied into the
         arena and committed. Returns the blocks committed; never raises."""
         try:
-            return self._finish_store(prepared)
+            self.keep_hot(prepared)
+        except Exception:  # noqa: BLE001 (the reservation expires by itself)
+            self.stats.failures += 1
+            log.warning("prefix store for %s failed", prepared.owner, exc_info=True)
+            return 0
+        return self.write_store(prepared)
+
+    def keep_hot(self, prepared: "PreparedStore") -> None:
+        """finish_store's first part, on the MLX thread: the hot tier takes
+        the prepared blocks (evaluated MLX arrays)."""
+        for h, (k, v) in prepared.hot:
+            self.hot.put(h, k, v)
+        self.hot.touch(prepared.hashes)
+
+    def write_store(self, prepared: "PreparedStore", client=None) -> int:
+        """finish_store's second part: copy the reserved blocks into the arena
+        and commit them. No MLX when the blocks are host copies
+        (`prepared.host_only()`), so another thread may run it with a
+        `client` of its own (a CacheClient serves one thread). Returns the
+        blocks committed; never raises."""
+        try:
+            return self._write_store(prepared, client or self.client)
         except Exception:  # noqa: BLE001 (the reservation expires by itself)
             self.stats.failures += 1
             log.warning("prefix store for %s failed", prepared.owner, exc_info=True)
             return 0
 
-    def _finish_store(self, prepared: "PreparedStore") -> int:
-        for h, (k, v) in prepared.hot:
-            self.hot.put(h, k, v)
-        self.hot.touch(prepared.hashes)
+    def _write_store(self, prepared: "PreparedStore", client) -> int:
         todo = prepared.todo
         if not todo:
             return 0
@@ -410,7 +438,7 @@ class PrefixCache(_ServiceUser):
                                   [j - prepared.blocks_first for j, _ in todo], self.layout)
             # With our owner: a reservation of ours that expired meanwhile (and
             # was re-reserved by another writer) is not published by us.
-            ack = self.client.commit([r.hash for _, r in todo], owner=prepared.owner)
+            ack = client.commit([r.hash for _, r in todo], owner=prepared.owner)
         except CacheUnavailable as exc:
             self._unavailable(exc)
             return 0
@@ -444,6 +472,10 @@ class PreparedStore:
     def arrays(self) -> list:
         """What to evaluate before finish_store."""
         return [a for a in self.blocks if isinstance(a, mx.array)] + [kv for _, block in self.hot for kv in block]
+
+    def host_only(self) -> bool:
+        """The blocks to write are host copies: writing them needs no MLX."""
+        return all(isinstance(a, np.ndarray) for a in self.blocks)
 
 
 @dataclass

@@ -67,6 +67,7 @@ class Worker:
         self.cache: CacheClient | None = None
         self.prefix_client: CacheClient | None = None
         self.prefix = None  # workers.prefix_cache.PrefixCache or SnapshotCache; None when caching is off
+        self.stores = None  # workers.store_thread.StoreThread: a prefill's block store off the MLX thread
         self.arenas = ArenaAttachment()  # re-attaches when a restarted cache service has a new arena
         self.prefill = None
         self.vision = None  # workers.vision.VisionEngine when the model takes images
@@ -113,6 +114,13 @@ class Worker:
 
             log.info("worker %s warmed up in %.2fs", self.worker_id, warm_up(model, self.decode))
         self.outbox = Outbox(self.ctx)
+        if self.prefill is not None and getattr(self.prefix, "kind", "") == "blocks" and self.prefix.hot.enabled:
+            # (without a hot tier, the next prompt would miss blocks still being stored)
+            from workers.store_thread import StoreThread
+
+            self.stores = StoreThread(self.prefix, CacheClient(
+                self.settings, timeout_s=min(self.settings.cache_call_timeout_s, PREFIX_CALL_TIMEOUT_S)),
+                self.outbox.send)
         self.hello.max_context = context_length(self.settings.model_dir)
         self.hello.state = "ready"
         log.info("worker %s %s ready in %.1fs (pid %d)", self.worker_id, "+".join(self.roles),
@@ -249,11 +257,18 @@ class Worker:
         # The prompt's new blocks: from the handoff's tail, in host memory (a
         # host copy, not another transfer from the device), before the
         # handoff is sent, after which a decode worker may free the tail and
-        # another prefill worker reuse it.
+        # another prefill worker reuse it. The copy and the commit, and then
+        # the handoff, are the store thread's when there is one.
+        later = []
         with part(self.clock, "store", job.parts):
-            self.after_reply("prefix store",
-                             lambda: job.save_prefix(host=None if local else self.handoff_tail(handoff)))
-        if not local:
+            if local:
+                self.after_reply("prefix store", lambda: job.save_prefix())
+            else:
+                self.after_reply("prefix store", lambda: job.save_prefix(
+                    host=self.handoff_tail(handoff), later=later.append if self.stores else None))
+        if later:
+            self.stores.submit(later[0], handoff)
+        elif not local:
             self.outbox.send(handoff)
         log.debug("prefill %s: %d tokens, %d cached, %.1f ms to the first token (%s)", req.request_id,
                   result.num_tokens, result.cached_tokens, result.prefill_ms, tally_line(job.parts))
@@ -422,6 +437,8 @@ class Worker:
             self.outbox.send(TokenBatch(updates))
 
     def close(self) -> None:
+        if self.stores:
+            self.stores.close()  # its queued handoffs go out first
         if self.outbox:
             self.outbox.close()
         if self.cache:

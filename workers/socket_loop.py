@@ -26,21 +26,27 @@ _OUTBOX_ADDR = "inproc://outbox"
 
 
 class Outbox:
-    """Owned by the MLX thread: hands messages to the I/O thread without a lock.
+    """Hands messages to the I/O thread, in the order they are sent.
 
     A PUSH over inproc wakes the I/O thread's poller at once, so a decoded token
-    waits for no polling interval before it leaves the process.
+    waits for no polling interval before it leaves the process. The MLX thread
+    sends most; a prefill worker's store thread (workers/store_thread.py)
+    sends handoffs. One socket behind a lock, not one per thread, so that a
+    handoff never overtakes the PrefillDone sent before it.
     """
 
     def __init__(self, ctx: zmq.Context):
         self._sock = transport.make_socket(ctx, zmq.PUSH)
         self._sock.connect(_OUTBOX_ADDR)
+        self._lock = threading.Lock()
 
     def send(self, msg) -> None:
-        transport.send(self._sock, msg)
+        with self._lock:
+            transport.send(self._sock, msg)
 
     def close(self) -> None:
-        self._sock.close()
+        with self._lock:
+            self._sock.close()
 
 
 class SocketLoop(threading.Thread):

@@ -1,0 +1,63 @@
+"""workers/store_thread.py: a prefill worker's block stores off the MLX
+thread. Real threads; the prefix cache is a double that records (the arena
+write itself is tested in test_prefix_worker.py, the whole path through the
+real processes in the end-to-end tests, where every split prefill worker on
+this machine uses the store thread)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from workers.store_thread import StoreThread
+
+
+class Prefix:
+    def __init__(self, fail_on=()):
+        self.written = []
+        self.threads = set()
+        self.fail_on = set(fail_on)
+
+    def write_store(self, prepared, client=None):
+        self.threads.add(threading.get_ident())
+        time.sleep(0.01)  # a copy takes a while: jobs queue up behind it
+        if prepared in self.fail_on:
+            raise RuntimeError("arena gone")
+        self.written.append((prepared, client))
+        return 1
+
+
+class Client:
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def test_handoffs_leave_in_order_after_their_store_even_when_a_store_fails():
+    prefix, client, sent = Prefix(fail_on={"p2"}), Client(), []
+    stores = StoreThread(prefix, client, lambda h: sent.append((h, [p for p, _ in prefix.written])))
+    for i in range(5):
+        stores.submit(f"p{i}", f"h{i}")
+    stores.close(timeout_s=10)
+    assert [h for h, _ in sent] == ["h0", "h1", "h2", "h3", "h4"]
+    # each handoff left after its own store (p2's failed: sent all the same)
+    assert sent[0][1] == ["p0"] and sent[3][1] == ["p0", "p1", "p3"]
+    assert all(c is client for _, c in prefix.written)
+    assert prefix.threads and threading.get_ident() not in prefix.threads
+    assert client.closed
+
+
+def test_a_failing_send_does_not_stop_the_thread():
+    prefix, sent = Prefix(), []
+
+    def send(h):
+        if h == "bad":
+            raise OSError("socket closed")
+        sent.append(h)
+
+    stores = StoreThread(prefix, Client(), send)
+    for h in ("a", "bad", "b"):
+        stores.submit(h, h)
+    stores.close(timeout_s=10)
+    assert sent == ["a", "b"]

@@ -1,0 +1,66 @@
+"""A prefill worker's store thread: a prompt's new blocks go into the prefix
+cache off the MLX thread.
+
+After a prefill the worker copies the prompt's KV tail into the arena (the
+handoff) and stores the prompt's new full blocks from that host copy: a
+rearranging copy into reserved blocks and a commit (on an H100 swarm ~13 of a
+prefill's ~75 ms). That copy must end before the handoff is sent (a decode
+worker frees the tail once it has read it), but nothing else waits on it: the
+first token is already out, and the MLX thread's hot tier holds the new blocks,
+so the worker's next prompt finds them even before the commit lands. So the
+MLX thread reserves and hands the write, the commit and then the handoff to
+this thread, and starts the next prompt.
+
+Jobs run one at a time in order, so handoffs leave in the order their prompts
+finished. Every job ends by sending its handoff, whether the store worked or
+not (a store is an optimisation); closing runs what is queued, within a
+deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Callable, Optional
+
+log = logging.getLogger(__name__)
+
+
+class StoreThread:
+    """Runs `prefix.write_store(prepared, client)` then `send(handoff)` for
+    each submitted job, on a thread of its own with its own cache client."""
+
+    def __init__(self, prefix, client, send: Callable[[object], None]):
+        self.prefix = prefix
+        self.client = client  # a CacheClient used by this thread only
+        self.send = send  # thread-safe (workers.socket_loop.Outbox)
+        self._jobs: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="prefix-store", daemon=True)
+        self._thread.start()
+
+    def submit(self, prepared, handoff) -> None:
+        self._jobs.put((prepared, handoff))
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            prepared, handoff = job
+            try:
+                self.prefix.write_store(prepared, client=self.client)
+            except Exception:  # noqa: BLE001 - a store is an optimisation; the handoff goes all the same
+                log.exception("prefix store for %s failed", getattr(handoff, "request_id", "?"))
+            try:
+                self.send(handoff)
+            except Exception:  # noqa: BLE001 - the router's deadline fails the request
+                log.exception("handoff of %s could not be sent", getattr(handoff, "request_id", "?"))
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Finish the queued jobs (their handoffs go out), then stop."""
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("prefix store thread still busy after %.1f s; leaving it", timeout_s)
+        self.client.close()
