@@ -36,9 +36,13 @@ def test_warm_up_prefills_and_decodes_and_leaves_nothing_behind(embedded_model, 
     monkeypatch.setattr(decode, "step", lambda: steps.append(real_step()) or steps[-1])
     seconds = warm_up.warm_up(model, decode)
     assert seconds > 0
-    tokens = [u for updates in steps for u in updates if u.request_id == warm_up.REQUEST_ID]
-    assert len(tokens) == warm_up.DECODE_TOKENS  # max_tokens less the first (prefill's) token
-    assert tokens[-1].finish_reason == "length"
+    for rid in (warm_up.REQUEST_ID, warm_up.REQUEST_ID + "-2"):  # two rows of different lengths
+        tokens = [u for updates in steps for u in updates if u.request_id == rid]
+        assert len(tokens) == warm_up.DECODE_TOKENS  # max_tokens less the first (prefill's) token
+        assert tokens[-1].finish_reason == "length"
+    # they decoded in the same steps: one padded (or ragged) batch
+    assert any({u.request_id for u in updates} == {warm_up.REQUEST_ID, warm_up.REQUEST_ID + "-2"}
+               for updates in steps)
     assert not decode.has_work and decode.running == 0 and decode.waiting == 0
     assert decode.prefix is prefix and prefix.calls == []
 

@@ -6,8 +6,10 @@ the CPU), BLAS, cuBLAS and cuDNN make their handles and plans, allocators
 fill their caches. A launchd service restarts with nobody watching, and its
 first client should not be the one who pays. So a worker runs a short prompt
 (two chunks: the second over the first's cache, as a follow-up turn does)
-and a few decode steps of it, with greedy sampling, before it reports
-"ready". Nothing here reads or writes the prefix cache, counts in the
+and a few decode steps of it beside a shorter one, with greedy sampling,
+before it reports "ready": two rows of different lengths make a padded
+batch, whose steps take the decode attention of a busy server (on CUDA
+workers/cuda_decode_attention.py, whose kernels compile at their first call). Nothing here reads or writes the prefix cache, counts in the
 metrics or in the loop clock: the engines' clocks are not set yet, the
 prefill engine here has no prefix cache, and the decode engine's is
 detached for the duration.
@@ -31,6 +33,7 @@ from protos.messages import DecodeRequest, KVHandoff, SamplingParams
 log = logging.getLogger(__name__)
 
 PROMPT_TOKENS = 40  # two chunks of a short prompt, then its last token alone
+SHORTER_TOKENS = 25  # the second row's prompt: the first's first tokens
 DECODE_TOKENS = 4
 REQUEST_ID = "tandem-warm-up"
 
@@ -47,24 +50,30 @@ def warm_up(model, decode=None) -> float:
     # Ids below 1,000 exist in every vocabulary; which ones does not matter.
     tokens = [10 + (i * 7919) % 1000 for i in range(PROMPT_TOKENS)]
     try:
-        result = PrefillEngine(model, chunk_size=PROMPT_TOKENS // 2).run(tokens, greedy)
-        if decode is not None and result.first_token not in decode.eos_token_ids:
-            _decode(decode, tokens, result, greedy)
+        engine = PrefillEngine(model, chunk_size=PROMPT_TOKENS // 2)
+        rows = [(REQUEST_ID, tokens, engine.run(tokens, greedy))]
+        if decode is not None:
+            shorter = tokens[:SHORTER_TOKENS]
+            rows.append((REQUEST_ID + "-2", shorter, engine.run(shorter, greedy)))
+            _decode(decode, [row for row in rows if row[2].first_token not in decode.eos_token_ids], greedy)
     except Exception as e:  # noqa: BLE001 - never fatal; see the docstring
         log.warning("warm-up failed (%s: %s); the first request will pay for set-up", type(e).__name__, e)
     return time.perf_counter() - t0
 
 
-def _decode(decode, tokens: list[int], result, sampling: SamplingParams) -> None:
-    request = DecodeRequest(REQUEST_ID, tokens, result.first_token,
-                            KVHandoff(REQUEST_ID, result.num_tokens, result.rope_offset, local=True), sampling)
+def _decode(decode, rows: list, sampling: SamplingParams) -> None:
+    """Decode `rows` ([(request id, prompt tokens, PrefillResult)]) together."""
     prefix, decode.prefix = decode.prefix, None  # nothing of the warm-up is committed
     try:
-        decode.add(request, result.cache)
+        for rid, tokens, result in rows:
+            decode.add(DecodeRequest(rid, tokens, result.first_token,
+                                     KVHandoff(rid, result.num_tokens, result.rope_offset, local=True), sampling),
+                       result.cache)
         for _ in range(4 * DECODE_TOKENS):  # bounded: a request ends after max_tokens
             if not decode.has_work:
                 break
             decode.step()
     finally:
-        decode.cancel(REQUEST_ID, save=False)  # still there only if a step failed
+        for rid, _, _ in rows:
+            decode.cancel(rid, save=False)  # still there only if a step failed
         decode.prefix = prefix
