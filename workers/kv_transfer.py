@@ -407,7 +407,8 @@ def write_prepared_blocks(buf, offsets: Sequence[int], arrays: Sequence[mx.array
         raise ValueError(f"{len(indices)} blocks for {len(offsets)} offsets")
     mv = memoryview(buf).cast("B")
     try:
-        if _on_cpu() or isinstance(arrays[0], np.ndarray):
+        # (host copies first: a prefill worker's store thread runs no MLX)
+        if isinstance(arrays[0], np.ndarray) or _on_cpu():
             _write_strided(mv, offsets, arrays, indices, layout)
         else:
             host = _as_numpy(arrays[0])  # one transfer of exactly the blocks' bytes
