@@ -50,7 +50,7 @@ class BlockPrefix:
         self.hasher = BlockHasher(b"test", block_size)
         self.stored: list[tuple[list[bytes], list]] = []
 
-    def store(self, tokens, cache, owner="", per_block=None, host=None) -> int:
+    def store(self, tokens, cache, owner="", per_block=None, host=None, later=None) -> int:
         hashes = self.hasher.hashes(tokens, per_block=per_block)
         self.stored.append((hashes, cache))
         return len(hashes)
