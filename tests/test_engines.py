@@ -376,12 +376,7 @@ def _filled_cache(dtype, tokens, seed):
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_kv_roundtrip_is_exact(dtype, on_cpu, monkeypatch):
     """Both ways write_kv copies: array by array (MLX's CPU backend) and
-    packed into one device array first (a GPU); read_kv reads array by array
-    on the CPU and, on a GPU, makes one MLX array of the whole span and cuts
-    it into views (each array made from host memory costs MLX's CUDA
-    backend ~0.1 ms)."""
-    import types
-
+    packed into one device array first (a GPU)."""
     import workers.kv_transfer as kv
 
     monkeypatch.setattr(kv, "_on_cpu", lambda: on_cpu)
@@ -393,21 +388,7 @@ def test_kv_roundtrip_is_exact(dtype, on_cpu, monkeypatch):
     layers = write_kv(memoryview(buf), 64, cache)
     assert layers[0][0].offset == 64 and all(s.offset % 64 == 0 for p in layers for s in p)
     assert layers[0][0].dtype == kv_dtype_name(cache) == str(dtype).split(".")[-1]
-    made = []
-
-    class CountingMx(types.ModuleType):  # mlx.core, counting arrays made from host memory
-        def __getattr__(self, name):
-            return getattr(mx, name)
-
-        @staticmethod
-        def array(*a, **k):
-            made.append(1)
-            return mx.array(*a, **k)
-
-    monkeypatch.setattr(kv, "mx", CountingMx("mlx.core"))
     back = read_kv(buf, layers)
-    monkeypatch.setattr(kv, "mx", mx)
-    assert len(made) == (2 * len(cache) if on_cpu else 1)
     for a, b in zip(cache, back):
         assert b.offset == 37 and b.keys.dtype == dtype and b.values.dtype == dtype
         assert mx.array_equal(a.keys[..., :37, :], b.keys)

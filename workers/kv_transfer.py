@@ -232,37 +232,9 @@ def arena_kv_views(buf, layers: Sequence) -> List[np.ndarray]:
     return [_slice_view(mv, s) for pair in layers for s in pair]
 
 
-# numpy storage dtype -> the MLX dtype of the same bytes
-_MX_STORAGE = {np.dtype(np.float32): mx.float32, np.dtype(np.float16): mx.float16,
-               np.dtype(np.int8): mx.int8, np.dtype(np.int16): mx.int16, np.dtype(np.int32): mx.int32,
-               np.dtype(np.int64): mx.int64, np.dtype(np.uint8): mx.uint8, np.dtype(np.uint16): mx.uint16,
-               np.dtype(np.uint32): mx.uint32, np.dtype(np.uint64): mx.uint64, np.dtype(np.bool_): mx.bool_}
-
-
-def _read_layers(mv: memoryview, layers: Sequence) -> List[List[mx.array]]:
-    """Every slice of `layers` as an MLX array that owns its memory (copied
-    out of `mv` at once). On the CPU one copy per slice; on a GPU one copy of
-    the whole span (a handoff's slices lie side by side: _write_packed), cut
-    into views: MLX's CUDA backend pays ~0.1 ms per array made from host
-    memory (an H100 swarm's decode worker: 56 of them, 5.8 ms, per handoff)."""
-    slices = [[_arena_slice(s) for s in layer] for layer in layers]
-    flat = [s for layer in slices for s in layer if s.nbytes]
-    if _on_cpu() or len(flat) < 2:
-        return [[_to_mlx(_slice_view(mv, s), s.dtype) for s in layer] for layer in slices]
-    for s in flat:
-        _slice_view(mv, s)  # checks each slice against its bounds and shape
-    lo = min(s.offset for s in flat)
-    hi = max(s.offset + s.nbytes for s in flat)
-    whole = mx.array(np.frombuffer(mv, dtype=np.uint8, count=hi - lo, offset=lo))  # the one copy
-
-    def view(s) -> mx.array:
-        dtype = storage_dtype(s.dtype)
-        if not s.nbytes or (s.offset - lo) % dtype.itemsize:  # empty, or off an element boundary
-            return _to_mlx(_slice_view(mv, s), s.dtype)
-        a = whole[s.offset - lo:s.offset - lo + s.nbytes].view(_MX_STORAGE[dtype]).reshape(s.shape)
-        return a.view(mx.bfloat16) if s.dtype == "bfloat16" else a
-
-    return [[view(s) for s in layer] for layer in slices]
+def _read_slice(mv: memoryview, s) -> mx.array:
+    s = _arena_slice(s)
+    return _to_mlx(_slice_view(mv, s), s.dtype)  # the one copy: buffer -> MLX memory
 
 
 def _to_mlx(a: np.ndarray, name: str) -> mx.array:
@@ -283,7 +255,8 @@ def read_kv(buf, layers: Sequence) -> List[KVCache]:
     mv = memoryview(buf).cast("B")
     caches = []
     try:
-        for keys, values in _read_layers(mv, layers):
+        for pair in layers:
+            keys, values = (_read_slice(mv, s) for s in pair)
             if keys.shape[2] != values.shape[2]:
                 raise ValueError("keys and values cover different token counts")
             c = KVCache()
@@ -786,7 +759,7 @@ def read_cache(buf, layers: Sequence, meta: Sequence) -> list:
         raise ValueError(f"{len(meta)} layer specs for {len(layers)} layers of slices")
     mv = memoryview(buf).cast("B")
     try:
-        arrays = _read_layers(mv, layers)
+        arrays = [[_read_slice(mv, s) for s in layer] for layer in layers]
     finally:
         _release(mv)
     mx.eval(arrays)
