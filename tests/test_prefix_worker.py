@@ -389,6 +389,14 @@ def test_cold_partial_and_full_hits_match_mlx_lm(model, tiny_dir):
 
 
 
+def _assert_reads_back(prefix, tokens, cache, blocks):
+    """`prefix` serves the first `blocks` full blocks of `tokens`, equal to `cache`'s KV."""
+    got, hit = prefix.fetch(tokens + [0], blocks, "reader")
+    assert hit == blocks * BS
+    for a, b in zip(cache, got):
+        assert mx.array_equal(a.keys[..., :hit, :], b.keys) and mx.array_equal(a.values[..., :hit, :], b.values)
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_new_blocks_are_stored_from_a_host_copy_of_the_tail(dtype, tiny_dir, model, monkeypatch):
     """A prefill worker stores a prompt's new blocks from its handoff's tail,
@@ -413,10 +421,7 @@ def test_new_blocks_are_stored_from_a_host_copy_of_the_tail(dtype, tiny_dir, mod
     layers = kv.write_kv(buf, 0, tail_of(cache, 16))
     host = (16, kv.arena_kv_views(buf, layers))
     assert prefix.store(tokens, cache, "second", host=host) == 3 and len(device_copies) == 1
-    got, hit = prefix.fetch(tokens + [0], 5, "reader")
-    assert hit == 5 * BS
-    for a, b in zip(cache, got):
-        assert mx.array_equal(a.keys[..., :40, :], b.keys) and mx.array_equal(a.values[..., :40, :], b.values)
+    _assert_reads_back(prefix, tokens, cache, 5)
     # A tail from token 24 does not hold block 2 (tokens 16-23): the device copy serves.
     other = prompt_of(45, 10)
     prefix.store(other[:16], cache, "third")
@@ -459,10 +464,7 @@ def test_a_store_from_host_copies_can_be_written_by_another_thread(tiny_dir, mod
     writer.start()
     writer.join(10)
     assert done == [3] and fake.calls[calls:] == ["commit"]
-    got, hit = other.fetch(tokens + [0], 5, "reader")
-    assert hit == 5 * BS
-    for a, b in zip(cache, got):
-        assert mx.array_equal(a.keys[..., :40, :], b.keys) and mx.array_equal(a.values[..., :40, :], b.values)
+    _assert_reads_back(other, tokens, cache, 5)
     # A tail from token 24 lacks block 2: the device copy serves, on this thread.
     third = prompt_of(45, 12)
     prefix.store(third[:16], cache, "third")
