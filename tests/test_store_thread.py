@@ -61,3 +61,35 @@ def test_a_failing_send_does_not_stop_the_thread():
         stores.submit(h, h)
     stores.close(timeout_s=10)
     assert sent == ["a", "b"]
+
+
+def test_a_send_after_the_socket_loop_stopped_gives_up_and_close_does_not_hang():
+    """Real ZeroMQ: once the I/O thread's PULL is gone, a PUSH blocks for
+    ever. The store thread sends with a deadline, so neither it nor the MLX
+    thread's Outbox.close (which takes the same lock) hangs at shutdown."""
+    import zmq
+
+    from protos import transport
+    from protos.messages import KVHandoff
+    from workers.socket_loop import _OUTBOX_ADDR, Outbox
+
+    ctx = zmq.Context()
+    pull = transport.make_socket(ctx, zmq.PULL)
+    pull.bind(_OUTBOX_ADDR)
+    outbox = Outbox(ctx)
+    try:
+        outbox.send(KVHandoff("r0", 3, 3), wait_s=1.0)
+        assert pull.poll(2000) and transport.recv(pull).request_id == "r0"
+        pull.close()  # the socket loop stops
+        time.sleep(0.1)
+        stores = StoreThread(Prefix(), Client(), lambda h: outbox.send(h, wait_s=0.3))
+        stores.submit("p", KVHandoff("r1", 3, 3))
+        t0 = time.monotonic()
+        stores.close(timeout_s=5)
+        assert time.monotonic() - t0 < 3 and not stores._thread.is_alive()
+        closed = threading.Thread(target=outbox.close)
+        closed.start()
+        closed.join(2)
+        assert not closed.is_alive()
+    finally:
+        ctx.term()

@@ -53,6 +53,9 @@ HANDOFF_TTL_S = 120.0
 # in microseconds when alive, and a request is better off computing its
 # prompt than waiting the full cache_call_timeout_s for an optimisation.
 PREFIX_CALL_TIMEOUT_S = 1.0
+# The store thread's sends give up after this (the socket loop has stopped;
+# the router's deadline then fails the request) rather than block for ever.
+HANDOFF_SEND_S = 5.0
 
 
 class Worker:
@@ -118,9 +121,10 @@ class Worker:
             # (without a hot tier, the next prompt would miss blocks still being stored)
             from workers.store_thread import StoreThread
 
+            outbox = self.outbox
             self.stores = StoreThread(self.prefix, CacheClient(
                 self.settings, timeout_s=min(self.settings.cache_call_timeout_s, PREFIX_CALL_TIMEOUT_S)),
-                self.outbox.send)
+                lambda handoff: outbox.send(handoff, wait_s=HANDOFF_SEND_S))
         self.hello.max_context = context_length(self.settings.model_dir)
         self.hello.state = "ready"
         log.info("worker %s %s ready in %.1fs (pid %d)", self.worker_id, "+".join(self.roles),
@@ -471,6 +475,8 @@ def run(settings: Settings, roles: list[str], worker_id: str) -> None:
         worker.load()
         _serve_profiled(worker, os.environ.get("TANDEM_PROFILE_DIR"))
     finally:
+        if worker.stores:
+            worker.stores.close()  # while the socket loop runs: its queued handoffs still go out
         loop.stopping.set()
         loop.join(timeout=2)
         worker.close()

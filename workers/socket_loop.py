@@ -40,9 +40,26 @@ class Outbox:
         self._sock.connect(_OUTBOX_ADDR)
         self._lock = threading.Lock()
 
-    def send(self, msg) -> None:
-        with self._lock:
-            transport.send(self._sock, msg)
+    def send(self, msg, wait_s: float | None = None) -> None:
+        """Queue `msg` for the router. With `wait_s`, give up after that long
+        (TimeoutError) instead of blocking: a PUSH whose I/O thread has
+        stopped blocks for ever, and a thread other than the MLX thread must
+        not hold the lock then (the MLX thread's close would wait on it)."""
+        if wait_s is None:
+            with self._lock:
+                transport.send(self._sock, msg)
+            return
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self._lock:
+                try:
+                    transport.send(self._sock, msg, flags=zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    pass
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{type(msg).__name__} not sent within {wait_s} s: the socket loop has stopped")
+            time.sleep(0.005)
 
     def close(self) -> None:
         with self._lock:

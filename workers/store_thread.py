@@ -58,9 +58,13 @@ class StoreThread:
                 log.exception("handoff of %s could not be sent", getattr(handoff, "request_id", "?"))
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Finish the queued jobs (their handoffs go out), then stop."""
+        """Finish the queued jobs (their handoffs go out), then stop. Call it
+        while the socket loop still runs; calling it again does nothing."""
+        if not self._thread.is_alive():
+            return
         self._jobs.put(None)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             log.warning("prefix store thread still busy after %.1f s; leaving it", timeout_s)
+            return  # its client is still in use there
         self.client.close()
