@@ -93,8 +93,7 @@ class Worker:
         t0 = time.perf_counter()
         size_buffer_cache(len(self.settings.worker_plan()))
         self.cache = CacheClient(self.settings)
-        self.prefix_client = CacheClient(
-            self.settings, timeout_s=min(self.settings.cache_call_timeout_s, PREFIX_CALL_TIMEOUT_S))
+        self.prefix_client = self.prefix_cache_client()
         model = None
         if "prefill" in self.roles or "decode" in self.roles:
             model, _tokenizer = load_model(self.settings.model_dir)
@@ -122,13 +121,16 @@ class Worker:
             from workers.store_thread import StoreThread
 
             outbox = self.outbox
-            self.stores = StoreThread(self.prefix, CacheClient(
-                self.settings, timeout_s=min(self.settings.cache_call_timeout_s, PREFIX_CALL_TIMEOUT_S)),
-                lambda handoff: outbox.send(handoff, wait_s=HANDOFF_SEND_S))
+            self.stores = StoreThread(self.prefix, self.prefix_cache_client(),
+                                      lambda handoff: outbox.send(handoff, wait_s=HANDOFF_SEND_S))
         self.hello.max_context = context_length(self.settings.model_dir)
         self.hello.state = "ready"
         log.info("worker %s %s ready in %.1fs (pid %d)", self.worker_id, "+".join(self.roles),
                  time.perf_counter() - t0, os.getpid())
+
+    def prefix_cache_client(self) -> CacheClient:
+        """A cache client with the prefix cache's short deadline (one per thread)."""
+        return CacheClient(self.settings, timeout_s=min(self.settings.cache_call_timeout_s, PREFIX_CALL_TIMEOUT_S))
 
     def load_vision(self, text_model) -> None:
         """The vision tower and projector (mlx-vlm). With a text model (a

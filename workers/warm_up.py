@@ -9,7 +9,8 @@ first client should not be the one who pays. So a worker runs a short prompt
 and a few decode steps of it beside a shorter one, with greedy sampling,
 before it reports "ready": two rows of different lengths make a padded
 batch, whose steps take the decode attention of a busy server (on CUDA
-workers/cuda_decode_attention.py, whose kernels compile at their first call). Nothing here reads or writes the prefix cache, counts in the
+workers/cuda_decode_attention.py, whose kernels compile at their first
+call). Nothing here reads or writes the prefix cache, counts in the
 metrics or in the loop clock: the engines' clocks are not set yet, the
 prefill engine here has no prefix cache, and the decode engine's is
 detached for the duration.
