@@ -172,7 +172,8 @@ def test_client_disconnect_stops_generation_and_frees_kv(server, embedded_model)
         if sum(w["running"] + w["waiting"] for w in h["workers"]) == 0 and h["requests_in_flight"] == 0:
             break
         time.sleep(0.05)
-    assert sum(w["running"] + w["waiting"] for w in h["workers"]) == 0, h["workers"]
+    assert sum(w["running"] + w["waiting"] for w in h["workers"]) == 0, \
+        [(w["id"], w["running"], w["waiting"]) for w in h["workers"]]
     assert h["requests_in_flight"] == 0
     # The handoff's arena space is back; what stays is the prefix cache's blocks.
     assert h["cache_service"]["handoff_bytes"] == 0, h["cache_service"]
