@@ -51,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="workers say ready without first running a short prompt (faster start, slower first request)")
     p.add_argument("--max-queue", type=_positive, default=d.max_queue, help="queued requests beyond which clients get 429")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s, help="seconds in-flight streams get on shutdown")
+    p.add_argument("--keep-alive", type=float, default=d.keep_alive_s, help="seconds an idle HTTP connection stays open")
     p.add_argument("--allow-local-media", default=None, metavar="DIR",
                    help="VLMs: serve file:// image and video URLs from under DIR (default: refused)")
     p.add_argument("--max-images", type=_positive, default=d.max_images, help="VLMs: image parts per request")
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, colocate=args.colocate,
         cache_memory_bytes=args.cache_memory, cache_dir=None if args.no_disk_cache else args.cache_dir,
         cache_disk_bytes=args.cache_disk_bytes, hot_kv_bytes=args.hot_kv_memory, block_size=args.block_size, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, warm_up=args.warm_up,
-        max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, log_level=args.log_level,
+        max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, keep_alive_s=args.keep_alive, log_level=args.log_level,
         allow_local_media=args.allow_local_media, max_images=args.max_images,
         max_image_pixels=args.max_image_pixels, media_fetch_timeout_s=args.media_fetch_timeout,
         max_video_frames=args.max_video_frames,

@@ -65,6 +65,10 @@ class Settings:
     cache_call_timeout_s: float = 5.0
     request_timeout_s: float = 600.0
     drain_timeout_s: float = 30.0
+    # An idle HTTP connection stays open this long. Longer than clients' own idle
+    # expiry (httpx, under the openai client: 5 s), so the client drops it first and
+    # never sends a request on a socket the server is closing at that instant.
+    keep_alive_s: float = 75.0
     log_level: str = "info"
     # Media (VLMs): file:// image URLs only from under this folder (None: refused)
     allow_local_media: str | None = None

@@ -20,6 +20,18 @@ from deploy.settings import Settings
 log = logging.getLogger(__name__)
 
 
+def uvicorn_config(app, settings: Settings) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="warning" if settings.log_level == "info" else settings.log_level,
+        timeout_graceful_shutdown=int(settings.drain_timeout_s),
+        timeout_keep_alive=max(1, round(settings.keep_alive_s)),
+        lifespan="off",
+    )
+
+
 def run(settings: Settings) -> None:
     """Process main for the router (a `spawn` target)."""
     setup_logging(settings.log_level, "router")
@@ -32,15 +44,7 @@ def run(settings: Settings) -> None:
     tokenizer = load_tokenizer(Path(settings.model_dir))
     dispatcher = Dispatcher(settings, max_context=context_length(settings.model_dir))
     app = create_app(dispatcher, tokenizer, settings)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level="warning" if settings.log_level == "info" else settings.log_level,
-        timeout_graceful_shutdown=int(settings.drain_timeout_s),
-        lifespan="off",
-    )
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, settings))
 
     async def main() -> None:
         await dispatcher.start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import http.client
 import socket
 import threading
 import time
@@ -19,6 +20,7 @@ from deploy.settings import Settings
 from protos.messages import SamplingParams
 from router.app import Generation, create_app
 from router.engine_api import EngineError, GenerationRequest
+from router.server import uvicorn_config
 from router.text_stream import TextStream, TokenBytes
 from tests.fake_engine import FakeEngine, build_tokenizer
 
@@ -32,14 +34,15 @@ API_KEY = "sk-tandem-test"
 
 
 class ServerThread:
-    """uvicorn serving `app` on a free port of 127.0.0.1, in a thread."""
+    """uvicorn, configured as the router process configures it, serving `app`
+    on a free port of 127.0.0.1, in a thread."""
 
-    def __init__(self, app):
+    def __init__(self, app, settings: Settings):
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.server = uvicorn.Server(uvicorn_config(app, settings))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> "ServerThread":
@@ -74,14 +77,14 @@ def engine(tokenizer):
 @pytest.fixture(scope="module")
 def server(engine, tokenizer):
     settings = Settings(model_id=engine.model_id, max_request_bytes=MAX_BODY, request_timeout_s=30)
-    with ServerThread(create_app(engine, tokenizer, settings)) as running:
+    with ServerThread(create_app(engine, tokenizer, settings), settings) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
 def auth_server(engine, tokenizer):
     settings = Settings(model_id=engine.model_id, api_key=API_KEY)
-    with ServerThread(create_app(engine, tokenizer, settings)) as running:
+    with ServerThread(create_app(engine, tokenizer, settings), settings) as running:
         yield running
 
 
@@ -383,6 +386,24 @@ def test_models_health_metrics(client, server, engine):
     assert "tandem_fake_requests_total" in metrics.text
 
 
+def test_an_idle_connection_outlives_the_clients_own_keep_alive(server):
+    """The openai client (httpx) keeps an idle connection for 5 s. With uvicorn's
+    own default, also 5 s, a request sent as the server closed the socket failed
+    with 'Connection error' (CI saw it once). The server must keep it longer."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        for pause_s in (0, 6):  # past both 5-second expiries
+            time.sleep(pause_s)
+            conn.request("GET", "/v1/models")
+            response = conn.getresponse()
+            assert response.status == 200 and b"tandem-test" in response.read()
+            if pause_s == 0:
+                first_socket = conn.sock
+        assert conn.sock is first_socket  # the same connection, still open
+    finally:
+        conn.close()
+
+
 # --------------------------------------------------------------------------- #
 # Errors
 # --------------------------------------------------------------------------- #
@@ -590,7 +611,7 @@ def test_real_tokenizer_through_the_api(real_tokenizer):
     engine = FakeEngine(real_tokenizer, model_id="smollm2")
     engine.say("Paris 🇫🇷 is the capital.")
     settings = Settings(model_id="smollm2")
-    with ServerThread(create_app(engine, real_tokenizer, settings)) as running:
+    with ServerThread(create_app(engine, real_tokenizer, settings), settings) as running:
         client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=10)
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         chunks = list(client.chat.completions.create(model="smollm2", messages=messages, stream=True))
