@@ -47,11 +47,20 @@ class BlockStore:
     def commit(self, hashes: list, owner: str = "") -> list[BlockEntry]:
         done = self.index.commit(hashes, owner)
         if self.disk is not None and done:
+            # A chain serves only from its head: when the writer's queue has no
+            # room for every new block, the ones nearest the head go.
+            kept, room = 0, self.disk.room_bytes()
+            for entry in done:  # head first
+                room -= entry.nbytes
+                if room < 0 and kept:
+                    break
+                kept += 1
+            self.disk.count_dropped(len(done) - kept)
             # Same order as in memory: tail written first, cached ancestors touched last.
-            order = self.index.use_order(done)
-            for entry in order[:len(done)]:
+            order = self.index.use_order(done[:kept])
+            for entry in order[:kept]:
                 self._write_through(entry)
-            self.disk.touch([e.hash for e in order[len(done):]])
+            self.disk.touch([e.hash for e in order[kept:]])
         return done
 
     def collect_disk_writes(self) -> None:

@@ -2,9 +2,10 @@
 
 A restarted service (launchd restarts it, a new `tandem serve`) rebuilds its
 index from the directory and keeps its warm prefixes. The service writes every
-committed block through on a background thread (`submit`, a bounded queue;
-dropped and counted when full) and reads a block back on a memory miss
-(`read_into`, straight into the arena).
+committed block through on a background thread (`submit`, a queue bounded in
+bytes, since what waits there is pinned arena memory; dropped and counted when
+full) and reads a block back on a memory miss (`read_into`, straight into the
+arena).
 
 File: <root>/<first hex byte>/<hash hex>.kvb =
     header (magic, format version, payload length, SHA-256 of the payload) + payload.
@@ -46,12 +47,18 @@ SUFFIX = ".kvb"
 _TMP_SUFFIX = ".tmp"
 _STALE_TMP_S = 60.0  # older temp files are a crashed writer's leftovers; younger may be another service's
 
+# Arena bytes that may wait for the writer (pinned until written): a long
+# prompt's commit is tens of MB; a slow disk must not pin the whole arena.
+QUEUE_BYTES = 256 << 20
+QUEUE_ITEMS = 4096  # writes and touches waiting (touches hold no arena bytes)
+
 _COUNTERS = ("disk_hits_total", "disk_corrupt_total", "disk_evictions_total", "disk_writes_total",
              "disk_writes_dropped_total", "disk_write_errors_total")
 
 
 class DiskTier:
-    def __init__(self, root: str, capacity_bytes: int, *, queue_blocks: int = 64):
+    def __init__(self, root: str, capacity_bytes: int, *, queue_bytes: int = QUEUE_BYTES,
+                 queue_items: int = QUEUE_ITEMS):
         self.root = root
         self.capacity_bytes = capacity_bytes
         os.makedirs(root, exist_ok=True)
@@ -60,7 +67,9 @@ class DiskTier:
         self._bytes = 0
         self.counters = dict.fromkeys(_COUNTERS, 0)
         self._scan()
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_blocks)
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_items)
+        self.queue_bytes = queue_bytes
+        self._queued_bytes = 0  # of the writes in the queue; guarded by _idle
         self._finished: deque[bytes] = deque()  # hashes whose submitted write is over
         self._idle = threading.Condition()
         self._pending = 0
@@ -176,22 +185,32 @@ class DiskTier:
     def submit(self, h: bytes, data: memoryview) -> bool:
         """Queue a write of `data` (the caller keeps it unchanged until `h`
         comes out of `finished()`). False, counted, when the queue is full."""
-        if self._enqueue(("write", h, data)):
+        if self._enqueue(("write", h, data), data.nbytes):
             return True
-        with self._lock:
-            self.counters["disk_writes_dropped_total"] += 1
+        self.count_dropped(1)
         return False
 
-    def _enqueue(self, item: tuple) -> bool:
+    def room_bytes(self) -> int:
+        """Bytes of writes the queue takes now (one write always fits an empty queue)."""
         with self._idle:
-            if self._closing:
+            return self.queue_bytes if self._queued_bytes == 0 else max(0, self.queue_bytes - self._queued_bytes)
+
+    def count_dropped(self, n: int) -> None:
+        """Writes the caller did not submit for want of room."""
+        with self._lock:
+            self.counters["disk_writes_dropped_total"] += n
+
+    def _enqueue(self, item: tuple, nbytes: int = 0) -> bool:
+        with self._idle:
+            if self._closing or (nbytes and self._queued_bytes and self._queued_bytes + nbytes > self.queue_bytes):
                 return False
             self._pending += 1
+            self._queued_bytes += nbytes
         try:
             self._queue.put_nowait(item)
             return True
         except queue.Full:
-            self._done_one()
+            self._done_one(nbytes)
             return False
 
     def finished(self) -> list[bytes]:
@@ -278,14 +297,17 @@ class DiskTier:
             except Exception:  # the writer must outlive any one bad write
                 log.exception("KV disk tier: %s failed", item[0])
             finally:
+                nbytes = 0
                 if item[0] == "write":
+                    nbytes = item[2].nbytes
                     item[2].release()  # the arena can unmap once no view is left
                     self._finished.append(item[1])
-                self._done_one()
+                self._done_one(nbytes)
 
-    def _done_one(self) -> None:
+    def _done_one(self, nbytes: int = 0) -> None:
         with self._idle:
             self._pending -= 1
+            self._queued_bytes -= nbytes
             self._idle.notify_all()
 
     def close(self, flush_timeout_s: float = 1.0) -> None:

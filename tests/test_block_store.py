@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import threading
 import time
 
 import numpy as np
@@ -478,7 +479,7 @@ def test_disk_startup_skips_foreign_files_and_clears_stale_temp_files(disks, tmp
 
 
 def test_disk_writer_queue_drops_when_full_and_flushes_on_close(disks):
-    disk = disks(queue_blocks=2)
+    disk = disks(queue_bytes=2 * B)
     data = [bytearray(_block(i)) for i in range(40)]
     accepted = [disk.submit(H("q", i), memoryview(d)) for i, d in enumerate(data)]
     assert accepted[0] and not all(accepted)  # the writer cannot keep up with 40 at once
@@ -487,7 +488,7 @@ def test_disk_writer_queue_drops_when_full_and_flushes_on_close(disks):
     assert disk.stats()["disk_writes_dropped_total"] == dropped
     assert sorted(disk.finished()) == sorted(H("q", i) for i, ok in enumerate(accepted) if ok)
     assert disk.stats()["disk_blocks"] == 40 - dropped
-    late = disks(queue_blocks=8)
+    late = disks(queue_bytes=8 * B)
     for i in range(5):
         assert late.submit(H("late", i), memoryview(bytearray(_block(i))))
     late.close(5)  # flushes what was queued
@@ -540,6 +541,34 @@ def test_store_writes_through_pinned_and_promotes_from_disk(arena, disks):
     assert st["disk_hits_total"] == 3 and st["lookup_hit_blocks_total"] == 3 and st["disk_writes_total"] == 3 + 8
     disk.wait_idle(5)
     assert store.stats()["disk_writes_total"] == 3 + 8  # promoted blocks are not written again
+
+
+def test_store_keeps_a_chains_head_when_the_disk_queue_is_short(arena, disks):
+    """A commit of more blocks than the writer's queue takes (a long prompt in
+    small blocks) writes the ones nearest the head: a restarted service can
+    serve that part of the prompt. (Writing the tail first, as the order of
+    recency has it, once dropped the head: nothing served after a restart.)"""
+    disk = disks(queue_bytes=3 * B)
+    store, _ = _store(arena, disk)
+    disk._stop.set()  # a writer that cannot keep up: nothing leaves the queue yet
+    disk._writer.join(2)
+    a = chain("a", 6)
+    done = _fill(store, a, seed=20)
+    assert len(done) == 6 and disk.room_bytes() == 0
+    assert [e.pins for e in done] == [1, 1, 1, 0, 0, 0]
+    assert store.stats()["disk_writes_dropped_total"] == 3
+    disk._stop.clear()
+    disk._writer = threading.Thread(target=disk._write_loop, daemon=True)
+    disk._writer.start()
+    assert disk.wait_idle(5)
+    again = disks(queue_bytes=3 * B)  # a restart: the index rebuilt from the files
+    bare, _ = _store(arena, again)
+    _fill(bare, chain("other", 8), seed=50)  # the arena holds none of `a` now
+    assert all(bare.index.get(h) is None for h in a)
+    assert again.wait_idle(5)
+    lease, got = bare.lookup(a, "r", 5)
+    assert [e.hash for e in got] == a[:3]
+    assert [bytes(bare.arena.view(e.offset, B)) for e in got] == [_block(20 + i) for i in range(3)]
 
 
 def test_store_corrupt_disk_block_is_a_miss_and_frees_its_slot(arena, disks):
