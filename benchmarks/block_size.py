@@ -43,7 +43,7 @@ from workers.loading import load_model  # noqa: E402
 from workers.model_store import resolve_model  # noqa: E402
 from workers.prefill_mlx import PrefillEngine  # noqa: E402
 
-BLOCK_SIZES = (16, 32, 64, 128)
+BLOCK_SIZES = (4, 8, 16, 32, 64)
 WORDS = ("agent tool call result plan step check file read write search query answer user system model "
          "token cache block memory test build deploy error retry value list item state graph node edge "
          "time cost speed batch worker router request reply stream").split()

@@ -48,7 +48,7 @@ class Settings:
     arena_name: str = ""  # shared-memory segment; the supervisor picks a fresh one per start
     cache_memory_bytes: int = field(default_factory=default_cache_memory)
     # Prefix cache
-    block_size: int = 16  # tokens per KV block (benchmarks/block_size.py: 16 recomputes least, loads as fast)
+    block_size: int = 8  # tokens per KV block (benchmarks/block_size.py and prefix_restart.py, BENCHMARKS.md session 14)
     cache_dir: str | None = field(default_factory=lambda: os.path.join(default_cache_dir(), "kv"))  # None: no disk tier
     cache_disk_bytes: int = 8 << 30
     # Blocks each model worker keeps as MLX arrays (workers/hot_blocks.py);

@@ -496,10 +496,10 @@ SNAPSHOT_KEY_VERSION = b"tandem-snapshot-v1"
 # Candidate boundaries a prompt asks about, longest first. Each costs one
 # round trip to the cache service (0.26 ms on the 2-core dev box), paid in
 # full by every prompt that misses, and a prompt has at most n/block_size of
-# them (a 16-token block costs far more to compute than its lookup). 64
-# bounds a miss to ~17 ms and still reaches a snapshot up to 64 blocks (1024
-# tokens at 16-token blocks) before the prompt's own last boundary: the
-# previous turn's prompt behind its answer and a new message.
+# them (a block costs far more to compute than its lookup). 64 bounds a miss
+# to ~17 ms and still reaches a snapshot up to 64 blocks (512 tokens at the
+# default 8-token blocks) before the prompt's own last boundary: the previous
+# turn's prompt behind its answer and a new message.
 MAX_SNAPSHOT_LOOKUPS = 64
 
 
