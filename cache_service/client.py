@@ -260,8 +260,9 @@ class AsyncCacheClient:
         if self._lock is None:
             self._lock = asyncio.Lock()  # made here so it binds to the running loop
         try:
-            await asyncio.wait_for(self._lock.acquire(), max(call.remaining_s(), 0))
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(max(call.remaining_s(), 0)):  # not wait_for: it can drop a cancel
+                await self._lock.acquire()
+        except TimeoutError:
             raise call.timed_out("no turn on the socket") from None
         try:
             return await self._exchange(call)

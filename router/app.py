@@ -43,6 +43,9 @@ log = logging.getLogger("tandem.router")
 # The engine enforces settings.request_timeout_s itself (its 504 says where it waited);
 # the HTTP layer's own deadline is a backstop a little later, so no response ever hangs.
 DEADLINE_BACKSTOP_S = 5.0
+# After a disconnect, a request's work gets this long to end (its cleanup tells the
+# workers to drop it, milliseconds) before it is cancelled again.
+CANCEL_AGAIN_S = 1.0
 
 
 def create_app(engine: Engine, tokenizer, settings: Settings) -> Starlette:
@@ -476,6 +479,12 @@ async def run_until_disconnect(receive: Receive, work: Coroutine) -> None:
         if not work_task.done():
             log.info("client disconnected: cancelling its request")
             work_task.cancel()
+            # A cancel can be lost (code that swallows it), and uvicorn drops what is
+            # sent after a disconnect, so lost work would run to max_tokens unseen.
+            # Cancel again while it runs, each time after its cleanup had time to end.
+            while not (await asyncio.wait({work_task}, timeout=CANCEL_AGAIN_S))[0]:
+                log.warning("request still running %.1f s after its cancel: cancelling again", CANCEL_AGAIN_S)
+                work_task.cancel()
         await asyncio.gather(work_task, watcher, return_exceptions=True)
     if not work_task.cancelled():
         exc = work_task.exception()

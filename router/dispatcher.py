@@ -266,8 +266,12 @@ class Dispatcher:
         deadline; an EngineError event is raised."""
         deadline = st.started + self.settings.request_timeout_s
         try:
-            item = await asyncio.wait_for(st.events.get(), timeout=max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+            # Not asyncio.wait_for: on Python 3.11 it returns an event that arrives
+            # in the instant its task is cancelled and drops the cancel, and the
+            # request went on decoding for a client that had gone.
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                item = await st.events.get()
+        except TimeoutError:
             raise EngineError(504, f"request exceeded {self.settings.request_timeout_s:.0f}s") from None
         if isinstance(item, EngineError):
             raise item

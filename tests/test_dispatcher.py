@@ -13,10 +13,11 @@ import zmq.asyncio
 from deploy.settings import Settings
 from protos import transport
 from protos.messages import (
-    DecodeRequest, KVHandoff, PrefillDone, PrefillRequest, SamplingParams, TokenBatch, TokenUpdate, WorkerHello,
+    Cancel, DecodeRequest, KVHandoff, PrefillDone, PrefillRequest, SamplingParams, TokenBatch, TokenUpdate,
+    WorkerHello,
 )
 from router.dispatcher import Dispatcher
-from router.engine_api import EngineError, GenerationRequest
+from router.engine_api import EngineError, EngineEvent, GenerationRequest
 
 
 class ScriptedWorker:
@@ -256,6 +257,37 @@ def test_first_token_streams_before_the_kv_handoff_arrives():
             first_seen.set()
         await player
         assert tokens == [7, 9]
+        assert disp.requests == {}
+
+    run(body)
+
+
+def test_a_cancel_in_the_instant_a_token_arrives_reaches_the_decode_worker():
+    """The client goes (its task is cancelled) just as the next token comes in.
+    On Python 3.11 asyncio.wait_for then returned the token and dropped the
+    cancel: the request decoded on, unseen, to max_tokens."""
+    async def body(disp, worker):
+        pre, dec = worker("prefill-0", ["prefill"]), worker("decode-0", ["decode"])
+        await pre.beat()
+        await dec.beat()
+        await wait_for(lambda: len(disp.workers) == 2)
+        tokens = []
+
+        async def consume():
+            async for e in disp.generate(request(n=1000)):
+                tokens.append(e.token)
+
+        consumer = asyncio.create_task(consume())
+        await pre.next()
+        await transport.asend(pre.sock, PrefillDone("r1", 7, KVHandoff("r1", 3, 3)))
+        assert isinstance(await dec.next(), DecodeRequest)
+        await wait_for(lambda: tokens == [7])
+        disp.requests["r1"].events.put_nowait(EngineEvent(8, None, None))  # arrives...
+        consumer.cancel()  # ...as the client goes
+        done, _ = await asyncio.wait({consumer}, timeout=3)
+        assert done and consumer.cancelled(), "the cancel was lost: the request goes on"
+        msg = await dec.next()
+        assert isinstance(msg, Cancel) and msg.request_id == "r1"
         assert disp.requests == {}
 
     run(body)

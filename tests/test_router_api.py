@@ -386,6 +386,33 @@ def test_models_health_metrics(client, server, engine):
     assert "tandem_fake_requests_total" in metrics.text
 
 
+def test_work_that_loses_its_cancel_after_a_disconnect_is_cancelled_again():
+    """uvicorn drops what is sent after a disconnect, so work whose cancel was
+    swallowed would run on unseen; it is cancelled again until it ends."""
+    from router.app import run_until_disconnect
+
+    cancels = []
+
+    async def work():
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancels.append(1)
+                if len(cancels) == 2:
+                    raise  # the first one is swallowed
+
+    async def receive():
+        await asyncio.sleep(0.05)
+        return {"type": "http.disconnect"}
+
+    async def main():
+        await asyncio.wait_for(run_until_disconnect(receive, work()), 10)
+
+    asyncio.run(main())
+    assert len(cancels) == 2
+
+
 def test_an_idle_connection_outlives_the_clients_own_keep_alive(server):
     """The openai client (httpx) keeps an idle connection for 5 s. With uvicorn's
     own default, also 5 s, a request sent as the server closed the socket failed
