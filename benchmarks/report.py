@@ -46,6 +46,7 @@ JSON (--json PATH), schema "tandem-bench/1":
                        "vision_cache": null | {"queries", "hits"}  (Tandem's /metrics, whole workload)}
           }}],
       "ratios": [{"tandem": "tandem", "peer": "mlx_lm", ...metric: tandem value / peer value}]
+      (swarm: also per served turn, when the two served different numbers of turns)
     }
 
 Ratios are always Tandem / peer: above 1 is better for throughput, below 1
@@ -85,6 +86,11 @@ def _ratio(a, b):
     return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
 
 
+def _per_turn(swarm: dict, key: str):
+    value = swarm.get(key)
+    return value / swarm["turns_ok"] if isinstance(value, (int, float)) and swarm.get("turns_ok") else None
+
+
 def ratios(systems: list[dict]) -> list[dict]:
     """Every Tandem system against every peer that ran."""
     out = []
@@ -116,9 +122,14 @@ def ratios(systems: list[dict]) -> list[dict]:
                                                    for k in ("cold", "cached")}
                                 for v in tv.get("video", []) if v["frames"] in peer_video}
             if "swarm" in tr and "swarm" in pr:
-                row["swarm_wall"] = _ratio(tr["swarm"]["wall_s"], pr["swarm"]["wall_s"])
-                row["swarm_computed_prompt_tokens"] = _ratio(tr["swarm"]["computed_prompt_tokens"],
-                                                             pr["swarm"]["computed_prompt_tokens"])
+                ts, ps = tr["swarm"], pr["swarm"]
+                row["swarm_wall"] = _ratio(ts["wall_s"], ps["wall_s"])
+                row["swarm_computed_prompt_tokens"] = _ratio(ts["computed_prompt_tokens"], ps["computed_prompt_tokens"])
+                if ts["turns_ok"] != ps["turns_ok"]:
+                    # A system that drops agents does less work: compare per turn it served too.
+                    row["swarm_wall_per_turn"] = _ratio(_per_turn(ts, "wall_s"), _per_turn(ps, "wall_s"))
+                    row["swarm_computed_per_turn"] = _ratio(_per_turn(ts, "computed_prompt_tokens"),
+                                                            _per_turn(ps, "computed_prompt_tokens"))
             if t.get("memory") and p.get("memory"):
                 key = "peak_total_pss_bytes" if t["memory"].get("peak_total_pss_bytes") and \
                     p["memory"].get("peak_total_pss_bytes") else "peak_total_rss_bytes"
@@ -245,6 +256,8 @@ def render(report: dict) -> str:
                            ("vision_text_ttft", "vision text-only TTFT"),
                            ("swarm_wall", "swarm wall time"),
                            ("swarm_computed_prompt_tokens", "swarm computed prompt tokens"),
+                           ("swarm_wall_per_turn", "swarm wall time per served turn"),
+                           ("swarm_computed_per_turn", "swarm computed tokens per served turn"),
                            ("memory_peak_total", "peak memory")):
             if key in r:
                 rows.append([f"{r['tandem']} / {r['peer']}", label, _x(r[key]), "", ""])

@@ -316,6 +316,21 @@ def test_ratios_and_render():
     assert msg is None or "matplotlib" in msg
 
 
+def test_swarm_ratios_per_served_turn_when_a_system_dropped_agents():
+    def system(name, wall, computed, ok):
+        return {"name": name, "error": None, "memory": None,
+                "results": {"swarm": {"wall_s": wall, "computed_prompt_tokens": computed, "turns_ok": ok}}}
+
+    (r,) = report.ratios([system("tandem", 250.0, 14_000, 192), system("mlx_lm", 360.0, 16_800, 78)])
+    assert r["swarm_wall"] == pytest.approx(250 / 360)
+    assert r["swarm_wall_per_turn"] == pytest.approx((250 / 192) / (360 / 78))
+    assert r["swarm_computed_per_turn"] == pytest.approx((14_000 / 192) / (16_800 / 78))
+    (same,) = report.ratios([system("tandem", 250.0, 14_000, 192), system("mlx_lm", 500.0, 40_000, 192)])
+    assert "swarm_wall_per_turn" not in same  # equal work: the plain ratios say it all
+    (none,) = report.ratios([system("tandem", 250.0, 14_000, 192), system("mlx_lm", 5.0, None, 0)])
+    assert none["swarm_wall_per_turn"] is None and none["swarm_computed_per_turn"] is None
+
+
 def _has_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401
