@@ -34,7 +34,8 @@ from workers.decode import DecodeEngine
 from workers.kv_transfer import (cache_nbytes, capture_snapshot, read_cache, read_snapshot, write_cache, write_kv,
                                  write_snapshot)
 from workers.prefill_mlx import PrefillEngine
-from workers.prefix_cache import PrefixCache, SnapshotCache, make_prefix_cache, snapshot_key
+from workers.prefix_cache import (SNAPSHOT_REACH_TOKENS, PrefixCache, SnapshotCache, make_prefix_cache,
+                                  snapshot_key)
 
 VOCAB = 512
 BS = 8
@@ -329,7 +330,9 @@ def test_next_turn_reuses_the_previous_prompt_snapshot(models, model_dirs):
     res = _prefill(counted, prefix, turn2, "t2")
     assert res.cached_tokens == 24 and counted.tokens == 56 - 24
     assert res.first_token == reference(model, turn2, 1)[0]
-    # The walk is bounded: with 2 lookups, 48 and 40 are asked, 24 never is.
+    # The walk reaches back a fixed number of tokens, whatever the block size;
+    # with 2 lookups, 48 and 40 are asked, 24 never is.
+    assert prefix.max_lookups * BS == SNAPSHOT_REACH_TOKENS
     prefix.max_lookups = 2
     turn3 = turn1 + prompt_of(26, 32)
     lookups = prefix.stats.lookups

@@ -493,14 +493,12 @@ class BlockHold:
 # collides with a block's key. Bump the version when the snapshot format
 # (workers.kv_transfer) changes: old entries then simply stop matching.
 SNAPSHOT_KEY_VERSION = b"tandem-snapshot-v1"
-# Candidate boundaries a prompt asks about, longest first. Each costs one
-# round trip to the cache service (0.26 ms on the 2-core dev box), paid in
-# full by every prompt that misses, and a prompt has at most n/block_size of
-# them (a block costs far more to compute than its lookup). 64 bounds a miss
-# to ~17 ms and still reaches a snapshot up to 64 blocks (512 tokens at the
-# default 8-token blocks) before the prompt's own last boundary: the previous
-# turn's prompt behind its answer and a new message.
-MAX_SNAPSHOT_LOOKUPS = 64
+# How far back from a prompt's own last boundary it looks for a snapshot:
+# the previous turn's prompt, behind its answer and a new message. Each
+# candidate boundary costs one round trip to the cache service (0.26 ms on
+# the 2-core dev box), paid in full by every prompt that misses: 1024 tokens
+# are 128 lookups (~33 ms) at the default 8-token blocks, 64 at 16.
+SNAPSHOT_REACH_TOKENS = 1024
 
 
 def snapshot_key(block_hash: bytes) -> bytes:
@@ -524,9 +522,11 @@ class SnapshotCache(_ServiceUser):
     kind = "snapshot"
 
     def __init__(self, client, arena_buf: Callable[[str], object], hasher: BlockHasher,
-                 layer_classes: Sequence[str], *, max_lookups: int = MAX_SNAPSHOT_LOOKUPS, **kw):
+                 layer_classes: Sequence[str], *, max_lookups: Optional[int] = None, **kw):
         super().__init__(client, arena_buf, hasher, **kw)
         self.layer_classes = list(layer_classes)  # what make_prompt_cache gives: a snapshot must match
+        if max_lookups is None:
+            max_lookups = SNAPSHOT_REACH_TOKENS // self.block_size
         self.max_lookups = max(1, int(max_lookups))
 
     def snapshot_point(self, n_tokens: int) -> int:
