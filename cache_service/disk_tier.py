@@ -48,8 +48,7 @@ _TMP_SUFFIX = ".tmp"
 _STALE_TMP_S = 60.0  # older temp files are a crashed writer's leftovers; younger may be another service's
 
 # Arena bytes that may wait for the writer (pinned until written): a long
-# prompt's commit is tens of MB. The service also caps it at a quarter of its
-# arena, so a slow disk never pins the whole arena.
+# prompt's commit is tens of MB; a slow disk must not pin the whole arena.
 QUEUE_BYTES = 256 << 20
 QUEUE_ITEMS = 4096  # writes and touches waiting (touches hold no arena bytes)
 

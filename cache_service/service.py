@@ -23,7 +23,7 @@ from cache_service.allocator import Allocator
 from cache_service.arena import Arena, new_arena_name
 from cache_service.block_index import BlockEntry, BlockIndex
 from cache_service.block_store import BlockStore
-from cache_service.disk_tier import QUEUE_BYTES, DiskTier
+from cache_service.disk_tier import DiskTier
 from deploy.logs import setup_logging
 from deploy.settings import Settings
 from protos.messages import (BlockRef, CacheAlloc, CacheAllocReply, CacheFree, CacheReply, CacheStats, KVCommit,
@@ -162,10 +162,7 @@ def _open_disk_tier(settings: Settings) -> Optional[DiskTier]:
     if not settings.cache_dir:
         return None
     try:
-        # Blocks waiting for the writer are pinned: a slow disk may hold a quarter
-        # of the arena at most, never all of it.
-        return DiskTier(settings.cache_dir, settings.cache_disk_bytes,
-                        queue_bytes=min(QUEUE_BYTES, settings.cache_memory_bytes // 4))
+        return DiskTier(settings.cache_dir, settings.cache_disk_bytes)
     except OSError as exc:
         log.error("KV disk tier off: cannot use %s: %s", settings.cache_dir, exc)
         return None

@@ -754,16 +754,3 @@ def test_restart_keeps_warm_prefixes_on_disk_and_drops_corrupt_files(procs, make
     assert not os.path.exists(path_of(a[2])) and all(os.path.exists(path_of(h)) for h in a[:2])
     arenas.close()
     client.close()
-
-
-def test_a_slow_disk_may_pin_a_quarter_of_the_arena_at_most(tmp_path):
-    """Blocks wait for the disk writer pinned in the arena: a small arena's
-    service lets at most a quarter of it wait, a large one 256 MiB."""
-    from cache_service.disk_tier import QUEUE_BYTES
-
-    for arena_bytes, expected in ((24 << 20, 6 << 20), (8 << 30, QUEUE_BYTES)):
-        disk = service._open_disk_tier(Settings(cache_dir=str(tmp_path / "kv"), cache_memory_bytes=arena_bytes))
-        try:
-            assert disk.queue_bytes == expected
-        finally:
-            disk.close()
