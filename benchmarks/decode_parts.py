@@ -15,9 +15,7 @@ from its limit, and which products are to blame.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -26,20 +24,10 @@ import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
+from benchmarks.block_size import timed  # noqa: E402
 from workers import mlx_hooks  # noqa: E402
 from workers.loading import load_model, size_buffer_cache  # noqa: E402
 from workers.model_store import resolve_model  # noqa: E402
-
-
-def timed(fn, repeats: int = 30) -> float:
-    """Median milliseconds of fn() (after one warm-up call)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
 
 
 def nbytes(module) -> int:
@@ -103,7 +91,7 @@ def main() -> None:
     ]
     print(f"{'part':<30} {'ms':>8} {'weights MB':>11} {'GB/s':>6}")
     for name, fn, size in rows:
-        ms = timed(fn)
+        ms = timed(fn, 30)
         rate = f"{size / ms / 1e6:6.1f}" if size and name != "whole step" else ""
         print(f"{name:<30} {ms:8.1f} {'' if size is None else f'{size / 1e6:11.0f}'} {rate}")
 

@@ -191,9 +191,9 @@ class DiskTier:
         return False
 
     def room_bytes(self) -> int:
-        """Bytes of writes the queue takes now (one write always fits an empty queue)."""
+        """Bytes of writes the queue takes now (an empty queue also takes one larger write)."""
         with self._idle:
-            return self.queue_bytes if self._queued_bytes == 0 else max(0, self.queue_bytes - self._queued_bytes)
+            return max(0, self.queue_bytes - self._queued_bytes)
 
     def count_dropped(self, n: int) -> None:
         """Writes the caller did not submit for want of room."""
