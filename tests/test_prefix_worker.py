@@ -589,6 +589,73 @@ def test_an_ended_request_is_committed_while_the_next_step_runs(model, tiny_dir,
     assert all(e[0] != "returned" or "a" not in e[1:] for e in events[:commit])
 
 
+def test_a_gpu_decode_worker_commits_on_its_store_thread_then_sends_the_last_token(model, tiny_dir, monkeypatch):
+    """On a GPU (the packed device copies: `_on_cpu` False) the decode
+    worker's StoreThread writes and commits an ended request's blocks, off
+    the MLX thread, and only then sends its last token (a TokenBatch); step()
+    never returns it. The device copies are freed on the MLX thread once the
+    thread is done. Greedy tokens equal mlx-lm's; every full block of each
+    conversation is committed, before its last token leaves. Fails if the
+    commit ran on the MLX thread or the last token overtook its commit."""
+    import threading
+
+    import workers.kv_transfer as kv
+    from protos.messages import TokenBatch
+    from workers.store_thread import StoreThread
+
+    monkeypatch.setattr(kv, "_on_cpu", lambda: False)
+    fake = FakeCache()
+    prefix = prefix_for(model, tiny_dir, fake)
+    prompts = {"a": prompt_of(19, 41), "b": prompt_of(26, 42)}
+    answers = {"a": 6, "b": 13}
+    commits, sent, lock = [], [], threading.Lock()
+    real_commit = fake.commit
+
+    def commit(hashes, owner=""):
+        with lock:
+            commits.append((owner, threading.get_ident(), len(sent)))
+        return real_commit(hashes, owner=owner)
+
+    monkeypatch.setattr(fake, "commit", commit)
+    monkeypatch.setattr(fake, "close", lambda: None, raising=False)
+
+    def send(msg):
+        assert isinstance(msg, TokenBatch)
+        with lock:
+            for u in msg.updates:  # its blocks are in the cache before the token leaves
+                want = prompts[u.request_id] + tokens[u.request_id] + [u.token]
+                assert all(h in fake.blocks for h in prefix.hasher.hashes(want)), u.request_id
+            sent.extend(msg.updates)
+
+    decode = DecodeEngine(model, max_batch=4, prefix=prefix, ragged=False)
+    decode.stores = StoreThread(prefix, fake, send)
+    tokens = {}
+    for rid, prompt in prompts.items():
+        res = PrefillEngine(model, chunk_size=16, prefix=prefix).run(prompt, greedy(answers[rid]), owner=rid)
+        tokens[rid] = [res.first_token]
+        decode.add(DecodeRequest(rid, prompt, res.first_token, KVHandoff(rid, res.num_tokens, res.rope_offset),
+                                 greedy(answers[rid])), res.cache)
+    prefill_commits = len(commits)
+    while decode.has_work:
+        for u in decode.step():
+            assert u.finish_reason is None  # last tokens come from the thread
+            with lock:
+                tokens[u.request_id].append(u.token)
+    decode.stores.close(timeout_s=10)
+    for u in sent:
+        assert u.finish_reason == "length"
+        tokens[u.request_id].append(u.token)
+    assert sorted(u.request_id for u in sent) == ["a", "b"]
+    for rid, prompt in prompts.items():
+        assert tokens[rid] == reference(model, prompt, answers[rid]), rid
+        assert all(h in fake.blocks for h in prefix.hasher.hashes(prompt + tokens[rid])), rid
+    ours = commits[prefill_commits:]
+    assert {owner for owner, _, _ in ours} == {"a", "b"}
+    assert all(thread != threading.get_ident() for _, thread, _ in ours)
+    decode.release_written()
+    assert not decode._writing
+
+
 def test_cancel_commits_what_the_kv_holds(model, tiny_dir):
     fake = FakeCache()
     prefix = prefix_for(model, tiny_dir, fake)

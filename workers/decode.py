@@ -47,7 +47,11 @@ moved), then writes them to the arena and commits them while that step runs
 token returned: a client (an agent) sends its next turn the moment it has
 the answer, and that turn must find the answer's blocks. The last token thus
 comes one step's queueing later than the others', and no other row waits
-for a host copy or a round trip to the cache service.
+for a host copy or a round trip to the cache service. On a GPU (`stores`, a
+workers.store_thread.StoreThread) even that host work leaves the MLX thread:
+reading the blocks off the device is page-by-page through CUDA's managed
+memory (~14 ms a request on an H100), so the store thread copies and commits
+them, then sends the last token itself.
 
 Models whose cache is not plain attention KV (sliding window, recurrent) join
 the batch the same way: their layers' merge turns RotatingKVCache into a
@@ -71,9 +75,10 @@ from mlx_lm.generate import GenerationBatch, StopSequences, generation_stream
 from mlx_lm.models.cache import ArraysCache, CacheList
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
-from protos.messages import DecodeRequest, TokenUpdate
+from protos.messages import DecodeRequest, TokenBatch, TokenUpdate
 from workers import mlx_hooks, ragged_kv
 from workers.batch_cache import SlotBatchKVCache, swap_remove_order
+from workers.kv_transfer import host_view
 from workers.loading import on_cpu
 from workers.loop_clock import part
 from workers.prefix_cache import PreparedStore
@@ -129,6 +134,11 @@ class DecodeEngine:
         # the last update to return once they are (None: a cancel).
         self._to_commit: List[Tuple[PreparedStore, Optional[TokenUpdate]]] = []
         self._committed: List[TokenUpdate] = []  # last updates whose blocks are written
+        # A StoreThread that writes, commits and sends the last updates (set
+        # by the worker on a GPU), and the device copies it reads, by ticket:
+        # freed here, on the MLX thread, once it is done with them.
+        self.stores = None
+        self._writing: deque = deque()
         self._batch = _Batch.empty(model, GREEDY_SAMPLER)
         self._next_uid = 0
         self._queue: deque[_Queued] = deque()  # admitted later, at a step boundary
@@ -220,6 +230,8 @@ class DecodeEngine:
         """Admit waiting requests, then run one decode step for the batch.
         Returns this step's tokens, then the last tokens of requests whose
         blocks were committed meanwhile (see the module doc)."""
+        if self._writing:
+            self.release_written()
         with part(self.clock, "admit"):
             self._admit()
         if not self._live:
@@ -271,6 +283,10 @@ class DecodeEngine:
         t0, blocks = time.perf_counter(), 0
         with part(self.clock, "commit"):
             mx.eval([a for prepared, _ in pending for a in prepared.arrays()])
+            if self.stores is not None:
+                for prepared, update in pending:
+                    self._hand_to_stores(prepared, update)
+                return 0
             for prepared, update in pending:
                 blocks += self.prefix.finish_store(prepared)  # never raises: failures are logged
                 if update is not None:
@@ -278,6 +294,24 @@ class DecodeEngine:
         log.debug("decode prefix commit: %d requests, %d new blocks (%d bytes) in %.2f ms", len(pending),
                   blocks, blocks * self.prefix.layout.block_nbytes, (time.perf_counter() - t0) * 1000)
         return blocks
+
+    def _hand_to_stores(self, prepared: PreparedStore, update: Optional[TokenUpdate]) -> None:
+        """commit_finished's host work, to the store thread: the hot tier takes
+        the blocks here, the thread reads host views of the device copies."""
+        try:
+            self.prefix.keep_hot(prepared)
+        except Exception:  # noqa: BLE001 - an optimisation; the answer goes all the same
+            log.warning("hot tier store for %s failed", prepared.owner, exc_info=True)
+        held = prepared.arrays()
+        prepared.hot = []  # the hot tier holds them; the thread touches no MLX array
+        prepared.blocks = [host_view(a) for a in prepared.blocks]
+        ticket = self.stores.submit(prepared, TokenBatch([update]) if update is not None else None)
+        self._writing.append((ticket, held))
+
+    def release_written(self) -> None:
+        """Free the device copies the store thread has finished reading."""
+        while self._writing and self._writing[0][0] <= self.stores.finished:
+            self._writing.popleft()
 
     def _prepare_commit(self, request_id: str, tokens: List[int], cache: list,
                         update: Optional[TokenUpdate]) -> bool:

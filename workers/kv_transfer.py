@@ -112,9 +112,11 @@ def kv_nbytes(cache: Sequence) -> int:
     return encode_cache(cache).nbytes
 
 
-def _as_numpy(a) -> np.ndarray:
+def host_view(a) -> np.ndarray:
     """Zero-copy numpy view of an evaluated MLX array (strided views allowed);
-    a numpy array as it is."""
+    a numpy array as it is. On a GPU reading it moves the bytes off the
+    device (page by page: slow, so a thread other than the MLX thread may do
+    it; the MLX array must outlive the view)."""
     if isinstance(a, np.ndarray):
         return a
     if a.dtype == mx.bfloat16:
@@ -167,7 +169,7 @@ def _write_layers(mv, arrays, offset, layers) -> None:
             name = _STATE_NAMES.get(a.dtype)
             if name is None:
                 raise ValueError(f"unsupported KV dtype {a.dtype}")
-            src = _as_numpy(a)
+            src = host_view(a)
             if src.size:
                 dst = np.frombuffer(mv, dtype=src.dtype, count=src.size, offset=offset)
                 # The one copy: strided MLX memory -> contiguous slice of the buffer.
@@ -407,11 +409,10 @@ def write_prepared_blocks(buf, offsets: Sequence[int], arrays: Sequence[mx.array
         raise ValueError(f"{len(indices)} blocks for {len(offsets)} offsets")
     mv = memoryview(buf).cast("B")
     try:
-        # (host copies first: a prefill worker's store thread runs no MLX)
-        if isinstance(arrays[0], np.ndarray) or _on_cpu():
+        if arrays[0].ndim != 2:  # per-layer keys and values (the CPU's form, a handoff's tail)
             _write_strided(mv, offsets, arrays, indices, layout)
-        else:
-            host = _as_numpy(arrays[0])  # one transfer of exactly the blocks' bytes
+        else:  # packed (n, block elements), on the device or already a host view of it
+            host = host_view(arrays[0])  # one transfer of exactly the blocks' bytes
             for j, off in zip(indices, offsets):
                 block = _block_view(mv, off, layout)
                 block[...] = host[j]  # contiguous -> contiguous
@@ -432,7 +433,7 @@ def _on_cpu() -> bool:
 def _write_strided(mv, offsets, arrays, indices, layout: KVLayout) -> None:
     """CPU: one numpy copy per block and array, strided MLX memory -> block bytes."""
     bs = layout.block_size
-    srcs = [_as_numpy(a)[0] for a in arrays]  # (heads, tokens, dim) views, no copy
+    srcs = [host_view(a)[0] for a in arrays]  # (heads, tokens, dim) views, no copy
     parts = list(_block_parts(layout))
     for j, off in zip(indices, offsets):
         block = _block_view(mv, off, layout)
@@ -808,7 +809,7 @@ def capture_snapshot(cache: Sequence, tokens: int) -> Snapshot:
             name = _STATE_NAMES.get(a.dtype)
             if name is None:
                 raise ValueError(f"unsupported state dtype {a.dtype}")
-            host.append(np.array(_as_numpy(a)))  # the copy (contiguous)
+            host.append(np.array(host_view(a)))  # the copy (contiguous)
             out.append([pos, a.nbytes, name, list(a.shape)])
             pos += _align(a.nbytes)
         slices.append(out)

@@ -70,7 +70,7 @@ class Worker:
         self.cache: CacheClient | None = None
         self.prefix_client: CacheClient | None = None
         self.prefix = None  # workers.prefix_cache.PrefixCache or SnapshotCache; None when caching is off
-        self.stores = None  # workers.store_thread.StoreThread: a prefill's block store off the MLX thread
+        self.stores = None  # workers.store_thread.StoreThread: block stores off the MLX thread
         self.arenas = ArenaAttachment()  # re-attaches when a restarted cache service has a new arena
         self.prefill = None
         self.vision = None  # workers.vision.VisionEngine when the model takes images
@@ -116,13 +116,21 @@ class Worker:
 
             log.info("worker %s warmed up in %.2fs", self.worker_id, warm_up(model, self.decode))
         self.outbox = Outbox(self.ctx)
-        if self.prefill is not None and getattr(self.prefix, "kind", "") == "blocks" and self.prefix.hot.enabled:
-            # (without a hot tier, the next prompt would miss blocks still being stored)
+        blocks = getattr(self.prefix, "kind", "") == "blocks"
+        # A prefill's stores need the hot tier (without it, the next prompt
+        # would miss blocks still being stored); a decode worker's send the
+        # last token after the commit, and pay off only on a GPU (a CPU's
+        # copies are cheap, and read KV that its batch still writes).
+        prefill_stores = self.prefill is not None and blocks and self.prefix.hot.enabled
+        decode_stores = self.decode is not None and blocks and not on_cpu()
+        if prefill_stores or decode_stores:
             from workers.store_thread import StoreThread
 
             outbox = self.outbox
             self.stores = StoreThread(self.prefix, self.prefix_cache_client(),
-                                      lambda handoff: outbox.send(handoff, wait_s=HANDOFF_SEND_S))
+                                      lambda msg: outbox.send(msg, wait_s=HANDOFF_SEND_S))
+            if decode_stores:
+                self.decode.stores = self.stores
         self.hello.max_context = context_length(self.settings.model_dir)
         self.hello.state = "ready"
         log.info("worker %s %s ready in %.1fs (pid %d)", self.worker_id, "+".join(self.roles),
@@ -166,6 +174,8 @@ class Worker:
                                  self.prefill_chunk)
             if self.decode is not None and self.decode.has_work:
                 self.decode_step()
+            elif self.decode is not None and self.decode.stores is not None:
+                self.decode.release_written()
             self.update_load()
             self.clock.maybe_report()
 
@@ -458,7 +468,7 @@ def run(settings: Settings, roles: list[str], worker_id: str) -> None:
     """Process main for a worker (a `spawn` target)."""
     from workers.loading import set_cuda_graphs
 
-    set_cuda_graphs(roles)  # before any GPU work: MLX reads it once
+    set_cuda_graphs()  # before any GPU work: MLX reads it once
     setup_logging(settings.log_level, f"worker:{worker_id}")
     ctx = zmq.Context()
     hello = WorkerHello(worker_id=worker_id, roles=list(roles), pid=os.getpid(), state="loading",
