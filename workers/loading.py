@@ -64,30 +64,25 @@ def hot_kv_bytes(cpu: bool, device: dict, processes: int = 1) -> int:
     return int(total) // (8 * max(1, processes)) if total else CPU_HOT_KV
 
 
-def cuda_graphs_wanted(roles) -> bool:
-    """Whether a worker of these roles should let MLX's CUDA backend record
-    its kernels into CUDA graphs (its default).
+def set_cuda_graphs(environ=os.environ) -> None:
+    """Turn MLX's CUDA graphs off for this process, unless
+    MLX_USE_CUDA_GRAPHS is set already (the operator's choice stands). MLX
+    reads the variable at the first GPU work, so a worker calls this before
+    any; other backends ignore it.
 
-    A decode worker runs the same few shapes step after step, and replaying a
-    recorded graph saves it the launches: a one-token pass of Qwen3-0.6B on an
-    H100 takes 7.5 ms with graphs, 11.5 ms without. A prefill worker meets a
-    new shape on nearly every follow-up turn (its new tokens over its cached
-    ones), and MLX records and instantiates a graph for a shape it has not
-    seen: 25-85 ms the first time a pass meets it (benchmarks/first_pass.py),
-    which a follow-up turn about a picture paid on most turns (its time to
-    first token 2.1x a text-only request's with graphs, 1.05x without;
-    BENCHMARKS.md, session 12). So a prefill-only worker runs without them;
-    a process that also decodes (`--colocate`) keeps them."""
-    return not ("prefill" in roles and "decode" not in roles)
-
-
-def set_cuda_graphs(roles, environ=os.environ) -> None:
-    """Turn MLX's CUDA graphs off for this process where
-    `cuda_graphs_wanted(roles)` says so, unless MLX_USE_CUDA_GRAPHS is set
-    already (the operator's choice stands). MLX reads the variable at the
-    first GPU work, so a worker calls this before any; other backends ignore it."""
-    if not cuda_graphs_wanted(roles):
-        environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")
+    MLX's CUDA backend records kernels into CUDA graphs (30 at a time on an
+    H100) and replays a recorded one where the next 30 have the same
+    topology. Measured on an H100 with Qwen3-0.6B's shape (BENCHMARKS.md,
+    session 15), graphs cost more than they save here:
+      * a decode step of the DecodeEngine, 24 rows: 14.8 ms with graphs,
+        11.6 ms without (1 row: 11.8 against 9.2 ms). The step is bound by
+        MLX's host-side work per kernel, not by the GPU (a plain mlx-lm
+        pass waits 0.4 ms for the GPU after 10 ms of encoding);
+      * a prefill meets a new shape on nearly every follow-up turn (its new
+        tokens over its cached ones), and a graph for a new shape is
+        recorded and instantiated: 25-85 ms the first time
+        (benchmarks/first_pass.py; session 12)."""
+    environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")
 
 
 def size_buffer_cache(processes: int = 1) -> None:

@@ -20,8 +20,8 @@ size at start-up, to set up per-shape state before the first client. On
 MLX's CUDA backend that state is mostly CUDA graphs, one per new shape in a
 cache of 400; a sweep over every token count to 128 and every 8th to 512,
 over 64 and 1,536 cached tokens (12-32 s at start), filled that cache and
-left a follow-up picture turn as slow as before. A prefill-only worker now
-runs without CUDA graphs instead (workers/loading.py set_cuda_graphs).
+left a follow-up picture turn as slow as before. Workers now run without
+CUDA graphs instead (workers/loading.py set_cuda_graphs).
 """
 
 from __future__ import annotations
