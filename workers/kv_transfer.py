@@ -240,9 +240,13 @@ def _read_slice(mv: memoryview, s) -> mx.array:
 
 
 def _to_mlx(a: np.ndarray, name: str) -> mx.array:
-    """Copy stored bytes into an MLX array of dtype `name` (bfloat16 comes
-    back from its uint16 storage as a view, no second copy)."""
-    arr = mx.array(a)
+    """Copy stored bytes into an MLX array of dtype `name`."""
+    return _as_stored(mx.array(a), name)
+
+
+def _as_stored(arr: mx.array, name: str) -> mx.array:
+    """An array copied from storage as dtype `name` (bfloat16 comes back from
+    its uint16 storage as a view, no second copy)."""
     return arr.view(mx.bfloat16) if name == "bfloat16" else arr
 
 
@@ -254,18 +258,32 @@ def read_kv(buf, layers: Sequence) -> List[KVCache]:
     closed or its slot reused right after). Nothing here waits on the
     device: the caller's next evaluation does what is left (a bfloat16 view).
     """
+    return kv_from_copies(copy_kv(buf, layers), layers)
+
+
+def copy_kv(buf, layers: Sequence) -> List[tuple]:
+    """read_kv's copies alone: per layer (keys, values) as MLX arrays of the
+    stored dtype (bfloat16 as its uint16 storage). Array creation and
+    nothing else (no lazy op, no evaluation), so a thread other than the
+    MLX thread may run it: on a GPU these copies are the slow part (page by
+    page into CUDA's managed memory)."""
     mv = memoryview(buf).cast("B")
-    caches = []
     try:
-        for pair in layers:
-            keys, values = (_read_slice(mv, s) for s in pair)
-            if keys.shape[2] != values.shape[2]:
-                raise ValueError("keys and values cover different token counts")
-            c = KVCache()
-            c.state = (keys, values, keys.shape[2])
-            caches.append(c)
+        return [tuple(mx.array(_slice_view(mv, _arena_slice(s))) for s in pair) for pair in layers]
     finally:
         _release(mv)
+
+
+def kv_from_copies(copies: Sequence[tuple], layers: Sequence) -> List[KVCache]:
+    """copy_kv's arrays as read_kv's caches (on the MLX thread)."""
+    caches = []
+    for pair, arrays in zip(layers, copies):
+        keys, values = (_as_stored(a, _arena_slice(s).dtype) for a, s in zip(arrays, pair))
+        if keys.shape[2] != values.shape[2]:
+            raise ValueError("keys and values cover different token counts")
+        c = KVCache()
+        c.state = (keys, values, keys.shape[2])
+        caches.append(c)
     return caches
 
 

@@ -56,6 +56,9 @@ PREFIX_CALL_TIMEOUT_S = 1.0
 # The store thread's sends give up after this (the socket loop has stopped;
 # the router's deadline then fails the request) rather than block for ever.
 HANDOFF_SEND_S = 5.0
+# A handoff's copy on the reader thread takes milliseconds; past this the
+# request fails rather than hold the decode loop.
+HANDOFF_READ_S = 30.0
 
 
 class Worker:
@@ -76,6 +79,11 @@ class Worker:
         self.vision = None  # workers.vision.VisionEngine when the model takes images
         self.embeddings = None  # workers.vision_cache.EmbeddingStore: image features in the cache service
         self.decode = None
+        # A decode worker copies handoffs out of the arena on a thread
+        # (`reader`): DecodeRequests wait here, in arrival order, with the
+        # copy's future (None: nothing to copy), until start_decode.
+        self.reader = None
+        self.reading: deque[tuple] = deque()
         self.prefill_queue: deque[PrefillRequest] = deque()
         self.vision_queue: deque[VisionRequest] = deque()
         self.current = None  # (PrefillRequest, incremental prefill job)
@@ -131,6 +139,12 @@ class Worker:
                                       lambda msg: outbox.send(msg, wait_s=HANDOFF_SEND_S))
             if decode_stores:
                 self.decode.stores = self.stores
+        if self.decode is not None:
+            # (on a GPU a handoff's copy into managed memory is ~8 ms that
+            # the decode loop would otherwise stand still for; on a CPU ~1 ms)
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.reader = ThreadPoolExecutor(1, thread_name_prefix="handoff-read")
         self.hello.max_context = context_length(self.settings.model_dir)
         self.hello.state = "ready"
         log.info("worker %s %s ready in %.1fs (pid %d)", self.worker_id, "+".join(self.roles),
@@ -172,6 +186,8 @@ class Worker:
                 with self.clock.phase("prefill"):
                     self.guarded(self.current[0].request_id if self.current else self.prefill_queue[0].request_id,
                                  self.prefill_chunk)
+            if self.reading:
+                self.take_reads(wait=not (self.decode.has_work or self.current or self.prefill_queue))
             if self.decode is not None and self.decode.has_work:
                 self.decode_step()
             elif self.decode is not None and self.decode.stores is not None:
@@ -180,7 +196,7 @@ class Worker:
             self.clock.maybe_report()
 
     def has_work(self) -> bool:
-        return bool(self.current or self.prefill_queue or self.vision_queue
+        return bool(self.current or self.prefill_queue or self.vision_queue or self.reading
                     or (self.decode is not None and self.decode.has_work))
 
     def drain_inbox(self, block: bool) -> None:
@@ -205,7 +221,7 @@ class Worker:
         elif isinstance(msg, VisionRequest) and "vision" in self.roles and self.vision is not None:
             self.vision_queue.append(msg)
         elif isinstance(msg, DecodeRequest) and self.decode is not None:
-            self.guarded(msg.request_id, self.start_decode, msg)
+            self.read_handoff(msg)
         elif isinstance(msg, Cancel):
             self.cancel(msg.request_id)
         else:
@@ -225,6 +241,9 @@ class Worker:
         """Drop a request wherever it is. A decoding request's KV goes to the
         prefix cache (unless `save` is False: its batch is suspect)."""
         self.prefill_queue = deque(r for r in self.prefill_queue if r.request_id != request_id)
+        for msg, copies in [e for e in self.reading if e[0].request_id == request_id]:
+            self.reading.remove((msg, copies))
+            self.drop_handoff(msg.handoff)
         if self.current and self.current[0].request_id == request_id:
             self.current = None
         self.local_kv.pop(request_id, None)
@@ -234,7 +253,7 @@ class Worker:
     def update_load(self) -> None:
         running = (1 if self.current else 0) + (self.decode.running if self.decode else 0)
         self.hello.running = running
-        self.hello.waiting = (len(self.prefill_queue) + len(self.vision_queue)
+        self.hello.waiting = (len(self.prefill_queue) + len(self.vision_queue) + len(self.reading)
                               + (self.decode.waiting if self.decode else 0))
         self.hello.kv_bytes = self.decode.kv_bytes if self.decode else 0
         hot = getattr(self.prefix, "hot", None)
@@ -392,9 +411,52 @@ class Worker:
                          bytes_moved=nbytes, write_ms=write_ms, cache_meta=enc.meta, **by_ref)
 
     # ------------------------------------------------------------- decode --
-    def start_decode(self, req: DecodeRequest) -> None:
+    def read_handoff(self, req: DecodeRequest) -> None:
+        """Start a decode request, or with a reader thread queue it behind
+        the copy of its handoff (and behind those queued before it)."""
+        h = req.handoff
+        if self.reader is None or (not self.reading and (h.local or not h.layers or h.cache_meta)):
+            self.guarded(req.request_id, self.start_decode, req)
+            return
+        from workers.kv_transfer import copy_kv
+
+        copies = None
+        if h.layers and not h.local and not h.cache_meta:
+            copies = self.reader.submit(copy_kv, self.arenas.get(h.arena).buf, h.layers)
+        self.reading.append((req, copies))
+
+    def take_reads(self, wait: bool) -> None:
+        """Start the queued decode requests whose copies are done, in order;
+        with `wait`, wait for them (the loop has nothing else to do)."""
+        from concurrent.futures import wait as wait_for
+
+        while self.reading:
+            req, copies = self.reading[0]
+            if copies is not None and not copies.done():
+                if not wait:
+                    return
+                with self.clock.phase("wait"):
+                    wait_for([copies], timeout=HANDOFF_READ_S)
+            self.reading.popleft()
+            with self.clock.phase("handle DecodeRequest"):
+                self.guarded(req.request_id, self.start_decode, req, copies)
+
+    def drop_handoff(self, h: KVHandoff) -> None:
+        """Give back what a handoff holds in the cache service (a request
+        cancelled before it started decoding); their TTLs end them otherwise."""
+        try:
+            if h.allocation >= 0:
+                self.cache.free(allocations=[h.allocation], arena=h.arena)
+            if h.block_hashes:
+                self.cache.release(h.block_lease)
+        except CacheUnavailable:
+            pass
+
+    def start_decode(self, req: DecodeRequest, copies=None) -> None:
+        """Take a request's KV (colocated, from the arena, or `copies`: the
+        reader thread's future of copy_kv) and add it to the decode batch."""
         from workers.hot_blocks import join
-        from workers.kv_transfer import read_cache
+        from workers.kv_transfer import kv_from_copies, read_cache
 
         h = req.handoff
         if h.local:
@@ -406,7 +468,10 @@ class Worker:
             cache = None
             if h.layers:
                 with self.clock.part("read handoff"):
-                    cache = read_cache(self.arenas.get(h.arena).buf, h.layers, h.cache_meta)
+                    if copies is not None:
+                        cache = kv_from_copies(copies.result(timeout=0), h.layers)
+                    else:
+                        cache = read_cache(self.arenas.get(h.arena).buf, h.layers, h.cache_meta)
             if h.allocation >= 0:  # the arena slot is free to reuse once the KV is ours
                 self.cache.free(allocations=[h.allocation], arena=h.arena)
             if h.block_hashes:
@@ -453,6 +518,8 @@ class Worker:
             self.outbox.send(TokenBatch(updates))
 
     def close(self) -> None:
+        if self.reader:
+            self.reader.shutdown(wait=True, cancel_futures=True)
         if self.stores:
             self.stores.close()  # its queued handoffs go out first
         if self.outbox:

@@ -1,0 +1,146 @@
+"""A decode worker's handoff reads on a thread (workers/runtime.py
+read_handoff / take_reads, workers/kv_transfer.py copy_kv): the copies out
+of the arena are exact; decode requests start in arrival order, each once
+its copy is done; a request cancelled while its copy is pending never
+starts, and what its handoff held in the cache service is given back. Real
+threads, real MLX arrays over a real buffer; the Worker runs without its
+sockets and model (the decode engine and the cache client are recorders).
+Every split decode worker of the end-to-end tests runs this path too."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from protos.messages import Cancel, DecodeRequest, KVHandoff, SamplingParams
+from workers.kv_transfer import copy_kv, kv_from_copies, kv_nbytes, read_kv, write_kv
+from workers.loop_clock import LoopClock
+from workers.runtime import Worker
+
+
+def _cache(dtype, tokens=7, layers=3, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(layers):
+        c = KVCache()
+        k = mx.array(rng.standard_normal((1, 2, tokens, 16)).astype(np.float32)).astype(dtype)
+        v = mx.array(rng.standard_normal((1, 2, tokens, 8)).astype(np.float32)).astype(dtype)
+        c.update_and_fetch(k, v)
+        out.append(c)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_copies_made_on_another_thread_rebuild_the_same_kv(dtype):
+    cache = _cache(dtype)
+    buf = bytearray(kv_nbytes(cache) + 64)
+    layers = write_kv(buf, 0, cache)
+    with ThreadPoolExecutor(1) as pool:
+        copies = pool.submit(copy_kv, buf, layers).result(timeout=10)
+    buf[:] = bytes(len(buf))  # the copies own their memory
+    for got, want in zip(kv_from_copies(copies, layers), cache):
+        assert got.offset == 7 and got.keys.dtype == dtype
+        assert mx.array_equal(got.keys[..., :7, :], want.keys[..., :7, :])
+        assert mx.array_equal(got.values[..., :7, :], want.values[..., :7, :])
+    buf2 = bytearray(len(buf))
+    write_kv(buf2, 0, cache)
+    assert all(mx.array_equal(a.keys, b.keys[..., :7, :]) for a, b in zip(read_kv(buf2, layers), cache))
+
+
+class _Arena:
+    def __init__(self, buf):
+        self.buf = buf
+
+
+class _Arenas:
+    def __init__(self, buf):
+        self.arena = _Arena(buf)
+
+    def get(self, name):
+        return self.arena
+
+
+class _Cache:
+    def __init__(self):
+        self.freed, self.released = [], []
+
+    def free(self, allocations, arena=""):
+        self.freed += allocations
+
+    def release(self, lease):
+        self.released.append(lease)
+
+
+class _Decode:
+    has_work = False
+
+    def __init__(self):
+        self.added, self.cancelled = [], []
+
+    def add(self, req, cache):
+        self.added.append((req.request_id, cache))
+
+    def cancel(self, request_id, save=True):
+        self.cancelled.append(request_id)
+
+
+class _Gate:
+    """copy_kv that waits for the test to open it (a slow copy)."""
+
+    def __init__(self):
+        self.open = threading.Event()
+
+    def __call__(self, buf, layers):
+        assert self.open.wait(10)
+        return copy_kv(buf, layers)
+
+
+def _worker(buf, monkeypatch, gate):
+    import workers.kv_transfer as kv
+
+    monkeypatch.setattr(kv, "copy_kv", gate)
+    w = Worker.__new__(Worker)
+    w.reader, w.reading, w.local_kv = ThreadPoolExecutor(1), deque(), {}
+    w.cache, w.decode, w.arenas = _Cache(), _Decode(), _Arenas(buf)
+    w.prefill_queue, w.vision_queue, w.current, w.prefix = deque(), deque(), None, None
+    w.clock = LoopClock("test")
+    return w
+
+
+def _request(rid, layers, allocation, lease=-1):
+    h = KVHandoff(rid, 7, 7, arena="a", allocation=allocation, layers=layers,
+                  block_hashes=[b"x"] if lease >= 0 else [], block_lease=lease)
+    return DecodeRequest(rid, list(range(7)), 1, h, SamplingParams(max_tokens=8))
+
+
+def test_requests_start_in_order_once_copied_and_a_cancel_while_copying_gives_back_the_handoff(monkeypatch):
+    cache = _cache(mx.bfloat16)
+    buf = bytearray(kv_nbytes(cache) + 64)
+    layers = write_kv(buf, 0, cache)
+    gate = _Gate()
+    w = _worker(buf, monkeypatch, gate)
+    try:
+        w.handle(_request("a", layers, allocation=1))
+        w.handle(_request("b", layers, allocation=2, lease=9))
+        w.handle(_request("c", [], allocation=-1))  # nothing to copy: still waits its turn
+        w.take_reads(wait=False)
+        assert w.decode.added == [] and len(w.reading) == 3 and w.has_work()
+        w.handle(Cancel("b"))  # its copy still pending
+        assert [r.request_id for r, _ in w.reading] == ["a", "c"]
+        assert w.cache.freed == [2] and w.cache.released == [9]
+        gate.open.set()
+        w.take_reads(wait=True)
+        assert [rid for rid, _ in w.decode.added] == ["a", "c"]
+        assert w.cache.freed == [2, 1]  # a's arena slot, once its KV was copied
+        got = w.decode.added[0][1]
+        assert all(mx.array_equal(g.keys[..., :7, :], c.keys[..., :7, :]) for g, c in zip(got, cache))
+        assert not w.reading
+    finally:
+        gate.open.set()
+        w.reader.shutdown(wait=True)
