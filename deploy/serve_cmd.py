@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hot-kv-memory", type=_bytes, default=None,
                    help="KV blocks each model worker keeps in its own (GPU) memory, e.g. 2G; 0 for none "
                         "(default: an eighth of the GPU's memory per worker, 64M on a CPU)")
-    p.add_argument("--block-size", type=_positive, default=d.block_size, help="tokens per KV block")
+    p.add_argument("--block-size", type=_positive, default=d.block_size,
+                   help="tokens per KV block (default: 4 where MLX runs on the CPU, 8 on a GPU)")
     p.add_argument("--max-batch", type=_positive, default=d.max_batch, help="decode batch size per decode worker")
     p.add_argument("--prefill-chunk", type=_positive, default=d.prefill_chunk, help="tokens per prefill step")
     p.add_argument("--no-warm-up", dest="warm_up", action="store_false",

@@ -28,6 +28,21 @@ def default_cache_memory() -> int:
     return max(256 << 20, min(8 << 30, ram // 10))
 
 
+def default_block_size() -> int:
+    """Tokens per KV block: 4 where MLX runs on the CPU, 8 on a GPU.
+
+    A prompt recomputes what follows its last full block (half a block on
+    average), against costs per block (hashing, round trips, stores, and on
+    a GPU a copy per block into the hot tier). On the 2-core CPU box 4-token
+    blocks served a warm request faster (benchmarks/block_size.py: 21.8 ms
+    of reuse costs against 32.0 at 8; prefix_restart.py: 0.22-0.25 s against
+    0.28-0.30 s) and cached more of a swarm's turns; on the H100 8- and
+    16-token blocks timed the same (BENCHMARKS.md, sessions 14 and 15)."""
+    from workers.loading import on_cpu
+
+    return 4 if on_cpu() else 8
+
+
 @dataclass
 class Settings:
     # What is served
@@ -48,7 +63,7 @@ class Settings:
     arena_name: str = ""  # shared-memory segment; the supervisor picks a fresh one per start
     cache_memory_bytes: int = field(default_factory=default_cache_memory)
     # Prefix cache
-    block_size: int = 8  # tokens per KV block (benchmarks/block_size.py and prefix_restart.py, BENCHMARKS.md session 14)
+    block_size: int = field(default_factory=default_block_size)  # tokens per KV block
     cache_dir: str | None = field(default_factory=lambda: os.path.join(default_cache_dir(), "kv"))  # None: no disk tier
     cache_disk_bytes: int = 8 << 30
     # Blocks each model worker keeps as MLX arrays (workers/hot_blocks.py);

@@ -497,8 +497,11 @@ SNAPSHOT_KEY_VERSION = b"tandem-snapshot-v1"
 # the previous turn's prompt, behind its answer and a new message. Each
 # candidate boundary costs one round trip to the cache service (0.26 ms on
 # the 2-core dev box), paid in full by every prompt that misses: 1024 tokens
-# are 128 lookups (~33 ms) at the default 8-token blocks, 64 at 16.
+# are 128 lookups (~33 ms) at 8-token boundaries, 64 at 16.
 SNAPSHOT_REACH_TOKENS = 1024
+# Snapshots sit at boundaries at least this far apart, whatever the block
+# size: finer ones would only add lookups (each snapshot is a whole cache).
+SNAPSHOT_MIN_BLOCK = 8
 
 
 def snapshot_key(block_hash: bytes) -> bytes:
@@ -666,7 +669,8 @@ def make_prefix_cache(model, model_dir: str, block_size: int, client,
 
     reason = unblockable_reason(make_prompt_cache(model))
     if reason is not None:
-        return _make_snapshot_cache(model, model_dir, block_size, client, arena_buf, reason, **kw)
+        return _make_snapshot_cache(model, model_dir, max(block_size, SNAPSHOT_MIN_BLOCK), client, arena_buf,
+                                    reason, **kw)
     layout = probe_kv_layout(model, block_size)
     hasher = BlockHasher(block_extra(model_fingerprint(model_dir), layout.dtype, block_size), block_size)
     log.info("prefix cache: %d-token blocks of %d bytes (%s KV)", block_size, layout.block_nbytes, layout.dtype)
