@@ -101,7 +101,7 @@ def test_one_query_array_masks_and_large_scores_are_left_to_mlx():
 def as_if_cuda(monkeypatch):
     """mlx_hooks' backend check answers "CUDA" (what runs is still the CPU)."""
     monkeypatch.setattr(mlx_hooks, "on_cpu", lambda: False)
-    monkeypatch.setattr(mlx_hooks.mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mlx_hooks, "on_cuda", lambda: True)
     yield
     monkeypatch.undo()
     mlx_hooks._set_backend()  # back to this machine's own

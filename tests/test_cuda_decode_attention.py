@@ -37,7 +37,7 @@ def as_if_cuda(monkeypatch):
     """mlx_hooks' backend check answers "CUDA"; the kernel is the double."""
     took = []
     monkeypatch.setattr(mlx_hooks, "on_cpu", lambda: False)
-    monkeypatch.setattr(mlx_hooks.mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mlx_hooks, "on_cuda", lambda: True)
     monkeypatch.setattr(cuda_decode_attention, "attention",
                         lambda q, k, v, scale, starts: took.append(starts.tolist()) or masked(q, k, v, scale, starts))
     yield took

@@ -264,9 +264,10 @@ def read_kv(buf, layers: Sequence) -> List[KVCache]:
 def copy_kv(buf, layers: Sequence) -> List[tuple]:
     """read_kv's copies alone: per layer (keys, values) as MLX arrays of the
     stored dtype (bfloat16 as its uint16 storage). Array creation and
-    nothing else (no lazy op, no evaluation), so a thread other than the
-    MLX thread may run it: on a GPU these copies are the slow part (page by
-    page into CUDA's managed memory)."""
+    nothing else (no lazy op, no evaluation), so on MLX's CUDA backend,
+    whose allocator takes a lock, a thread other than the MLX thread may
+    run it: there these copies are the slow part (page by page into managed
+    memory)."""
     mv = memoryview(buf).cast("B")
     try:
         return [tuple(mx.array(_slice_view(mv, _arena_slice(s))) for s in pair) for pair in layers]

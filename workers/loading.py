@@ -23,6 +23,11 @@ def on_cpu() -> bool:
     return mx.default_device().type == mx.DeviceType.cpu
 
 
+def on_cuda() -> bool:
+    """MLX runs on its CUDA backend (an NVIDIA GPU), not Metal or the CPU."""
+    return not on_cpu() and mx.cuda.is_available()
+
+
 # MLX's CPU allocator keeps only 32 MB of freed buffers by default: a 512-token
 # prefill chunk's attention scores (9 MB per layer for the embedded model) and
 # MLP activations then come from fresh pages every layer, and the page faults

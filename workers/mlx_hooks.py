@@ -41,7 +41,7 @@ from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models.cache import BatchKVCache
 
 from workers import cpu_attention, cpu_math, cuda_attention, cuda_decode_attention
-from workers.loading import on_cpu
+from workers.loading import on_cpu, on_cuda
 from workers.ragged_kv import RaggedKVCache
 
 # The module, not the `generate` function mlx_lm's package exports under the same name.
@@ -54,7 +54,7 @@ _CUDA = {"on": False, "decode": False}
 
 def _set_backend() -> None:
     _CPU["on"] = on_cpu() and not os.environ.get("TANDEM_MLX_EXP")
-    cuda = not on_cpu() and mx.cuda.is_available()
+    cuda = on_cuda()
     _CUDA["on"] = cuda and not os.environ.get("TANDEM_CUDNN_PREFILL")
     _CUDA["decode"] = cuda and not os.environ.get("TANDEM_MLX_DECODE_ATTENTION")
 

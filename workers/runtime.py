@@ -79,7 +79,7 @@ class Worker:
         self.vision = None  # workers.vision.VisionEngine when the model takes images
         self.embeddings = None  # workers.vision_cache.EmbeddingStore: image features in the cache service
         self.decode = None
-        # A decode worker copies handoffs out of the arena on a thread
+        # A CUDA decode worker copies handoffs out of the arena on a thread
         # (`reader`): DecodeRequests wait here, in arrival order, with the
         # copy's future (None: nothing to copy), until start_decode.
         self.reader = None
@@ -95,7 +95,7 @@ class Worker:
     def load(self) -> None:
         from workers.decode import DecodeEngine
         from workers.prefix_cache import make_prefix_cache
-        from workers.loading import context_length, hot_kv_bytes, load_model, on_cpu, size_buffer_cache
+        from workers.loading import context_length, hot_kv_bytes, load_model, on_cpu, on_cuda, size_buffer_cache
         from workers.prefill_mlx import PrefillEngine
 
         t0 = time.perf_counter()
@@ -139,9 +139,12 @@ class Worker:
                                       lambda msg: outbox.send(msg, wait_s=HANDOFF_SEND_S))
             if decode_stores:
                 self.decode.stores = self.stores
-        if self.decode is not None:
-            # (on a GPU a handoff's copy into managed memory is ~8 ms that
-            # the decode loop would otherwise stand still for; on a CPU ~1 ms)
+        if self.decode is not None and on_cuda():
+            # On CUDA a handoff's copy into managed memory is ~8 ms that the
+            # decode loop would otherwise stand still for. The reader only
+            # creates arrays (MLX's CUDA allocator takes a lock); elsewhere
+            # MLX stays on one thread, as DESIGN.md says (Metal crashes when
+            # two threads touch MLX), and the copy is ~1 ms on a CPU.
             from concurrent.futures import ThreadPoolExecutor
 
             self.reader = ThreadPoolExecutor(1, thread_name_prefix="handoff-read")
@@ -241,9 +244,10 @@ class Worker:
         """Drop a request wherever it is. A decoding request's KV goes to the
         prefix cache (unless `save` is False: its batch is suspect)."""
         self.prefill_queue = deque(r for r in self.prefill_queue if r.request_id != request_id)
-        for msg, copies in [e for e in self.reading if e[0].request_id == request_id]:
-            self.reading.remove((msg, copies))
-            self.drop_handoff(msg.handoff)
+        dropped = [req for req, _ in self.reading if req.request_id == request_id]
+        if dropped:
+            self.reading = deque(e for e in self.reading if e[0].request_id != request_id)
+            self.drop_handoff(dropped[0].handoff)
         if self.current and self.current[0].request_id == request_id:
             self.current = None
         self.local_kv.pop(request_id, None)
@@ -414,15 +418,14 @@ class Worker:
     def read_handoff(self, req: DecodeRequest) -> None:
         """Start a decode request, or with a reader thread queue it behind
         the copy of its handoff (and behind those queued before it)."""
-        h = req.handoff
-        if self.reader is None or (not self.reading and (h.local or not h.layers or h.cache_meta)):
-            self.guarded(req.request_id, self.start_decode, req)
-            return
         from workers.kv_transfer import copy_kv
 
-        copies = None
-        if h.layers and not h.local and not h.cache_meta:
+        h, copies = req.handoff, None
+        if self.reader is not None and h.layers and not h.local and not h.cache_meta:
             copies = self.reader.submit(copy_kv, self.arenas.get(h.arena).buf, h.layers)
+        elif not self.reading:  # nothing to copy, and nothing queued before it
+            self.guarded(req.request_id, self.start_decode, req)
+            return
         self.reading.append((req, copies))
 
     def take_reads(self, wait: bool) -> None:
