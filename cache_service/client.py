@@ -145,10 +145,12 @@ class CacheClient:
         return self._call(self._calls.alloc(nbytes, owner, ttl_s))
 
     def free(self, allocations: Optional[list] = None, owner: Optional[str] = None,
-             arena: Optional[str] = None) -> CacheReply:
+             arena: Optional[str] = None, wait: bool = True) -> Optional[CacheReply]:
         """Release by ids and/or owner. Pass `arena` (from the handle) so a
-        free aimed at a restarted service's old arena is refused."""
-        return self._call(self._calls.free(allocations, owner, arena))
+        free aimed at a restarted service's old arena is refused. With
+        `wait=False` the request is only sent (see `release`): None."""
+        call = self._calls.free(allocations, owner, arena)
+        return self._call(call) if wait else self._post(call)
 
     def stats(self) -> dict:
         return self._call(self._calls.stats())
@@ -164,10 +166,15 @@ class CacheClient:
 
     def release(self, lease: int) -> None:
         """Give a lookup's lease back. A lease that already expired is fine;
-        -1 (nothing leased) costs no call."""
+        -1 (nothing leased) costs no call. Only sent, never waited for: its
+        reply says nothing a caller acts on, and a worker's MLX thread pays
+        each round trip (a decode request releases one and frees one). The
+        service takes this socket's requests in order, so the next call
+        sees it done; its reply is dropped there as stale. A release that
+        never arrives ends with its lease's deadline."""
         if lease < 0:
             return None
-        return self._call(self._calls.release(lease))
+        return self._post(self._calls.release(lease))
 
     def reserve(self, hashes, nbytes: int, owner: str, ttl_s: float = DEFAULT_BLOCK_TTL_S) -> KVReserveReply:
         """Phase one of a put: `.blocks` are the slots to write (`nbytes` each),
@@ -183,8 +190,11 @@ class CacheClient:
         return self._call(self._calls.commit(hashes, owner))
 
     def close(self) -> None:
+        self._drop(linger_ms=1000)  # requests only sent (release) still go out
+
+    def _drop(self, linger_ms: int = 0) -> None:
         if self._sock is not None:
-            self._sock.close(linger=0)
+            self._sock.close(linger=linger_ms)
             self._sock = None
 
     def __enter__(self) -> "CacheClient":
@@ -193,7 +203,7 @@ class CacheClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _call(self, call: _Call) -> Any:
+    def _socket(self) -> zmq.Socket:
         me = threading.get_ident()
         if self._thread is None:
             self._thread = me
@@ -202,15 +212,26 @@ class CacheClient:
         if self._sock is None:
             self._sock = make_socket(self._ctx, zmq.DEALER)
             self._sock.connect(self._calls.address)
+        return self._sock
+
+    def _post(self, call: _Call) -> None:
+        """Send a call whose reply nobody waits for (the next call drops it)."""
         try:
-            send(self._sock, call.request, flags=zmq.NOBLOCK)
+            send(self._socket(), call.request, flags=zmq.NOBLOCK)
+        except zmq.Again:  # the service is not reading; what it would free expires
+            self._drop()
+            log.debug("cache service: %s not sent (send queue full)", type(call.request).__name__)
+
+    def _call(self, call: _Call) -> Any:
+        try:
+            send(self._socket(), call.request, flags=zmq.NOBLOCK)
         except zmq.Again:
-            self.close()
+            self._drop()
             raise call.timed_out("send queue full") from None
         while True:
             wait_ms = call.remaining_ms()
             if wait_ms <= 0:
-                self.close()  # a late reply dies with this socket
+                self._drop()  # a late reply dies with this socket
                 raise call.timed_out()
             if not self._sock.poll(wait_ms, zmq.POLLIN):
                 continue

@@ -187,21 +187,26 @@ def test_decode_batch_with_rows_coming_and_going_matches_mlx_lm(model):
     """The padded batch a GPU decodes with, on this CPU: rows join at
     different steps (longer and shorter than the batch) and leave in every
     position (first, middle, the longest); each request's greedy tokens
-    equal mlx-lm's generate_step alone."""
+    equal mlx-lm's generate_step alone. Every layer holds one offset and
+    one left-padding array through joins, leaves and steps (share_row_state:
+    a step adds one to the offsets once, not per layer)."""
     lengths = [40, 9, 23, 61, 15, 33]
     joins = [0, 0, 1, 2, 4, 7]
     answers = [6, 14, 9, 3, 12, 8]  # the 61-token row leaves first
     jobs = [(f"r{i}", joins[i], prompt_of(n, 200 + i), greedy(answers[i])) for i, n in enumerate(lengths)]
-    classes, sizes = set(), []
+    classes, sizes, shared = set(), [], []
 
     def observe(step, decode):
         batch = decode._batch.prompt_cache
         if batch:
             classes.add(type(batch[0]))
             sizes.append(len(decode._batch))
+            shared.append(all(c.offset is batch[0].offset and c.left_padding is batch[0].left_padding
+                              for c in batch))
 
     outs = drive(model, jobs, max_batch=8, ragged=False, observe=observe)
     assert classes == {SlotBatchKVCache}
     assert max(sizes) >= 4 and len(set(sizes)) >= 3  # rows really came and went
+    assert shared and all(shared)
     for rid, _, prompt, sp in jobs:
         assert outs[rid].tokens == reference(model, prompt, sp.max_tokens).tokens, rid

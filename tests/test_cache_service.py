@@ -608,6 +608,35 @@ def looked_up(client, hashes, lease_s=30.0):
     return [r.hash for r in reply.blocks]
 
 
+def test_release_and_a_free_without_wait_are_sent_not_waited_for(procs, make_settings):
+    """A worker's MLX thread releases a lease and frees a handoff per decode
+    request without a round trip: the call only sends. The service takes the
+    socket's requests in order, so the next call already sees them done, and
+    their replies are dropped there; with the service gone they cost no
+    deadline."""
+    settings = make_settings(cache_call_timeout_s=0.5)
+    p = start_service(procs, settings)
+    client = CacheClient(settings)
+    put = client.reserve(chain("r", 2), BLK, owner="w")
+    client.commit([r.hash for r in put.blocks], owner="w")
+    lease = client.lookup(chain("r", 2), owner="reader").lease
+    handoff = client.alloc(4096, owner="req")
+    assert lease >= 0 and handoff.ok and client.stats()["leases"] == 1
+    assert client.release(lease) is None
+    assert client.free([handoff.allocation], arena=handoff.arena, wait=False) is None
+    st = client.stats()  # the very next call: both done, their replies dropped
+    assert (st["leases"], st["handoffs"], st["frees_total"]) == (0, 0, 1)
+    p.kill()
+    p.join(5)
+    t0 = time.monotonic()
+    client.release(lease)
+    client.free([handoff.allocation], arena=handoff.arena, wait=False)
+    assert time.monotonic() - t0 < 0.25  # a waiting call would take its 0.5 s deadline, then raise
+    with pytest.raises(CacheUnavailable):
+        client.stats()
+    client.close()
+
+
 def test_prefix_lookup_reserve_commit_across_processes(procs, make_settings):
     settings = make_settings(cache_memory_bytes=16 * BLK)
     start_service(procs, settings)

@@ -75,7 +75,7 @@ class _Cache:
     def __init__(self):
         self.freed, self.released = [], []
 
-    def free(self, allocations, arena=""):
+    def free(self, allocations, arena="", wait=True):
         self.freed += allocations
 
     def release(self, lease):

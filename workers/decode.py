@@ -77,7 +77,7 @@ from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from protos.messages import DecodeRequest, TokenBatch, TokenUpdate
 from workers import mlx_hooks, ragged_kv
-from workers.batch_cache import SlotBatchKVCache, swap_remove_order
+from workers.batch_cache import SlotBatchKVCache, share_row_state, swap_remove_order
 from workers.kv_transfer import host_view
 from workers.loading import on_cpu
 from workers.loop_clock import part
@@ -438,6 +438,11 @@ class _Batch(GenerationBatch):
             if getattr(c, "moved", None):
                 self.barrier = self.barrier + c.moved
                 c.moved = []
+        share_row_state(self.prompt_cache)
+
+    def extend(self, batch):
+        super().extend(batch)
+        share_row_state(self.prompt_cache)
 
 
 class _Joining(GenerationBatch):

@@ -449,7 +449,7 @@ class Worker:
         cancelled before it started decoding); their TTLs end them otherwise."""
         try:
             if h.allocation >= 0:
-                self.cache.free(allocations=[h.allocation], arena=h.arena)
+                self.cache.free(allocations=[h.allocation], arena=h.arena, wait=False)
             if h.block_hashes:
                 self.cache.release(h.block_lease)
         except CacheUnavailable:
@@ -476,7 +476,7 @@ class Worker:
                     else:
                         cache = read_cache(self.arenas.get(h.arena).buf, h.layers, h.cache_meta)
             if h.allocation >= 0:  # the arena slot is free to reuse once the KV is ours
-                self.cache.free(allocations=[h.allocation], arena=h.arena)
+                self.cache.free(allocations=[h.allocation], arena=h.arena, wait=False)
             if h.block_hashes:
                 with self.clock.part("take blocks"):
                     blocks = self.take_blocks(h)
