@@ -215,9 +215,17 @@ class CacheClient:
         return self._sock
 
     def _post(self, call: _Call) -> None:
-        """Send a call whose reply nobody waits for (the next call drops it)."""
+        """Send a call whose reply nobody waits for. The replies of earlier
+        posts that arrived meanwhile are dropped here (a client that only
+        posts would otherwise keep every one of them queued)."""
+        sock = self._socket()
+        while True:
+            try:
+                sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
         try:
-            send(self._socket(), call.request, flags=zmq.NOBLOCK)
+            send(sock, call.request, flags=zmq.NOBLOCK)
         except zmq.Again:  # the service is not reading; what it would free expires
             self._drop()
             log.debug("cache service: %s not sent (send queue full)", type(call.request).__name__)

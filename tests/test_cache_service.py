@@ -626,6 +626,17 @@ def test_release_and_a_free_without_wait_are_sent_not_waited_for(procs, make_set
     assert client.free([handoff.allocation], arena=handoff.arena, wait=False) is None
     st = client.stats()  # the very next call: both done, their replies dropped
     assert (st["leases"], st["handoffs"], st["frees_total"]) == (0, 0, 1)
+    # A client that only posts (a decode worker's frees) keeps no backlog of replies.
+    for i in range(50):
+        client.free([10_000 + i], arena=handoff.arena, wait=False)
+        time.sleep(0.005)
+    assert wait_for(lambda: client._sock.poll(0), timeout_s=5)
+    time.sleep(0.2)
+    pending = 0
+    while client._sock.poll(0):
+        client._sock.recv_multipart()
+        pending += 1
+    assert pending <= 2, f"{pending} stale replies kept"
     p.kill()
     p.join(5)
     t0 = time.monotonic()
