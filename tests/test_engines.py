@@ -410,6 +410,31 @@ def test_both_kv_write_paths_write_the_same_bytes(monkeypatch):
     assert written[True] == written[False]
 
 
+def test_a_staged_kv_write_copies_the_same_bytes_on_another_thread(monkeypatch):
+    """A prefill worker lays a handoff out on its MLX thread and leaves the
+    copy into the arena to its store thread (kv_transfer.stage_encoded):
+    nothing is written before copy() runs, and it writes what write_kv does,
+    in both layouts."""
+    import threading
+
+    import workers.kv_transfer as kv
+
+    cache = [_filled_cache(mx.bfloat16, 21, s) for s in range(2)]
+    for on_cpu in (True, False):
+        monkeypatch.setattr(kv, "_on_cpu", lambda on_cpu=on_cpu: on_cpu)
+        expect = bytearray(kv_nbytes(cache) + 128)
+        layers = write_kv(expect, 128, cache)
+        buf = bytearray(len(expect))
+        staged_layers, copy, held = kv.stage_encoded(buf, 128, kv.encode_cache(cache))
+        assert staged_layers == layers and held and not any(buf)
+        worker = threading.Thread(target=copy)
+        worker.start()
+        worker.join(10)
+        assert bytes(buf) == bytes(expect), on_cpu
+    with pytest.raises(ValueError, match="buffer too small"):
+        kv.stage_encoded(bytearray(64), 0, kv.encode_cache(cache))
+
+
 def test_kv_transfer_errors():
     cache = [_filled_cache(mx.float32, 10, 0)]
     with pytest.raises(ValueError, match="too small"):

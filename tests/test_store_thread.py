@@ -48,6 +48,30 @@ def test_handoffs_leave_in_order_after_their_store_even_when_a_store_fails():
     assert client.closed
 
 
+def test_a_handoff_copy_runs_first_and_a_failed_copy_sends_its_failure_instead():
+    """A prefill worker's handoff tail is copied into the arena on this
+    thread: before the store (which reads it) and before the handoff leaves.
+    A copy that fails sends the job's failure message and stores nothing."""
+    prefix, order = Prefix(), []
+    stores = StoreThread(prefix, Client(), lambda m: order.append(("sent", m, len(prefix.written))))
+
+    def copy(name, fail=False):
+        def run():
+            order.append(("copied", name, len(prefix.written)))
+            if fail:
+                raise OSError("arena gone")
+        return run
+
+    stores.submit("p0", "h0", copy=copy("t0"), failed="f0")
+    stores.submit("p1", "h1", copy=copy("t1", fail=True), failed="f1")
+    stores.submit(None, "h2", copy=copy("t2"), failed="f2")  # nothing to store: still copied, then sent
+    stores.close(timeout_s=10)
+    assert order == [("copied", "t0", 0), ("sent", "h0", 1), ("copied", "t1", 1), ("sent", "f1", 1),
+                     ("copied", "t2", 1), ("sent", "h2", 1)]
+    assert [p for p, _ in prefix.written] == ["p0"]
+    assert stores.finished == 3
+
+
 def test_a_failing_send_does_not_stop_the_thread():
     prefix, sent = Prefix(), []
 

@@ -138,20 +138,42 @@ def write_kv(buf, base_offset: int, cache: Sequence) -> List[List[ArenaSlice]]:
 def write_encoded(buf, base_offset: int, enc: "EncodedCache") -> List[List[ArenaSlice]]:
     """Copy an encoded cache's arrays into `buf` from `base_offset`: per layer
     one ArenaSlice per array, in order (offsets absolute in `buf`)."""
+    layers, copy, _held = stage_encoded(buf, base_offset, enc)
+    copy()
+    return layers
+
+
+def stage_encoded(buf, base_offset: int, enc: "EncodedCache"):
+    """write_encoded in two halves. This one, on the MLX thread: check the
+    room, lay the arrays out (on a GPU packed into one array, which the host
+    reads at once), evaluate them and take host views. Returns (layers,
+    copy, held): `copy()` writes those views into `buf` and touches no MLX
+    array, so another thread may run it (on a GPU it is the slow part: the
+    bytes come off the device page by page); the MLX arrays in `held` must
+    outlive it, and are best dropped on the MLX thread."""
     mx.eval(enc.arrays)
     need = enc.nbytes
     mv = memoryview(buf).cast("B")
+    room = mv.nbytes
+    _release(mv)
+    if base_offset < 0 or base_offset + need > room:
+        raise ValueError(f"buffer too small: need {need} bytes at offset {base_offset}, buffer holds {room}")
     layers: List[List[ArenaSlice]] = []
-    try:
-        if base_offset < 0 or base_offset + need > mv.nbytes:
-            raise ValueError(
-                f"buffer too small: need {need} bytes at offset {base_offset}, "
-                f"buffer holds {mv.nbytes}"
-            )
-        (_write_layers if _on_cpu() else _write_packed)(mv, enc.arrays, base_offset, layers)
-    finally:
-        _release(mv)
-    return layers
+    held = (_layout_layers if _on_cpu() else _layout_packed)(enc.arrays, base_offset, layers)
+    sources = [(offset, host_view(a)) for offset, a in held]
+
+    def copy() -> None:
+        mv = memoryview(buf).cast("B")
+        try:
+            for offset, src in sources:
+                dst = np.frombuffer(mv, dtype=src.dtype, count=src.size, offset=offset)
+                # The one copy: (strided) MLX memory -> contiguous slice of the buffer.
+                dst.reshape(src.shape)[...] = src
+                del dst
+        finally:
+            _release(mv)
+
+    return layers, copy, [a for _, a in held]
 
 
 def _release(mv: memoryview) -> None:
@@ -162,51 +184,49 @@ def _release(mv: memoryview) -> None:
         pass
 
 
-def _write_layers(mv, arrays, offset, layers) -> None:
-    for layer in arrays:  # plain KV: [keys, values]; any cache: its state arrays
-        out = []
+def _slice_of(a, offset: int) -> ArenaSlice:
+    name = _STATE_NAMES.get(a.dtype)
+    if name is None:
+        raise ValueError(f"unsupported KV dtype {a.dtype}")
+    return ArenaSlice(offset=offset, nbytes=a.nbytes, dtype=name, shape=list(a.shape))
+
+
+def _layout_layers(arrays, offset, layers) -> list:
+    """[(offset, array)] to copy one by one (plain KV: [keys, values] per
+    layer; any cache: its state arrays); fills `layers`."""
+    out = []
+    for layer in arrays:
+        slices = []
         for a in layer:
-            name = _STATE_NAMES.get(a.dtype)
-            if name is None:
-                raise ValueError(f"unsupported KV dtype {a.dtype}")
-            src = host_view(a)
-            if src.size:
-                dst = np.frombuffer(mv, dtype=src.dtype, count=src.size, offset=offset)
-                # The one copy: strided MLX memory -> contiguous slice of the buffer.
-                dst.reshape(src.shape)[...] = src
-                del dst
-            out.append(ArenaSlice(offset=offset, nbytes=a.nbytes, dtype=name,
-                                  shape=list(a.shape)))
+            slices.append(_slice_of(a, offset))
+            if a.size:
+                out.append((offset, a))
             offset += _align(a.nbytes)
-        layers.append(out)
+        layers.append(slices)
+    return out
 
 
-def _write_packed(mv, arrays, offset, layers) -> None:
-    """GPU: the same bytes as _write_layers, laid out on the device as one
+def _layout_packed(arrays, offset, layers) -> list:
+    """GPU: the same bytes as _layout_layers, laid out on the device as one
     array that the host reads once. Read array by array, strided device
     memory cost page faults per few KB: a 15-token tail of 28 layers took
     22 ms per request on an H100."""
     flat, pos = [], offset
     for layer in arrays:
-        out = []
+        slices = []
         for a in layer:
-            name = _STATE_NAMES.get(a.dtype)
-            if name is None:
-                raise ValueError(f"unsupported KV dtype {a.dtype}")
+            slices.append(_slice_of(a, pos))
             if a.nbytes:
                 flat.append(mx.contiguous(a).reshape(-1).view(mx.uint8))
                 if _align(a.nbytes) > a.nbytes:
                     flat.append(mx.zeros((_align(a.nbytes) - a.nbytes,), mx.uint8))
-            out.append(ArenaSlice(offset=pos, nbytes=a.nbytes, dtype=name, shape=list(a.shape)))
             pos += _align(a.nbytes)
-        layers.append(out)
-    if flat:
-        packed = mx.concatenate(flat)
-        mx.eval(packed)
-        host = np.asarray(packed)
-        dst = np.frombuffer(mv, dtype=np.uint8, count=host.size, offset=offset)
-        dst[...] = host
-        del dst
+        layers.append(slices)
+    if not flat:
+        return []
+    packed = mx.concatenate(flat)
+    mx.eval(packed)
+    return [(offset, packed)]
 
 
 def _arena_slice(s) -> ArenaSlice:

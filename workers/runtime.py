@@ -74,6 +74,9 @@ class Worker:
         self.prefix_client: CacheClient | None = None
         self.prefix = None  # workers.prefix_cache.PrefixCache or SnapshotCache; None when caching is off
         self.stores = None  # workers.store_thread.StoreThread: block stores off the MLX thread
+        # (ticket, MLX arrays) that the store thread reads (a handoff's tail):
+        # kept until it is done with them, then dropped here, on the MLX thread.
+        self.store_reads: deque = deque()
         self.arenas = ArenaAttachment()  # re-attaches when a restarted cache service has a new arena
         self.prefill = None
         self.vision = None  # workers.vision.VisionEngine when the model takes images
@@ -195,6 +198,8 @@ class Worker:
                 self.decode_step()
             elif self.decode is not None and self.decode.stores is not None:
                 self.decode.release_written()
+            while self.store_reads and self.store_reads[0][0] <= self.stores.finished:
+                self.store_reads.popleft()
             self.update_load()
             self.clock.maybe_report()
 
@@ -287,17 +292,20 @@ class Worker:
                                      images_encoded=getattr(job, "encoded", 0),
                                      images_cached=getattr(job, "skipped", 0),
                                      encode_s=getattr(job, "encode_s", 0.0)))
-        # The first token is on its way; the KV copy to the arena follows.
+        # The first token is on its way; the KV copy to the arena follows
+        # (with a store thread, the copy itself is that thread's: `staged`).
+        staged = [] if self.stores is not None else None
         if not local:
             with part(self.clock, "hold blocks", job.parts):
                 hold = self.hold_blocks(req, job, result)
             with part(self.clock, "hand off", job.parts):
-                handoff = self.hand_off(req, result, hold)
+                handoff = self.hand_off(req, result, hold, staged)
         # The prompt's new blocks: from the handoff's tail, in host memory (a
         # host copy, not another transfer from the device), before the
         # handoff is sent, after which a decode worker may free the tail and
-        # another prefill worker reuse it. The copy and the commit, and then
-        # the handoff, are the store thread's when there is one.
+        # another prefill worker reuse it. The tail's copy, the blocks' copy
+        # and the commit, and then the handoff, are the store thread's when
+        # there is one.
         later = []
         with part(self.clock, "store", job.parts):
             if local:
@@ -305,7 +313,12 @@ class Worker:
             else:
                 self.after_reply("prefix store", lambda: job.save_prefix(
                     host=self.handoff_tail(handoff), later=later.append if self.stores else None))
-        if later:
+        if staged:
+            copy, held = staged[0]
+            ticket = self.stores.submit(later[0] if later else None, handoff, copy=copy, failed=RequestFailed(
+                req.request_id, "the KV handoff could not be written to shared memory", 500))
+            self.store_reads.append((ticket, held))
+        elif later:
             self.stores.submit(later[0], handoff)
         elif not local:
             self.outbox.send(handoff)
@@ -381,11 +394,13 @@ class Worker:
             return None
         return h.block_tokens, arena_kv_views(self.arenas.get(h.arena).buf, h.layers)
 
-    def hand_off(self, req: PrefillRequest, result, hold=None) -> KVHandoff:
+    def hand_off(self, req: PrefillRequest, result, hold=None, staged: list | None = None) -> KVHandoff:
         """Put the prompt's KV in the arena, where a decode worker will find it
-        (after `hold`'s blocks only, when given: those are referred to)."""
+        (after `hold`'s blocks only, when given: those are referred to). With
+        `staged` (a list) the copy into the arena is left to the caller:
+        (copy, held) is appended (kv_transfer.stage_encoded's)."""
         from workers.hot_blocks import tail_of
-        from workers.kv_transfer import cache_dtype_name, encode_cache, write_encoded
+        from workers.kv_transfer import cache_dtype_name, encode_cache, stage_encoded, write_encoded
 
         t0 = time.perf_counter()
         cache, by_ref = result.cache, {}
@@ -406,13 +421,24 @@ class Worker:
             if hold is not None:
                 self.prefix.release(hold.lease)
             raise CacheUnavailable(f"KV handoff of {nbytes} bytes refused: {reply.error}")
-        layers = write_encoded(self.arenas.get(reply.arena).buf, reply.offset, enc)
-        write_ms = (time.perf_counter() - t0) * 1000
-        log.debug("handoff %s: wrote %d bytes in %.2f ms (%d tokens by reference)", req.request_id, nbytes,
-                  write_ms, by_ref.get("block_tokens", 0))
-        return KVHandoff(req.request_id, result.num_tokens, result.rope_offset, arena=reply.arena,
-                         allocation=reply.allocation, layers=layers, kv_dtype=dtype,
-                         bytes_moved=nbytes, write_ms=write_ms, cache_meta=enc.meta, **by_ref)
+        buf = self.arenas.get(reply.arena).buf
+        if staged is None:
+            layers, copy = write_encoded(buf, reply.offset, enc), None
+        else:
+            layers, copy, held = stage_encoded(buf, reply.offset, enc)
+        handoff = KVHandoff(req.request_id, result.num_tokens, result.rope_offset, arena=reply.arena,
+                            allocation=reply.allocation, layers=layers, kv_dtype=dtype, bytes_moved=nbytes,
+                            write_ms=(time.perf_counter() - t0) * 1000, cache_meta=enc.meta, **by_ref)
+        if copy is not None:
+            def timed_copy():  # the handoff's write time counts its copy, wherever it runs
+                t = time.perf_counter()
+                copy()
+                handoff.write_ms += (time.perf_counter() - t) * 1000
+
+            staged.append((timed_copy, held))
+        log.debug("handoff %s: %s %d bytes in %.2f ms (%d tokens by reference)", req.request_id,
+                  "wrote" if copy is None else "laid out", nbytes, handoff.write_ms, by_ref.get("block_tokens", 0))
+        return handoff
 
     # ------------------------------------------------------------- decode --
     def read_handoff(self, req: DecodeRequest) -> None:

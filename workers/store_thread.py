@@ -16,10 +16,17 @@ A GPU decode worker does the same with a finished conversation's blocks
 memory (~14 ms a request on an H100 swarm) and the commit, after which the
 thread sends the request's last token.
 
+The copy of a handoff's tail into the arena (kv_transfer.stage_encoded's
+`copy`) comes here too, when given: the host reading the KV off a GPU page by
+page is most of a handoff's cost (~5 of 7 ms a prompt on an H100 swarm). It
+runs first in its job: the store reads the tail from the arena, and the
+handoff must not leave before the tail is there.
+
 Jobs run one at a time in order, so messages leave in the order their jobs
 were submitted. Every job ends by sending its message, whether the store
-worked or not (a store is an optimisation); closing runs what is queued,
-within a deadline.
+worked or not (a store is an optimisation), except when its tail copy
+failed: then its `failed` message goes instead (the handoff would name KV
+that is not there). Closing runs what is queued, within a deadline.
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ log = logging.getLogger(__name__)
 
 
 class StoreThread:
-    """Runs `prefix.write_store(prepared, client)` then `send(message)` for
-    each submitted job, on a thread of its own with its own cache client."""
+    """Runs `copy()`, `prefix.write_store(prepared, client)` then
+    `send(message)` for each submitted job, on a thread of its own with its
+    own cache client."""
 
     def __init__(self, prefix, client, send: Callable[[object], None]):
         self.prefix = prefix
@@ -46,12 +54,14 @@ class StoreThread:
         self._thread = threading.Thread(target=self._run, name="prefix-store", daemon=True)
         self._thread.start()
 
-    def submit(self, prepared, message=None) -> int:
-        """Queue a job (`message`: sent once the blocks are committed, or not
-        at all when None). Returns its ticket: the job is done once
-        `finished` reaches it."""
+    def submit(self, prepared, message=None, copy=None, failed=None) -> int:
+        """Queue a job (`prepared`: the store, None for none; `message`: sent
+        once the blocks are committed, or not at all when None; `copy`: run
+        first, and if it raises, `failed` is sent instead and nothing is
+        stored). Returns its ticket: the job is done once `finished` reaches
+        it."""
         self._submitted += 1
-        self._jobs.put((prepared, message))
+        self._jobs.put((prepared, message, copy, failed))
         return self._submitted
 
     def _run(self) -> None:
@@ -59,10 +69,18 @@ class StoreThread:
             job = self._jobs.get()
             if job is None:
                 return
-            prepared, message = job
+            prepared, message, copy, failed = job
             del job
+            if copy is not None:
+                try:
+                    copy()
+                except Exception:  # noqa: BLE001 - the request fails, the thread goes on
+                    log.exception("handoff copy failed")
+                    prepared, message = None, failed
+                del copy
             try:
-                self.prefix.write_store(prepared, client=self.client)
+                if prepared is not None:
+                    self.prefix.write_store(prepared, client=self.client)
             except Exception:  # noqa: BLE001 - a store is an optimisation; the message goes all the same
                 log.exception("prefix store for %s failed", getattr(prepared, "owner", "?"))
             del prepared  # before `finished` moves: the submitter may then free what it read
