@@ -213,6 +213,49 @@ def test_block_hashes_chain():
     assert SEED != hs[0]
 
 
+def test_block_hashes_reuse_a_shared_leading_run_and_stay_exact(monkeypatch):
+    """A prompt is hashed for its lookup, its handoff's lease and its store,
+    and a swarm's prompts share a system prompt: the hasher reuses the keys
+    of the leading run it computed last and hashes only the rest. Every
+    answer equals a fresh hasher's, whatever came before it."""
+    import random
+
+    import workers.block_hash as bh
+
+    extra = block_extra(b"f" * 32, "float32", 4)
+    fresh = lambda toks, n=None, per_block=None: BlockHasher(extra, 4).hashes(toks, n, per_block)  # noqa: E731
+    hasher = BlockHasher(extra, 4)
+    system = list(range(100, 164))  # 16 blocks every prompt starts with
+    img = lambda i: b"img" if i == 3 else b""  # noqa: E731
+    rng = random.Random(0)
+    calls = [(system + [rng.randrange(1000) for _ in range(rng.randrange(0, 30))], rng.choice([None, 5, 40]),
+              rng.choice([None, None, img])) for _ in range(40)]
+    calls += [(system[:30], None, None), (list(range(500, 540)), None, None), (system, None, None)]
+    real_sha = bh.hashlib.sha256
+    counted = []
+
+    def counting_sha(*a):
+        counted.append(1)
+        return real_sha(*a)
+
+    for toks, n, per_block in calls:
+        monkeypatch.setattr(bh.hashlib, "sha256", real_sha)
+        want = fresh(toks, n, per_block)
+        monkeypatch.setattr(bh.hashlib, "sha256", counting_sha)
+        assert hasher.hashes(toks, n, per_block) == want
+    counted.clear()
+    prompt = system + list(range(900, 923))  # 21 full blocks + 3 tokens
+    hasher.hashes(prompt, 20)  # its lookup: (n-1)//bs blocks
+    hasher.hashes(prompt)  # its lease: all full blocks
+    hasher.hashes(prompt)  # its store
+    assert len(counted) == 5  # the 16 system blocks were hashed already; then blocks 16-20, once
+    counted.clear()
+    swarm = [system + [2000 + 40 * a + i for i in range(12 + a)] for a in range(10)]
+    for toks in swarm:
+        hasher.hashes(toks)
+    assert len(counted) == sum(len(t) // 4 - 16 for t in swarm)  # the system prompt's blocks: never again
+
+
 def test_block_hashes_same_in_another_process(tiny_dir):
     """No per-process salt: a fresh interpreter (other PYTHONHASHSEED) and a
     restart compute the very same keys and fingerprint."""

@@ -100,6 +100,11 @@ class BlockHasher:
             raise ValueError("block_size must be >= 1")
         self.extra = bytes(extra)
         self.block_size = int(block_size)
+        # The last chain computed: (token bytes, per_block, keys). A prompt is
+        # hashed up to three times (its prefix lookup, its handoff's lease,
+        # its store), and a swarm's prompts share long system prompts: the
+        # keys of a common leading run are reused, not recomputed.
+        self._last: tuple = (b"", None, [])
 
     def full_blocks(self, n_tokens: int) -> int:
         return n_tokens // self.block_size
@@ -113,16 +118,34 @@ class BlockHasher:
         n = full if n_blocks is None else min(int(n_blocks), full)
         data = _token_bytes(tokens[: n * bs])
         width = 4 * bs
-        out: List[bytes] = []
-        prev = SEED
-        for i in range(n):
+        last_data, last_per_block, last_keys = self._last
+        same = _common_blocks(data, last_data, width) if per_block is last_per_block else 0
+        out: List[bytes] = last_keys[:same]
+        prev = out[-1] if out else SEED
+        for i in range(same, n):
             h = hashlib.sha256(prev)
             h.update(self.extra)
             h.update(_field(per_block(i) if per_block is not None else b""))
             h.update(data[i * width:(i + 1) * width])
             prev = h.digest()
             out.append(prev)
-        return out
+        if n >= len(last_keys) or same < n:  # keep the longer chain when this one is its prefix
+            self._last = (data, per_block, out)
+        return list(out)
+
+
+def _common_blocks(a: bytes, b: bytes, width: int) -> int:
+    """How many leading blocks of `width` bytes `a` and `b` share."""
+    lo, hi = 0, min(len(a), len(b)) // width
+    if a[:hi * width] == b[:hi * width]:
+        return hi
+    while lo < hi:  # a[:lo] matches, a[:hi] does not
+        mid = (lo + hi + 1) // 2
+        if a[:mid * width] == b[:mid * width]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def image_block_extra(images: Sequence, block_size: int) -> Optional[BlockExtra]:
