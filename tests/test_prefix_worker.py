@@ -695,8 +695,8 @@ def test_a_gpu_decode_worker_commits_on_its_store_thread_then_sends_the_last_tok
     ours = commits[prefill_commits:]
     assert {owner for owner, _, _ in ours} == {"a", "b"}
     assert all(thread != threading.get_ident() for _, thread, _ in ours)
-    decode.release_written()
-    assert not decode._writing
+    decode.stores.release_done()
+    assert not decode.stores.kept
 
 
 def test_cancel_commits_what_the_kv_holds(model, tiny_dir):

@@ -62,10 +62,14 @@ def test_a_handoff_copy_runs_first_and_a_failed_copy_sends_its_failure_instead()
                 raise OSError("arena gone")
         return run
 
-    stores.submit("p0", "h0", copy=copy("t0"), failed="f0")
-    stores.submit("p1", "h1", copy=copy("t1", fail=True), failed="f1")
-    stores.submit(None, "h2", copy=copy("t2"), failed="f2")  # nothing to store: still copied, then sent
+    stores.submit("p0", "h0", copy=copy("t0"), failed="f0", keep=["a0"])
+    stores.submit("p1", "h1", copy=copy("t1", fail=True), failed="f1", keep=["a1"])
+    stores.submit(None, "h2", copy=copy("t2"), failed="f2", keep=["a2"])  # nothing to store: still copied, then sent
     stores.close(timeout_s=10)
+    # What the jobs read stays with the submitter until it lets go, on its own thread.
+    assert [k for _, k in stores.kept] == [["a0"], ["a1"], ["a2"]]
+    stores.release_done()
+    assert not stores.kept
     assert order == [("copied", "t0", 0), ("sent", "h0", 1), ("copied", "t1", 1), ("sent", "f1", 1),
                      ("copied", "t2", 1), ("sent", "h2", 1)]
     assert [p for p, _ in prefix.written] == ["p0"]

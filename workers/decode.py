@@ -135,10 +135,9 @@ class DecodeEngine:
         self._to_commit: List[Tuple[PreparedStore, Optional[TokenUpdate]]] = []
         self._committed: List[TokenUpdate] = []  # last updates whose blocks are written
         # A StoreThread that writes, commits and sends the last updates (set
-        # by the worker on a GPU), and the device copies it reads, by ticket:
-        # freed here, on the MLX thread, once it is done with them.
+        # by the worker on a GPU); it keeps the device copies it reads until
+        # the worker's loop frees them (StoreThread.release_done).
         self.stores = None
-        self._writing: deque = deque()
         self._batch = _Batch.empty(model, GREEDY_SAMPLER)
         self._next_uid = 0
         self._queue: deque[_Queued] = deque()  # admitted later, at a step boundary
@@ -230,8 +229,6 @@ class DecodeEngine:
         """Admit waiting requests, then run one decode step for the batch.
         Returns this step's tokens, then the last tokens of requests whose
         blocks were committed meanwhile (see the module doc)."""
-        if self._writing:
-            self.release_written()
         with part(self.clock, "admit"):
             self._admit()
         if not self._live:
@@ -305,13 +302,7 @@ class DecodeEngine:
         held = prepared.arrays()
         prepared.hot = []  # the hot tier holds them; the thread touches no MLX array
         prepared.blocks = [host_view(a) for a in prepared.blocks]
-        ticket = self.stores.submit(prepared, TokenBatch([update]) if update is not None else None)
-        self._writing.append((ticket, held))
-
-    def release_written(self) -> None:
-        """Free the device copies the store thread has finished reading."""
-        while self._writing and self._writing[0][0] <= self.stores.finished:
-            self._writing.popleft()
+        self.stores.submit(prepared, TokenBatch([update]) if update is not None else None, keep=held)
 
     def _prepare_commit(self, request_id: str, tokens: List[int], cache: list,
                         update: Optional[TokenUpdate]) -> bool:

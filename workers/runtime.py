@@ -74,9 +74,6 @@ class Worker:
         self.prefix_client: CacheClient | None = None
         self.prefix = None  # workers.prefix_cache.PrefixCache or SnapshotCache; None when caching is off
         self.stores = None  # workers.store_thread.StoreThread: block stores off the MLX thread
-        # (ticket, MLX arrays) that the store thread reads (a handoff's tail):
-        # kept until it is done with them, then dropped here, on the MLX thread.
-        self.store_reads: deque = deque()
         self.arenas = ArenaAttachment()  # re-attaches when a restarted cache service has a new arena
         self.prefill = None
         self.vision = None  # workers.vision.VisionEngine when the model takes images
@@ -196,10 +193,8 @@ class Worker:
                 self.take_reads(wait=not (self.decode.has_work or self.current or self.prefill_queue))
             if self.decode is not None and self.decode.has_work:
                 self.decode_step()
-            elif self.decode is not None and self.decode.stores is not None:
-                self.decode.release_written()
-            while self.store_reads and self.store_reads[0][0] <= self.stores.finished:
-                self.store_reads.popleft()
+            if self.stores is not None:
+                self.stores.release_done()  # what its finished jobs read, freed on this (MLX) thread
             self.update_load()
             self.clock.maybe_report()
 
@@ -315,9 +310,8 @@ class Worker:
                     host=self.handoff_tail(handoff), later=later.append if self.stores else None))
         if staged:
             copy, held = staged[0]
-            ticket = self.stores.submit(later[0] if later else None, handoff, copy=copy, failed=RequestFailed(
+            self.stores.submit(later[0] if later else None, handoff, copy=copy, keep=held, failed=RequestFailed(
                 req.request_id, "the KV handoff could not be written to shared memory", 500))
-            self.store_reads.append((ticket, held))
         elif later:
             self.stores.submit(later[0], handoff)
         elif not local:
@@ -400,7 +394,7 @@ class Worker:
         `staged` (a list) the copy into the arena is left to the caller:
         (copy, held) is appended (kv_transfer.stage_encoded's)."""
         from workers.hot_blocks import tail_of
-        from workers.kv_transfer import cache_dtype_name, encode_cache, stage_encoded, write_encoded
+        from workers.kv_transfer import cache_dtype_name, encode_cache, stage_encoded
 
         t0 = time.perf_counter()
         cache, by_ref = result.cache, {}
@@ -421,15 +415,13 @@ class Worker:
             if hold is not None:
                 self.prefix.release(hold.lease)
             raise CacheUnavailable(f"KV handoff of {nbytes} bytes refused: {reply.error}")
-        buf = self.arenas.get(reply.arena).buf
+        layers, copy, held = stage_encoded(self.arenas.get(reply.arena).buf, reply.offset, enc)
         if staged is None:
-            layers, copy = write_encoded(buf, reply.offset, enc), None
-        else:
-            layers, copy, held = stage_encoded(buf, reply.offset, enc)
+            copy()
         handoff = KVHandoff(req.request_id, result.num_tokens, result.rope_offset, arena=reply.arena,
                             allocation=reply.allocation, layers=layers, kv_dtype=dtype, bytes_moved=nbytes,
                             write_ms=(time.perf_counter() - t0) * 1000, cache_meta=enc.meta, **by_ref)
-        if copy is not None:
+        if staged is not None:
             def timed_copy():  # the handoff's write time counts its copy, wherever it runs
                 t = time.perf_counter()
                 copy()
@@ -437,7 +429,7 @@ class Worker:
 
             staged.append((timed_copy, held))
         log.debug("handoff %s: %s %d bytes in %.2f ms (%d tokens by reference)", req.request_id,
-                  "wrote" if copy is None else "laid out", nbytes, handoff.write_ms, by_ref.get("block_tokens", 0))
+                  "wrote" if staged is None else "laid out", nbytes, handoff.write_ms, by_ref.get("block_tokens", 0))
         return handoff
 
     # ------------------------------------------------------------- decode --

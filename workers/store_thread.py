@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from typing import Callable, Optional
 
 log = logging.getLogger(__name__)
@@ -51,18 +52,28 @@ class StoreThread:
         self._jobs: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._submitted = 0
         self.finished = 0  # jobs done: submit's tickets up to this one
+        # (ticket, MLX arrays a job reads through host views): held by the
+        # submitting (MLX) thread until the job is done, dropped there.
+        self.kept: deque = deque()
         self._thread = threading.Thread(target=self._run, name="prefix-store", daemon=True)
         self._thread.start()
 
-    def submit(self, prepared, message=None, copy=None, failed=None) -> int:
+    def submit(self, prepared, message=None, copy=None, failed=None, keep=()) -> None:
         """Queue a job (`prepared`: the store, None for none; `message`: sent
         once the blocks are committed, or not at all when None; `copy`: run
         first, and if it raises, `failed` is sent instead and nothing is
-        stored). Returns its ticket: the job is done once `finished` reaches
-        it."""
+        stored). `keep`: the MLX arrays the job reads through host views,
+        kept alive here until it is done (see release_done)."""
         self._submitted += 1
+        if keep:
+            self.kept.append((self._submitted, keep))
         self._jobs.put((prepared, message, copy, failed))
-        return self._submitted
+
+    def release_done(self) -> None:
+        """Drop the arrays of finished jobs. Call it on the thread that
+        submits (the MLX thread), so that MLX frees them there."""
+        while self.kept and self.kept[0][0] <= self.finished:
+            self.kept.popleft()
 
     def _run(self) -> None:
         while True:
