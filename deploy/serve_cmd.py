@@ -48,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV block (default: 4 where MLX runs on the CPU, 8 on a GPU)")
     p.add_argument("--max-batch", type=_positive, default=d.max_batch, help="decode batch size per decode worker")
     p.add_argument("--prefill-chunk", type=_positive, default=d.prefill_chunk, help="tokens per prefill step")
+    p.add_argument("--prefill-batch", type=_positive, default=d.prefill_batch,
+                   help="prompts one prefill step may take together (their new tokens within --prefill-chunk); 1: one at a time")
     p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                    help="workers say ready without first running a short prompt (faster start, slower first request)")
     p.add_argument("--max-queue", type=_positive, default=d.max_queue, help="queued requests beyond which clients get 429")
@@ -79,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_key=args.api_key,
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, colocate=args.colocate,
         cache_memory_bytes=args.cache_memory, cache_dir=None if args.no_disk_cache else args.cache_dir,
-        cache_disk_bytes=args.cache_disk_bytes, hot_kv_bytes=args.hot_kv_memory, block_size=args.block_size, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, warm_up=args.warm_up,
+        cache_disk_bytes=args.cache_disk_bytes, hot_kv_bytes=args.hot_kv_memory, block_size=args.block_size, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch, warm_up=args.warm_up,
         max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, keep_alive_s=args.keep_alive, log_level=args.log_level,
         allow_local_media=args.allow_local_media, max_images=args.max_images,
         max_image_pixels=args.max_image_pixels, media_fetch_timeout_s=args.media_fetch_timeout,

@@ -72,6 +72,9 @@ class Settings:
     # Scheduling and admission
     max_batch: int = 32  # decode batch size per decode worker
     prefill_chunk: int = 512  # tokens per prefill step (bounds how long decode waits in --colocate)
+    # Prompts one prefill pass may take together, their new tokens (padded
+    # to the longest) within prefill_chunk: a burst of short suffixes.
+    prefill_batch: int = 16
     max_queue: int = 256  # requests admitted but not yet decoding, beyond which 429
     warm_up: bool = True  # model workers run a short prompt before "ready" (workers/warm_up.py)
     # Deadlines (seconds)

@@ -119,6 +119,7 @@ class WorkerHello:
     max_context: int = 0
     hot_kv_bytes: int = 0  # prefix-cache blocks it keeps as MLX arrays (workers/hot_blocks.py)
     hot_kv_hits: int = 0  # blocks it took from there instead of the arena, since start
+    batched_prompts: int = 0  # prompts it prefilled in a pass with others (workers/prefill_batch.py), since start
 
 
 @dataclass

@@ -33,6 +33,9 @@ class _LiveState:
         hot_hits = CounterMetricFamily("tandem_worker_hot_kv_hit_blocks",
                                        "KV blocks a worker took from its own memory instead of the arena",
                                        labels=["role", "pid"])
+        batched = CounterMetricFamily("tandem_worker_batched_prompts",
+                                      "Prompts a worker prefilled in one pass with others",
+                                      labels=["role", "pid"])
         for w in d.workers.values():
             labels = ["+".join(w.hello.roles), str(w.hello.pid)]
             running.add_metric(labels, w.hello.running)
@@ -40,7 +43,8 @@ class _LiveState:
             kv.add_metric(labels, w.hello.kv_bytes)
             hot.add_metric(labels, w.hello.hot_kv_bytes)
             hot_hits.add_metric(labels, w.hello.hot_kv_hits)
-        yield from (running, waiting, kv, hot, hot_hits)
+            batched.add_metric(labels, w.hello.batched_prompts)
+        yield from (running, waiting, kv, hot, hot_hits, batched)
 
         in_prefill = sum(1 for st in d.requests.values() if st.phase == "prefill")
         yield GaugeMetricFamily("tandem_requests_running", "Requests decoding", value=len(d.requests) - in_prefill)

@@ -111,3 +111,24 @@ def test_tiny_cache_evicts_without_failing_or_changing_output(server_factory, em
     assert first == refs and again == refs
     assert metric(srv, "tandem_cache_evictions_total", '{tier="memory"}') > 0
     assert metric(srv, "tandem_requests_total", '{status="ok"}') == 24
+
+
+def test_a_burst_of_agents_is_prefilled_in_batches_with_mlx_lm_output(server_factory, embedded_model):
+    """A swarm's turns arrive together: the prefill worker takes the queued
+    prompts over the cached system prompt in shared passes
+    (workers/prefill_batch.py), and every answer is still mlx-lm's own."""
+    srv = server_factory("--block-size", str(BLOCK))
+    client = client_for(srv)
+    system = {"role": "system", "content": LONG_SYSTEM}
+    ask(client, [system, {"role": "user", "content": "Hello."}], 4)  # the system prompt, cached
+    convs = [[system, {"role": "user", "content": f"Agent {i}: name {i + 2} rivers in Europe."}] for i in range(8)]
+    refs = [reference(embedded_model, c, 12) for c in convs]
+    with cf.ThreadPoolExecutor(len(convs)) as pool:
+        answers = list(pool.map(lambda c: ask(client, c, 12), convs))
+    assert [text for text, _ in answers] == [text for _, text, _ in refs]
+    for (_, usage), (_, _, n_prompt) in zip(answers, refs):
+        assert usage.prompt_tokens == n_prompt
+        assert usage.prompt_tokens_details.cached_tokens >= len(LONG_SYSTEM) // 8  # the system prompt's blocks
+    # The first prompt of the burst runs alone while the others queue behind it.
+    assert worker_metric(srv, "tandem_worker_batched_prompts_total", "prefill", 2) >= 2
+    assert metric(srv, "tandem_requests_total", '{status="ok"}') == 9

@@ -111,7 +111,7 @@ def _worker(buf, monkeypatch, gate):
 
     monkeypatch.setattr(kv, "copy_kv", gate)
     w = Worker.__new__(Worker)
-    w.reader, w.reading, w.local_kv = ThreadPoolExecutor(1), deque(), {}
+    w.reader, w.reading, w.local_kv, w.held = ThreadPoolExecutor(1), deque(), {}, {}
     w.cache, w.decode, w.arenas = _Cache(), _Decode(), _Arenas(buf)
     w.prefill_queue, w.vision_queue, w.current, w.prefix = deque(), deque(), None, None
     w.clock = LoopClock("test")

@@ -870,3 +870,88 @@ def test_silent_cache_service_times_out_without_failing(model, tiny_dir, tmp_pat
         client.close()
         silent.close(linger=0)
         ctx.term()
+
+
+@pytest.fixture(params=["ours", "mlx-lm's"])
+def attention(request, monkeypatch):
+    """This backend's attention of ours (workers/mlx_hooks.py), or mlx-lm's
+    own with its mask (what a Mac's GPU runs)."""
+    from workers import mlx_hooks
+
+    if request.param != "ours":
+        monkeypatch.setenv("TANDEM_MLX_EXP", "1")
+        monkeypatch.setenv("TANDEM_CUDNN_PREFILL", "1")
+        monkeypatch.setenv("TANDEM_MLX_DECODE_ATTENTION", "1")
+    mlx_hooks._set_backend()
+    yield request.param
+    monkeypatch.undo()
+    mlx_hooks._set_backend()
+
+
+def test_a_batch_of_prompts_over_cached_prefixes_matches_mlx_lm(model, tiny_dir, attention):
+    """A burst of prompts prefilled in one pass (workers/prefill_batch.py):
+    cached prefixes of different lengths, new tails of different lengths
+    (one of none but its last token, one with no cached prefix at all), each
+    row's first token and whole greedy generation equal mlx-lm's alone, and
+    the passes run over the batch's padded new tokens only; with our
+    attention and with mlx-lm's."""
+    from workers.prefill_batch import batchable, fits, run_batch
+
+    fake = FakeCache()
+    counted = Counting(model)
+    prefix = prefix_for(counted, tiny_dir, fake)
+    system = prompt_of(40, 7)
+    engine = PrefillEngine(counted, chunk_size=128, prefix=prefix)
+    engine.run(system + prompt_of(8, 8), greedy(), owner="warm")  # 6 blocks stored
+    prompts = [system + prompt_of(n, 10 + n) for n in (1, 5, 13, 20)]
+    prompts.append(system + prompt_of(8, 8) + [5])  # all but its last token cached
+    prompts.append(prompt_of(11, 99))  # nothing cached
+    expect = [reference(model, p, 10) for p in prompts]
+
+    jobs = [engine.start(p, greedy(10), owner=f"r{i}") for i, p in enumerate(prompts)]
+    for j in jobs:
+        j.load()
+        assert batchable(j)
+    assert [j.cached_tokens for j in jobs] == [40, 40, 40, 40, 48, 0]
+    for i in range(1, len(jobs)):
+        assert fits(jobs[:i], jobs[i])
+    counted.tokens = 0
+    results = run_batch(jobs)
+    longest = max(len(p) - j.cached_tokens - 1 for p, j in zip(prompts, jobs))
+    assert counted.tokens == len(jobs) * longest + len(jobs)  # one padded pass, then one token a row
+    assert [r.first_token for r in results] == [e[0] for e in expect]
+    assert [r.cached_tokens for r in results] == [40, 40, 40, 40, 48, 0]
+    # Each row's cache is the prompt's whole KV: decoding from it gives mlx-lm's answer.
+    for i, (p, res) in enumerate(zip(prompts, results)):
+        assert res.num_tokens == len(p) and all(c.offset == len(p) for c in res.cache)
+        decode = DecodeEngine(model, max_batch=4)
+        decode.add(DecodeRequest(f"r{i}", p, res.first_token, KVHandoff(f"r{i}", len(p), len(p)), greedy(10)),
+                   res.cache)
+        tokens = [res.first_token]
+        while decode.has_work:
+            tokens += [u.token for u in decode.step()]
+        assert tokens == expect[i], i
+    # Their new blocks store as a lone prompt's do, and serve the next one.
+    stored = sum(j.save_prefix() for j in jobs)
+    assert stored > 0 and prefix.stats.failures == 0
+    tokens, res = run_request(model, prefix, prompts[3], greedy(10), rid="again")
+    assert res.cached_tokens == 56 and tokens == expect[3]
+
+
+def test_what_a_batch_of_prompts_takes(model, tiny_dir):
+    """Only text prompts with their new tokens within one chunk, padded
+    together, join a batch."""
+    from workers.prefill_batch import batchable, fits
+
+    engine = PrefillEngine(model, chunk_size=32)
+    short, longer, too_long = (engine.start(prompt_of(n, n), greedy()) for n in (9, 17, 40))
+    for j in (short, longer, too_long):
+        j.load()
+    assert batchable(short) and batchable(longer) and not batchable(too_long)  # 39 new tokens > 32
+    assert fits([short], longer)  # 2 rows x 16 <= 32
+    assert not fits([short, longer], engine.start(prompt_of(9, 1), greedy()))  # 3 x 16 > 32
+    short.step()
+    assert not batchable(short)  # already computed
+    # What the worker weighs a batch's handoffs by.
+    assert engine.token_nbytes() * 9 == sum(c.keys[..., :9, :].nbytes + c.values[..., :9, :].nbytes
+                                            for c in short.cache)

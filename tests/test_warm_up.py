@@ -62,3 +62,26 @@ def test_a_failing_warm_up_is_logged_not_raised(embedded_model, caplog):
 
     assert warm_up.warm_up(model, Broken()) > 0
     assert "warm-up failed (RuntimeError: no room)" in caplog.text
+
+
+def test_a_batching_prefill_worker_warms_up_a_batch_of_two_follow_ups(embedded_model, monkeypatch):
+    """Its two rows have cached prefixes and new tails of different lengths,
+    so the batch's padded pass and its one token a row both run."""
+    from workers import prefill_batch
+
+    model, _ = embedded_model
+    batches = []
+    real = prefill_batch.run_batch
+
+    def recording(jobs):
+        batches.append([(j.cached_tokens, j.total) for j in jobs])
+        results = real(jobs)
+        assert all(r.num_tokens == j.total and r.cache[0].offset == j.total for r, j in zip(results, jobs))
+        return results
+
+    monkeypatch.setattr(prefill_batch, "run_batch", recording)
+    assert warm_up.warm_up(model, None, batch=False) > 0 and batches == []
+    assert warm_up.warm_up(model, None, batch=True) > 0
+    assert len(batches) == 1
+    (c1, t1), (c2, t2) = batches[0]
+    assert c1 != c2 and t1 - c1 != t2 - c2 and min(c1, c2) > 0

@@ -53,16 +53,25 @@ def _causal_bias_mx(n: int, length: int) -> mx.array:
     return mx.array(_causal_bias(n, length))
 
 
+def _start_bias(starts: np.ndarray, length: int) -> np.ndarray:
+    """(B, 1, 1, L): -inf before each row's first key (its left padding), 0 from it."""
+    keep = np.arange(length)[None] >= starts.reshape(-1, 1)
+    return np.where(keep, np.float32(0.0), np.float32(-np.inf))[:, None, None, :]
+
+
 # Below this many scores a prompt's softmax stays in MLX ops: numpy's exp needs
 # the scores evaluated first, a wait (~0.1 ms a layer) worth more than the exp saves.
 NUMPY_MIN_SCORES = 1 << 16
 
 
-def attention(queries, keys, values, scale: float, mask) -> mx.array | None:
+def attention(queries, keys, values, scale: float, mask, starts: mx.array | None = None) -> mx.array | None:
     """softmax(q k^T * scale) v for (B, H, N, D) queries over (B, Hkv, L, D)
     keys and values; None when `mask` is not None or "causal",
-    or the dtype is not float32 (the caller then uses its own attention)."""
-    if not (mask is None or (isinstance(mask, str) and mask == "causal")) or queries.dtype != mx.float32:
+    or the dtype is not float32 (the caller then uses its own attention).
+    `starts` (one per row, with a causal mask): row b's keys before
+    starts[b] are hidden, as in mlx-lm's left-padded BatchKVCache."""
+    if (not (mask is None or (isinstance(mask, str) and mask == "causal")) or queries.dtype != mx.float32
+            or (starts is not None and mask is None)):
         return None
     b, n_heads, n, d = queries.shape
     n_kv, length = keys.shape[1], keys.shape[2]
@@ -73,12 +82,16 @@ def attention(queries, keys, values, scale: float, mask) -> mx.array | None:
     if n == 1 or scores.size < NUMPY_MIN_SCORES:
         if causal:
             scores = (scores.reshape(b, n_kv, rep, n, length) + _causal_bias_mx(n, length)).reshape(scores.shape)
+        if starts is not None:
+            scores = scores + mx.array(_start_bias(np.asarray(starts), length))
         e, total = softmax_weights(scores)
         return ((e @ values) / total).reshape(b, n_heads, n, values.shape[-1])
     mx.eval(scores)
     s = np.asarray(scores)  # MLX's buffer, not copied
     if causal:
         e = (s.reshape(b, n_kv, rep, n, length) + _causal_bias(n, length)).reshape(s.shape)
+        if starts is not None:
+            e += _start_bias(np.asarray(starts), length)
         e -= e.max(axis=-1, keepdims=True)
     else:
         e = s - s.max(axis=-1, keepdims=True)

@@ -25,13 +25,15 @@ import mlx.core as mx
 MAX_SCORES = 1 << 25
 
 
-def attention(queries, keys, values, scale: float, mask):
+def attention(queries, keys, values, scale: float, mask, starts: mx.array | None = None):
     """`mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
     mask=mask)` for several queries under a causal mask or none, its scores
     in float32 (for float32 inputs: exactly MLX's fallback); None when the
     fused kernel should serve (one query: MLX's vector kernel needs no graph;
-    an array mask; a large score tensor)."""
-    if not (mask is None or (isinstance(mask, str) and mask == "causal")):
+    an array mask; a large score tensor). `starts` (one per row, with a
+    causal mask): row b's keys before starts[b] are hidden, the mask mlx-lm's
+    left-padded BatchKVCache makes (a batch of prompts: workers/prefill_batch.py)."""
+    if not (mask is None or (isinstance(mask, str) and mask == "causal")) or (starts is not None and mask is None):
         return None
     b, n_q, length, dim = queries.shape
     n_kv, total = keys.shape[1], keys.shape[2]
@@ -46,7 +48,10 @@ def attention(queries, keys, values, scale: float, mask):
     scores = q @ k.swapaxes(-1, -2)
     if mask == "causal":
         offset = total - length
-        visible = mx.arange(offset, offset + length)[:, None] >= mx.arange(total)[None]
+        positions = mx.arange(total)
+        visible = mx.arange(offset, offset + length)[:, None] >= positions[None]
+        if starts is not None:  # (B, 1, [1,] N, L) against the scores' (B, heads, [rep,] N, L)
+            visible = visible & (positions >= starts.reshape(b, *([1] * (scores.ndim - 1))))
         scores = mx.where(visible, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
     out = mx.softmax(scores, axis=-1).astype(v.dtype) @ v
     return out.reshape(b, n_q, length, v.shape[-1]) if rep > 1 else out

@@ -15,6 +15,8 @@ process:
         decode batch's one query per row (mlx-lm's BatchKVCache and ours)
         to workers/cuda_decode_attention.py (no mask, so no fallback to
         separate ops);
+      - a left-padded BatchKVCache's mask (a batch of prompts,
+        workers/prefill_batch.py) as "causal" plus each row's start;
       - everything else (Metal, quantized KV, sinks, array masks) to mlx-lm's
         own function, untouched;
   * on the CPU backend only (MLX's exp is scalar there: workers/cpu_math.py),
@@ -63,15 +65,19 @@ def _ours(queries, keys, values, cache, scale, mask, sinks):
     """This backend's attention of ours, or None where MLX's serves."""
     if sinks is not None or hasattr(cache, "bits"):  # quantized KV
         return None
+    starts = None
+    if isinstance(cache, BatchKVCache) and mask is not None:
+        # mlx-lm's mask over its padded batch says no more than "causal, and
+        # each row from its left padding on" (a window comes with rotating
+        # caches, BatchRotatingKVCache, not here): a decode batch's one query
+        # a row, or a batch of prompts (workers/prefill_batch.py).
+        if _CUDA["decode"] and cuda_decode_attention.supported(queries, keys, values):
+            return cuda_decode_attention.attention(queries, keys, values, scale, cache.left_padding)
+        mask, starts = "causal", cache.left_padding
     if _CPU["on"]:
-        return cpu_attention.attention(queries, keys, values, scale, mask)
-    if (_CUDA["decode"] and isinstance(cache, BatchKVCache) and mask is not None
-            and cuda_decode_attention.supported(queries, keys, values)):
-        # mlx-lm's mask there says no more than each row's left padding (a
-        # window comes with rotating caches, BatchRotatingKVCache, not here)
-        return cuda_decode_attention.attention(queries, keys, values, scale, cache.left_padding)
+        return cpu_attention.attention(queries, keys, values, scale, mask, starts)
     if _CUDA["on"]:
-        return cuda_attention.attention(queries, keys, values, scale, mask)
+        return cuda_attention.attention(queries, keys, values, scale, mask, starts)
     return None
 
 

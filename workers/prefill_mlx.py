@@ -97,9 +97,7 @@ class PrefillJob:
             return self.result
         tic = time.perf_counter()
         model, chunk = self.engine.model, self.engine.chunk_size
-        if self.cache is None:
-            with part(self.engine.clock, "load prefix", self.parts):
-                self._load_prefix()
+        self.load()
         with mx.stream(generation_stream):
             remaining = self.total - self.processed - 1  # all but the last token
             if remaining > 0:
@@ -122,6 +120,20 @@ class PrefillJob:
         if self.result is not None:
             self.result.prefill_ms = self._compute_s * 1000.0
         return self.result
+
+    def load(self, cached: Optional[tuple] = None) -> None:
+        """The first step's start: the cache, with the longest cached prefix
+        loaded (once; later calls do nothing). `cached`: (per-layer caches,
+        n) holding the prompt's first n tokens, used instead of the prefix
+        cache (the warm-up, benchmarks)."""
+        if self.cache is not None:
+            return
+        if cached is not None:
+            self.cache, self.processed = cached
+            self.cached_tokens = self.processed
+            return
+        with part(self.engine.clock, "load prefix", self.parts):
+            self._load_prefix()
 
     def _load_prefix(self) -> None:
         prefix = self.engine.prefix
@@ -176,15 +188,26 @@ def sample_first(logits: mx.array, prompt: mx.array, sampling: SamplingParams, c
     """The first token from the prompt's last logits [1, vocab], sampled as
     decode samples (the request's processors over the whole prompt, its
     sampler), evaluated with `cache`: (token id, TokenLogprob or None)."""
-    sampler, processors = build_sampling(sampling, draws_done=0)
-    for proc in processors:
-        logits = proc(prompt, logits)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    token = sampler(logprobs)
-    mx.eval(token, logprobs, [c.state for c in cache])
-    first = int(token.item())
-    lp = token_logprob(logprobs, first, sampling.top_logprobs) if wants_logprobs(sampling) else None
-    return first, lp
+    return sample_firsts([(logits, prompt, sampling)], cache)[0]
+
+
+def sample_firsts(rows, cache) -> list:
+    """sample_first for several prompts, [(logits [1, vocab], prompt,
+    sampling), ...], evaluated together with `cache` (one wait, not one a row)."""
+    drawn = []
+    for logits, prompt, sampling in rows:
+        sampler, processors = build_sampling(sampling, draws_done=0)
+        for proc in processors:
+            logits = proc(prompt, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        drawn.append((sampler(logprobs), logprobs))
+    mx.eval(drawn, [c.state for c in cache])
+    out = []
+    for (token, logprobs), (_, _, sampling) in zip(drawn, rows):
+        first = int(token.item())
+        lp = token_logprob(logprobs, first, sampling.top_logprobs) if wants_logprobs(sampling) else None
+        out.append((first, lp))
+    return out
 
 
 class PrefillEngine:
@@ -201,9 +224,18 @@ class PrefillEngine:
         # tokens: the prefix cache weighs loading a hit against recomputing it.
         self.compute_cost = RecentMin()
         self.clock = None  # the worker's LoopClock: parts of a prefill, timed
+        self._token_nbytes = None
         mlx_hooks.install(model)  # on the CPU, attention and SwiGLU without MLX's slow exp
 
     MIN_TIMED_CHUNK = 64  # shorter chunks are mostly fixed per-call cost
+
+    def token_nbytes(self) -> int:
+        """Bytes of one token's KV over all layers (plain KV caches; found once)."""
+        if self._token_nbytes is None:
+            from workers.kv_transfer import probe_kv_layout
+
+            self._token_nbytes = probe_kv_layout(self.model, 1).token_nbytes
+        return self._token_nbytes
 
     def observe_compute(self, tokens: int, seconds: float) -> None:
         if tokens >= self.MIN_TIMED_CHUNK:

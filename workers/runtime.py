@@ -88,6 +88,7 @@ class Worker:
         self.vision_queue: deque[VisionRequest] = deque()
         self.current = None  # (PrefillRequest, incremental prefill job)
         self.local_kv: dict[str, list] = {}  # colocated handoffs: the KV never leaves the process
+        self.held: dict = {}  # request id -> its blocks' hold (or None), leased before a batched pass
         self.stopping = False
         self.clock = LoopClock(f"worker {worker_id}")
 
@@ -122,7 +123,8 @@ class Worker:
         if model is not None and self.settings.warm_up:
             from workers.warm_up import warm_up
 
-            log.info("worker %s warmed up in %.2fs", self.worker_id, warm_up(model, self.decode))
+            batch = self.prefill is not None and self.settings.prefill_batch > 1
+            log.info("worker %s warmed up in %.2fs", self.worker_id, warm_up(model, self.decode, batch))
         self.outbox = Outbox(self.ctx)
         blocks = getattr(self.prefix, "kind", "") == "blocks"
         # A prefill's stores need the hot tier (without it, the next prompt
@@ -235,10 +237,14 @@ class Worker:
         try:
             fn(*args)
         except Exception as exc:  # noqa: BLE001 - any failure must reach the client
-            log.exception("request %s failed in worker %s", request_id, self.worker_id)
-            self.cancel(request_id, save=False)
-            status = 503 if isinstance(exc, CacheUnavailable) else 500
-            self.outbox.send(RequestFailed(request_id, f"{type(exc).__name__}: {exc}", status))
+            self.fail(request_id, exc)
+
+    def fail(self, request_id: str, exc: Exception) -> None:
+        """Drop a request that `exc` broke, and tell the router why."""
+        log.error("request %s failed in worker %s", request_id, self.worker_id, exc_info=exc)
+        self.cancel(request_id, save=False)
+        status = 503 if isinstance(exc, CacheUnavailable) else 500
+        self.outbox.send(RequestFailed(request_id, f"{type(exc).__name__}: {exc}", status))
 
     def cancel(self, request_id: str, save: bool = True) -> None:
         """Drop a request wherever it is. A decoding request's KV goes to the
@@ -251,6 +257,7 @@ class Worker:
         if self.current and self.current[0].request_id == request_id:
             self.current = None
         self.local_kv.pop(request_id, None)
+        self.unhold(request_id)
         if self.decode is not None:
             self.decode.cancel(request_id, save=save)
 
@@ -269,14 +276,91 @@ class Worker:
         if self.current is None:
             req = self.prefill_queue.popleft()
             self.current = (req, self.start_prefill(req))
+        if self.prefill_queue and self.settings.prefill_batch > 1 and self.prefill_batch():
+            return
         req, job = self.current
         result = job.step()
         if result is None:
             return
         self.current = None
+        self.finish_prefill(req, job, result)
+
+    def prefill_batch(self) -> bool:
+        """Prefill the current prompt together with the queued ones behind
+        it that fit one pass (workers/prefill_batch.py: a swarm's burst of
+        short suffixes); False when it runs alone. A queued prompt that does
+        not fit stays queued (its prefix is looked up again when it runs: by
+        then this batch's blocks may be stored)."""
+        from workers.prefill_batch import batchable, fits, run_batch
+        from workers.prefill_mlx import PrefillJob
+
+        req, job = self.current
+        if type(job) is not PrefillJob:
+            return False
+        job.load()
+        if not batchable(job):
+            return False
+        rows = [(req, job)]
+        # A batch's handoffs all sit in the arena until decode takes them (one
+        # prompt's used to be gone before the next was made): together they
+        # take at most an eighth of it.
+        room = self.settings.cache_memory_bytes // 8 - self.handoff_bytes(req, job)
+        while self.prefill_queue and len(rows) < self.settings.prefill_batch and not self.prefill_queue[0].images:
+            nxt = self.prefill_queue[0]
+            try:
+                other = self.start_prefill(nxt)
+                other.load()
+                joins = batchable(other) and fits([j for _, j in rows], other)
+                nbytes = self.handoff_bytes(nxt, other) if joins else 0
+            except Exception as exc:  # noqa: BLE001 - that request fails, not the batch
+                self.prefill_queue.popleft()
+                self.fail(nxt.request_id, exc)
+                continue
+            if not joins or nbytes > room:
+                self.unhold(nxt.request_id)
+                break
+            room -= nbytes
+            self.prefill_queue.popleft()
+            rows.append((nxt, other))
+        if len(rows) == 1:
+            return False
+        self.current = None
+        try:
+            results = run_batch([j for _, j in rows])
+        except Exception as exc:  # noqa: BLE001 - a broken pass fails its rows, not the worker
+            for r, _ in rows:
+                self.fail(r.request_id, exc)
+            return True
+        self.clock.count("batched prompts", len(rows))
+        self.hello.batched_prompts += len(rows)
+        for (r, j), result in zip(rows, results):
+            self.guarded(r.request_id, self.finish_prefill, r, j, result)
+        return True
+
+    def handoff_bytes(self, req: PrefillRequest, job) -> int:
+        """The KV a batch's row will put in the arena (0 colocated), its
+        blocks held for it now (`held`): what the cache service lacks."""
+        if self.keeps_kv(req) or req.request_id in self.held:
+            return 0
+        hold = self.held[req.request_id] = self.hold_blocks(req, job, job.cache, job.total)
+        by_ref = len(hold.hashes) * self.prefix.block_size if hold is not None else 0
+        return (job.total - by_ref) * self.prefill.token_nbytes()
+
+    def unhold(self, request_id: str) -> None:
+        hold = self.held.pop(request_id, None)
+        if hold is not None:
+            self.prefix.release(hold.lease)
+
+    def finish_prefill(self, req: PrefillRequest, job, result) -> None:
+        """A prompt is prefilled: its first token out, then its KV handed
+        off (or kept, colocated) and its new blocks stored."""
         first = result.first_token
         finish = first_token_finishes(first, req.sampling)
-        local = finish is not None or (req.decode_worker == self.worker_id and self.decode is not None)
+        local = finish is not None or self.keeps_kv(req)
+        leased = req.request_id in self.held  # its blocks leased before its pass (a batch's row)
+        hold = self.held.pop(req.request_id, None)
+        if local and hold is not None:
+            self.prefix.release(hold.lease)
         handoff = None  # None: the KVHandoff follows PrefillDone
         if local:  # nothing to hand over, or the KV stays in this process
             handoff = KVHandoff(req.request_id, result.num_tokens, result.rope_offset, local=True)
@@ -291,8 +375,9 @@ class Worker:
         # (with a store thread, the copy itself is that thread's: `staged`).
         staged = [] if self.stores is not None else None
         if not local:
-            with part(self.clock, "hold blocks", job.parts):
-                hold = self.hold_blocks(req, job, result)
+            if not leased:
+                with part(self.clock, "hold blocks", job.parts):
+                    hold = self.hold_blocks(req, job, result.cache, result.num_tokens)
             with part(self.clock, "hand off", job.parts):
                 handoff = self.hand_off(req, result, hold, staged)
         # The prompt's new blocks: from the handoff's tail, in host memory (a
@@ -357,7 +442,11 @@ class Worker:
         except Exception:  # noqa: BLE001
             log.exception("%s failed in worker %s", what, self.worker_id)
 
-    def hold_blocks(self, req: PrefillRequest, job, result):
+    def keeps_kv(self, req: PrefillRequest) -> bool:
+        """Whether this worker decodes what it prefills for `req` (colocated)."""
+        return req.decode_worker == self.worker_id and self.decode is not None
+
+    def hold_blocks(self, req: PrefillRequest, job, cache, num_tokens: int):
         """For a handoff by reference: lease the prompt's leading full blocks
         that the cache service already has (its cached prefix, mostly) for the
         request. The decode worker takes most of them from its own memory (a
@@ -373,7 +462,7 @@ class Worker:
         from workers.kv_transfer import is_plain_kv
 
         if (self.prefix is None or getattr(self.prefix, "kind", "") != "blocks"
-                or not is_plain_kv(result.cache) or len(req.prompt_tokens) != result.num_tokens):
+                or not is_plain_kv(cache) or len(req.prompt_tokens) != num_tokens):
             return None
         hold = self.prefix.hold(req.prompt_tokens, owner=req.request_id, lease_s=HANDOFF_TTL_S,
                                 per_block=getattr(job, "per_block", None))

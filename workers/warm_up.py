@@ -7,6 +7,7 @@ fill their caches. A launchd service restarts with nobody watching, and its
 first client should not be the one who pays. So a worker runs a short prompt
 (two chunks: the second over the first's cache, as a follow-up turn does)
 and a few decode steps of it beside a shorter one, with greedy sampling,
+and a prefill worker two follow-ups of it in one batch (workers/prefill_batch.py),
 before it reports "ready": two rows of different lengths make a padded
 batch, whose steps take the decode attention of a busy server (on CUDA
 workers/cuda_decode_attention.py, whose kernels compile at their first
@@ -39,11 +40,12 @@ DECODE_TOKENS = 4
 REQUEST_ID = "tandem-warm-up"
 
 
-def warm_up(model, decode=None) -> float:
+def warm_up(model, decode=None, batch: bool = False) -> float:
     """Prefill a fixed prompt with `model` and, given a DecodeEngine, decode a
-    few tokens of it there. Returns the seconds taken. Any failure is logged
-    and swallowed: a worker that cannot warm up still serves (the first
-    request then fails or pays, as it would have)."""
+    few tokens of it there; with `batch` (a worker that prefills batches of
+    prompts), also two follow-ups of it in one batch. Returns the seconds
+    taken. Any failure is logged and swallowed: a worker that cannot warm up
+    still serves (the first request then fails or pays, as it would have)."""
     from workers.prefill_mlx import PrefillEngine
 
     t0 = time.perf_counter()
@@ -53,6 +55,8 @@ def warm_up(model, decode=None) -> float:
     try:
         engine = PrefillEngine(model, chunk_size=PROMPT_TOKENS // 2)
         rows = [(REQUEST_ID, tokens, engine.run(tokens, greedy))]
+        if batch:
+            _batch(engine, tokens, rows[0][2].cache, greedy)
         if decode is not None:
             shorter = tokens[:SHORTER_TOKENS]
             rows.append((REQUEST_ID + "-2", shorter, engine.run(shorter, greedy)))
@@ -60,6 +64,33 @@ def warm_up(model, decode=None) -> float:
     except Exception as e:  # noqa: BLE001 - never fatal; see the docstring
         log.warning("warm-up failed (%s: %s); the first request will pay for set-up", type(e).__name__, e)
     return time.perf_counter() - t0
+
+
+def _batch(engine, tokens: list, cache: list, sampling: SamplingParams) -> None:
+    """Two follow-up prompts of `tokens` in one batch (workers/prefill_batch.py),
+    over cached prefixes of different lengths (`cache`'s first tokens) and
+    with new tails of different lengths: every kernel a batch runs (its
+    padded pass, its one token a row over left padding, RoPE at a position
+    per row) is set up. On an H100 a new process's first batches took 1-2 s
+    each without it (BENCHMARKS.md, session 17)."""
+    from mlx_lm.models.cache import KVCache
+
+    from workers.prefill_batch import run_batch
+
+    def head(n: int) -> list:
+        out = []
+        for c in cache:
+            h = KVCache()
+            h.state = (c.keys[..., :n, :], c.values[..., :n, :], n)
+            out.append(h)
+        return out
+
+    jobs = []
+    for cached, new in ((SHORTER_TOKENS, 9), (PROMPT_TOKENS - 8, 4)):
+        job = engine.start(tokens[:cached] + tokens[-new:], sampling)
+        job.load(cached=(head(cached), cached))
+        jobs.append(job)
+    run_batch(jobs)
 
 
 def _decode(decode, rows: list, sampling: SamplingParams) -> None:

@@ -1,0 +1,135 @@
+"""Several prompts' prefills in one forward pass: a burst of short suffixes.
+
+A swarm's agents get their answers at about the same moment, so their next
+turns reach the prefill worker together: 32 prompts of ~1,500 tokens whose
+cached prefixes leave ~65 new tokens each. One at a time, each pays a whole
+forward pass for 65 tokens, which on a GPU costs about what 500 would (the
+host's launches, the weights read once a pass: BENCHMARKS.md, session 16,
+17.5 ms of a prompt's 40 on an H100).
+
+Here the prompts' jobs (workers.prefill_mlx.PrefillJob, each with its cached
+prefix loaded) run as one batch, the way mlx_lm.generate's prompt phase runs
+one prompt:
+  * their cached prefixes go into mlx-lm's left-padded BatchKVCache;
+  * all new tokens but the last, right-padded to the longest, run as one
+    pass (`prepare(right_padding=...)`, then `finalize()` moves the padding
+    to the left, as mlx-lm's BatchGenerator does);
+  * the last tokens run as one more pass of one token a row, whose logits
+    each row samples with its own request's processors and sampler.
+Each row then leaves with a plain per-layer cache of its own (views of the
+batch's buffers), which the worker hands off and stores as for a prompt
+prefilled alone.
+
+A batch holds rows whose new tokens, padded to the longest, fit one chunk
+(`PrefillEngine.chunk_size`), so it takes about as long as a chunk, which
+is what a colocated worker's decode streams wait for between steps.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from workers.kv_transfer import is_plain_kv
+from workers.loop_clock import part
+from workers.prefill_mlx import PrefillJob, PrefillResult, sample_firsts
+
+
+def new_tokens(job: PrefillJob) -> int:
+    """Tokens the job's first pass computes (all but the last; its prefix loaded)."""
+    return job.total - job.processed - 1
+
+
+def batchable(job: PrefillJob) -> bool:
+    """Whether `job` (its prefix loaded) can run in a batch: a text prompt
+    with nothing computed yet, plain KV (no window, no recurrent state, no
+    snapshot to take) and its new tokens within one chunk."""
+    return (type(job) is PrefillJob and job.result is None and job.cache is not None
+            and job.processed == job.cached_tokens and job.snapshot_at == 0
+            and is_plain_kv(job.cache) and new_tokens(job) <= job.engine.chunk_size)
+
+
+def fits(jobs: Sequence[PrefillJob], job: PrefillJob) -> bool:
+    """Whether `job` can join `jobs` with the batch's padded new tokens within one chunk."""
+    longest = max([new_tokens(j) for j in jobs] + [new_tokens(job)])
+    return longest * (len(jobs) + 1) <= job.engine.chunk_size
+
+
+def run_batch(jobs: Sequence[PrefillJob]) -> List[PrefillResult]:
+    """Prefill `jobs` (batchable, same engine) together; their results, in order."""
+    engine = jobs[0].engine
+    model, clock = engine.model, engine.clock
+    tic = time.perf_counter()
+    parts: dict[str, float] = {}
+    with mx.stream(generation_stream):
+        lengths = [new_tokens(j) for j in jobs]
+        longest = max(lengths)
+        cache = [_padded(layer, room=longest + 1) for layer in zip(*(j.cache for j in jobs))]
+        if longest > 0:
+            with part(clock, "chunk", parts):
+                pad = [longest - n for n in lengths]
+                tokens = mx.array([j.tokens[j.processed:j.total - 1] + [0] * p for j, p in zip(jobs, pad)],
+                                  dtype=mx.int32)
+                if max(pad) > 0:
+                    for c in cache:
+                        c.prepare(right_padding=pad)
+                model(tokens, cache=cache)
+                for c in cache:
+                    c.finalize()
+                mx.eval([c.state for c in cache])
+        with part(clock, "first token", parts):
+            last = mx.array([[j.tokens[-1]] for j in jobs], dtype=mx.int32)
+            logits = model(last, cache=cache)[:, -1, :]
+            starts = cache[0].left_padding.tolist()  # every layer's padding is the same
+            rows = [[_row(c, i, start) for c in cache] for i, start in enumerate(starts)]
+            firsts = sample_firsts([(logits[i:i + 1], j.prompt, j.sampling) for i, j in enumerate(jobs)],
+                                   [c for row in rows for c in row])
+    ms = (time.perf_counter() - tic) * 1000.0
+    results = []
+    for job, row, (first, lp) in zip(jobs, rows, firsts):
+        job.processed = job.total
+        job.cache = row
+        job.parts.update({k: v for k, v in parts.items()})
+        job.result = PrefillResult(first_token=first, logprob=lp, cache=row, num_tokens=job.total,
+                                   rope_offset=job.total, prefill_ms=job._compute_s * 1000.0 + ms,
+                                   cached_tokens=job.cached_tokens)
+        results.append(job.result)
+    return results
+
+
+def _row(batch: BatchKVCache, i: int, start: int) -> KVCache:
+    """Row i of a batch as a plain cache: views of the batch's buffers (its
+    handoff and store copy what they send; nothing else needs a copy)."""
+    row = KVCache()
+    row.keys = batch.keys[i:i + 1, :, start:batch._idx]
+    row.values = batch.values[i:i + 1, :, start:batch._idx]
+    row.offset = batch._idx - start
+    return row
+
+
+def _padded(layers: Sequence, room: int) -> BatchKVCache:
+    """One layer's per-row KVCaches as a left-padded BatchKVCache, with room
+    for `room` more positions (so the passes write in place, where mlx-lm's
+    BatchKVCache.merge leaves none and the first pass copies it all again)."""
+    sizes = [c.offset if c.keys is not None else 0 for c in layers]
+    width = max(sizes)
+    batch = BatchKVCache([width - n for n in sizes])
+    some = next((c for c in layers if c.keys is not None), None)
+    if some is None:  # nothing cached in any row: the first pass makes the buffers
+        return batch
+    _, heads, _, k_dim = some.keys.shape
+    v_dim = some.values.shape[3]
+    keys = mx.zeros((len(layers), heads, width + room, k_dim), some.keys.dtype)
+    values = mx.zeros((len(layers), heads, width + room, v_dim), some.values.dtype)
+    for i, (c, n) in enumerate(zip(layers, sizes)):
+        if n:
+            keys[i, :, width - n:width] = c.keys[0, :, :n]
+            values[i, :, width - n:width] = c.values[0, :, :n]
+    batch.keys, batch.values = keys, values
+    batch.offset = batch.offset + width
+    batch._idx = width
+    return batch
