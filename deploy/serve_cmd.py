@@ -49,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=_positive, default=d.max_batch, help="decode batch size per decode worker")
     p.add_argument("--prefill-chunk", type=_positive, default=d.prefill_chunk, help="tokens per prefill step")
     p.add_argument("--prefill-batch", type=_positive, default=d.prefill_batch,
-                   help="prompts one prefill step may take together (their new tokens within --prefill-chunk); 1: one at a time")
+                   help="prompts one prefill step may take together (their new tokens within --prefill-chunk); "
+                        "1: one at a time (default: 16 on a GPU, 1 where MLX runs on the CPU)")
     p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                    help="workers say ready without first running a short prompt (faster start, slower first request)")
     p.add_argument("--max-queue", type=_positive, default=d.max_queue, help="queued requests beyond which clients get 429")

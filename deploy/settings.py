@@ -43,6 +43,21 @@ def default_block_size() -> int:
     return 4 if on_cpu() else 8
 
 
+def default_prefill_batch() -> int:
+    """Prompts one prefill pass may take together: 16 on a GPU, 1 (none)
+    where MLX runs on the CPU. On an H100 a burst's passes cost 3.8-11x less
+    a prompt batched (benchmarks/prefill_batch.py), a 32-agent swarm's TTFT
+    p99 fell from 1.4-2.1 s to 1.0-1.2 s, and with --colocate its wall time
+    from 17.5 s to 12.3-14.6 s. On the 2-core CPU a 16-agent swarm's
+    prefill worker was as busy either way (80 s; its passes compete with
+    the decode steps for the same cores) and its wall time moved within
+    the box's noise (150-189 s batched, 162-166 s not): BENCHMARKS.md,
+    session 17."""
+    from workers.loading import on_cpu
+
+    return 1 if on_cpu() else 16
+
+
 @dataclass
 class Settings:
     # What is served
@@ -74,7 +89,7 @@ class Settings:
     prefill_chunk: int = 512  # tokens per prefill step (bounds how long decode waits in --colocate)
     # Prompts one prefill pass may take together, their new tokens (padded
     # to the longest) within prefill_chunk: a burst of short suffixes.
-    prefill_batch: int = 16
+    prefill_batch: int = field(default_factory=default_prefill_batch)
     max_queue: int = 256  # requests admitted but not yet decoding, beyond which 429
     warm_up: bool = True  # model workers run a short prompt before "ready" (workers/warm_up.py)
     # Deadlines (seconds)

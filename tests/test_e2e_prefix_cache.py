@@ -10,6 +10,7 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from tests.server_harness import metric
 from tests.test_e2e_pipeline import LONG_SYSTEM, reference
@@ -27,7 +28,7 @@ def worker_metric(srv, name: str, role: str, at_least: float = 1, wait_s: float 
     deadline = time.monotonic() + wait_s
     while True:
         text = httpx.get(srv.base_url + "/metrics", timeout=10).text
-        m = re.search(rf'^{re.escape(name)}{{pid="\d+",role="{role}"}} ([0-9.e+]+)$', text, re.M)
+        m = re.search(rf'^{re.escape(name)}{{pid="\d+",role="{re.escape(role)}"}} ([0-9.e+]+)$', text, re.M)
         assert m, f"{name} of the {role} worker not in /metrics"
         if float(m.group(1)) >= at_least or time.monotonic() > deadline:
             return float(m.group(1))
@@ -100,7 +101,9 @@ def test_reuse_across_requests_turns_and_restart(server_factory, embedded_model,
 
 def test_tiny_cache_evicts_without_failing_or_changing_output(server_factory, embedded_model):
     # 24 MiB of arena: a handoff (~9 MiB here) plus a couple of prompts' blocks, so 12 prompts force evictions.
-    srv = server_factory("--block-size", str(BLOCK), "--cache-memory", "24M", "--no-disk-cache")
+    # With prefill batches (a GPU's default), whose handoffs must fit together in an eighth of it.
+    srv = server_factory("--block-size", str(BLOCK), "--cache-memory", "24M", "--no-disk-cache",
+                         "--prefill-batch", "8")
     client = client_for(srv)
     convs = [[{"role": "system", "content": f"Persona {i}: {LONG_SYSTEM}"},
               {"role": "user", "content": f"Give me fact number {i} about rivers."}] for i in range(12)]
@@ -113,11 +116,15 @@ def test_tiny_cache_evicts_without_failing_or_changing_output(server_factory, em
     assert metric(srv, "tandem_requests_total", '{status="ok"}') == 24
 
 
-def test_a_burst_of_agents_is_prefilled_in_batches_with_mlx_lm_output(server_factory, embedded_model):
+@pytest.mark.parametrize("role", ["prefill", "prefill+decode"])
+def test_a_burst_of_agents_is_prefilled_in_batches_with_mlx_lm_output(server_factory, embedded_model, role):
     """A swarm's turns arrive together: the prefill worker takes the queued
     prompts over the cached system prompt in shared passes
-    (workers/prefill_batch.py), and every answer is still mlx-lm's own."""
-    srv = server_factory("--block-size", str(BLOCK))
+    (workers/prefill_batch.py), and every answer is still mlx-lm's own,
+    whether the rows' KV is handed off or decoded where it was made (--colocate)."""
+    # Batching is a GPU's default (deploy/settings.py default_prefill_batch); asked for here.
+    srv = server_factory("--block-size", str(BLOCK), "--prefill-batch", "8",
+                         *(["--colocate"] if "+" in role else []))
     client = client_for(srv)
     system = {"role": "system", "content": LONG_SYSTEM}
     ask(client, [system, {"role": "user", "content": "Hello."}], 4)  # the system prompt, cached
@@ -130,5 +137,5 @@ def test_a_burst_of_agents_is_prefilled_in_batches_with_mlx_lm_output(server_fac
         assert usage.prompt_tokens == n_prompt
         assert usage.prompt_tokens_details.cached_tokens >= len(LONG_SYSTEM) // 8  # the system prompt's blocks
     # The first prompt of the burst runs alone while the others queue behind it.
-    assert worker_metric(srv, "tandem_worker_batched_prompts_total", "prefill", 2) >= 2
+    assert worker_metric(srv, "tandem_worker_batched_prompts_total", role, 2) >= 2
     assert metric(srv, "tandem_requests_total", '{status="ok"}') == 9

@@ -955,3 +955,31 @@ def test_what_a_batch_of_prompts_takes(model, tiny_dir):
     # What the worker weighs a batch's handoffs by.
     assert engine.token_nbytes() * 9 == sum(c.keys[..., :9, :].nbytes + c.values[..., :9, :].nbytes
                                             for c in short.cache)
+
+
+def test_a_batchs_rows_sample_with_their_own_requests_settings(model, tiny_dir):
+    """Each row of a batch samples its first token as it would alone: its
+    logprobs, its seeded sampler, its penalties over its own prompt."""
+    from workers.prefill_batch import run_batch
+
+    engine = PrefillEngine(model, chunk_size=128)
+    base = prompt_of(24, 5)
+    prompts = [base + prompt_of(n, 40 + n) for n in (3, 9, 6)]
+    settings = [SamplingParams(max_tokens=4, temperature=0.0, logprobs=True, top_logprobs=3),
+                SamplingParams(max_tokens=4, temperature=0.9, top_p=0.9, seed=7),
+                SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.5,
+                               logit_bias={int(t): -100.0 for t in prompts[2][-3:]})]
+    alone = [engine.run(p, sp) for p, sp in zip(prompts, settings)]
+    jobs = []
+    for p, sp in zip(prompts, settings):  # the first 20 tokens cached, as a prefix cache would load them
+        head = PrefillEngine(model, chunk_size=128).run(base[:20], greedy()).cache
+        job = engine.start(p, sp)
+        job.load(cached=(head, 20))
+        jobs.append(job)
+    batched = run_batch(jobs)
+    for a, b in zip(alone, batched):
+        assert b.first_token == a.first_token
+    lp_a, lp_b = alone[0].logprob, batched[0].logprob
+    assert lp_b.token == lp_a.token and lp_b.logprob == pytest.approx(lp_a.logprob, abs=1e-4)
+    assert [t for t, _ in lp_b.top] == [t for t, _ in lp_a.top]
+    assert batched[1].logprob is None and batched[2].first_token not in prompts[2][-3:]

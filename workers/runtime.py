@@ -288,9 +288,8 @@ class Worker:
     def prefill_batch(self) -> bool:
         """Prefill the current prompt together with the queued ones behind
         it that fit one pass (workers/prefill_batch.py: a swarm's burst of
-        short suffixes); False when it runs alone. A queued prompt that does
-        not fit stays queued (its prefix is looked up again when it runs: by
-        then this batch's blocks may be stored)."""
+        short suffixes); False when it cannot join a batch. The first queued
+        prompt that does not fit, its prefix loaded, becomes the current one."""
         from workers.prefill_batch import batchable, fits, run_batch
         from workers.prefill_mlx import PrefillJob
 
@@ -300,31 +299,30 @@ class Worker:
         job.load()
         if not batchable(job):
             return False
-        rows = [(req, job)]
+        rows, spare = [(req, job)], None
         # A batch's handoffs all sit in the arena until decode takes them (one
         # prompt's used to be gone before the next was made): together they
         # take at most an eighth of it.
         room = self.settings.cache_memory_bytes // 8 - self.handoff_bytes(req, job)
         while self.prefill_queue and len(rows) < self.settings.prefill_batch and not self.prefill_queue[0].images:
-            nxt = self.prefill_queue[0]
+            nxt = self.prefill_queue.popleft()
             try:
                 other = self.start_prefill(nxt)
                 other.load()
                 joins = batchable(other) and fits([j for _, j in rows], other)
                 nbytes = self.handoff_bytes(nxt, other) if joins else 0
             except Exception as exc:  # noqa: BLE001 - that request fails, not the batch
-                self.prefill_queue.popleft()
                 self.fail(nxt.request_id, exc)
                 continue
             if not joins or nbytes > room:
-                self.unhold(nxt.request_id)
+                spare = (nxt, other)
                 break
             room -= nbytes
-            self.prefill_queue.popleft()
             rows.append((nxt, other))
-        if len(rows) == 1:
-            return False
-        self.current = None
+        self.current = spare
+        if len(rows) == 1:  # alone after all: batchable, so one step
+            self.guarded(req.request_id, lambda: self.finish_prefill(req, job, job.step()))
+            return True
         try:
             results = run_batch([j for _, j in rows])
         except Exception as exc:  # noqa: BLE001 - a broken pass fails its rows, not the worker
