@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from collections import deque
 from typing import Dict, List
 
 import mlx.core as mx
@@ -983,3 +984,69 @@ def test_a_batchs_rows_sample_with_their_own_requests_settings(model, tiny_dir):
     assert lp_b.token == lp_a.token and lp_b.logprob == pytest.approx(lp_a.logprob, abs=1e-4)
     assert [t for t, _ in lp_b.top] == [t for t, _ in lp_a.top]
     assert batched[1].logprob is None and batched[2].first_token not in prompts[2][-3:]
+
+
+class _Outbox:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, msg, wait_s=None):
+        self.sent.append(msg)
+
+
+class _Arenas:
+    def __init__(self, fake):
+        self.fake = fake
+
+    def get(self, name):
+        return type("Attached", (), {"buf": self.fake.buffer(name)})()
+
+
+def test_the_prefill_worker_batches_within_an_eighth_of_the_arena_in_handoffs(model, tiny_dir):
+    """Worker.prefill_batch (workers/runtime.py) over the fake cache service:
+    queued prompts join the current one while their handoffs (what the
+    service lacks, their blocks held first) fit an eighth of the arena; the
+    first that does not fit runs next with its hold, and counts then; a
+    cancel gives its hold back. Every first token and handoff is sent."""
+    from deploy.settings import Settings
+    from protos.messages import CacheAllocReply, PrefillDone, PrefillRequest, WorkerHello
+    from workers.loop_clock import LoopClock
+    from workers.runtime import Worker
+
+    fake = FakeCache()
+    prefix = prefix_for(model, tiny_dir, fake)
+    engine = PrefillEngine(model, chunk_size=64, prefix=prefix)
+    system = prompt_of(40, 21)
+    engine.run(system + prompt_of(9, 22), greedy(), owner="warm")  # the system prompt's 5 blocks, stored
+    prompts = [system + prompt_of(10, 30 + i) for i in range(5)]  # 40 cached + 10 new: 10 tokens handed off
+    expect = [reference(model, p, 1)[0] for p in prompts]
+    handoff = 10 * engine.token_nbytes()
+
+    allocations = iter(range(100))
+    fake.alloc = lambda nbytes, owner, ttl_s: CacheAllocReply(0, True, allocation=next(allocations),
+                                                              offset=1 << 24, nbytes=nbytes, arena=fake.arena)
+    w = Worker.__new__(Worker)
+    w.settings = Settings(prefill_batch=8, prefill_chunk=64, cache_memory_bytes=8 * (2 * handoff + handoff // 2))
+    w.worker_id, w.hello, w.clock = "prefill-0", WorkerHello("prefill-0", ["prefill"], 1, "ready"), LoopClock("test")
+    w.prefill, w.prefix, w.decode, w.vision, w.stores = engine, prefix, None, None, None
+    w.cache, w.arenas, w.outbox = fake, _Arenas(fake), _Outbox()
+    w.prefill_queue, w.vision_queue, w.reading = deque(), deque(), deque()
+    w.current, w.local_kv, w.held = None, {}, {}
+    for i, p in enumerate(prompts):
+        w.prefill_queue.append(PrefillRequest(f"r{i}", p, greedy(4), ""))
+
+    def done():
+        return {m.request_id: m.first_token for m in w.outbox.sent if isinstance(m, PrefillDone)}
+
+    w.prefill_chunk()  # r0 and r1 (two handoffs fit 2.5); r2 does not, and holds its blocks
+    assert done() == {"r0": expect[0], "r1": expect[1]} and w.hello.batched_prompts == 2
+    assert w.current[0].request_id == "r2" and set(w.held) == {"r2"} and len(w.prefill_queue) == 2
+    w.prefill_chunk()  # r2, counted though already held, and r3; r4 does not fit
+    assert set(done()) == {"r0", "r1", "r2", "r3"} and w.hello.batched_prompts == 4
+    assert w.current[0].request_id == "r4" and set(w.held) == {"r4"}
+    assert [done()[f"r{i}"] for i in range(4)] == expect[:4]
+    handoffs = [m for m in w.outbox.sent if isinstance(m, KVHandoff)]
+    assert len(handoffs) == 4 and all(h.block_tokens == 40 and h.num_tokens == 50 for h in handoffs)
+    leases = len(fake.leases)  # the four handoffs' and r4's
+    w.cancel("r4")
+    assert len(fake.leases) == leases - 1 and w.held == {} and w.current is None

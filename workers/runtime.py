@@ -338,9 +338,11 @@ class Worker:
     def handoff_bytes(self, req: PrefillRequest, job) -> int:
         """The KV a batch's row will put in the arena (0 colocated), its
         blocks held for it now (`held`): what the cache service lacks."""
-        if self.keeps_kv(req) or req.request_id in self.held:
+        if self.keeps_kv(req):
             return 0
-        hold = self.held[req.request_id] = self.hold_blocks(req, job, job.cache, job.total)
+        if req.request_id not in self.held:  # a prompt that did not fit the last batch holds its blocks still
+            self.held[req.request_id] = self.hold_blocks(req, job, job.cache, job.total)
+        hold = self.held[req.request_id]
         by_ref = len(hold.hashes) * self.prefix.block_size if hold is not None else 0
         return (job.total - by_ref) * self.prefill.token_nbytes()
 
