@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from collections import deque
 from typing import Dict, List
@@ -480,7 +481,7 @@ def test_a_store_from_host_copies_can_be_written_by_another_thread(tiny_dir, mod
     the commit on: until they run, this worker serves the new blocks from its
     hot tier and the cache service does not have them; after they run on
     another thread (no MLX there), another worker reads them back exact. A
-    store that needs the device copy is never handed on."""
+    store that needs device copies hands on host views of them."""
     import threading
 
     import workers.kv_transfer as kv
@@ -509,13 +510,23 @@ def test_a_store_from_host_copies_can_be_written_by_another_thread(tiny_dir, mod
     writer.join(10)
     assert done == [3] and fake.calls[calls:] == ["commit"]
     _assert_reads_back(other, tokens, cache, 5)
-    # A tail from token 24 lacks block 2: the device copy serves, on this thread.
+    # A tail from token 24 lacks block 2: device copies serve, evaluated here
+    # and handed on as host views of them, whose MLX arrays the caller keeps
+    # until the write is done (a colocated prefill's store, a decode worker's commit).
     third = prompt_of(45, 12)
     prefix.store(third[:16], cache, "third")
     pending.clear()
     assert prefix.store(third, cache, "fourth", host=(24, kv.arena_kv_views(buf, layers)),
                         later=pending.append) == 3
-    assert pending == [] and other.fetch(third + [0], 5, "reader")[1] == 5 * BS
+    assert len(pending) == 1 and pending[0].host_only() and pending[0].hot == []
+    assert pending[0].kept and all(isinstance(a, mx.array) for a in pending[0].kept)
+    assert other.fetch(third + [0], 5, "reader")[1] == 2 * BS  # not committed yet
+    assert prefix.fetch(third + [0], 5, "self")[1] == 5 * BS
+    writer = threading.Thread(target=lambda: done.append(prefix.write_store(pending[0], client=fake)))
+    writer.start()
+    writer.join(10)
+    assert done[-1] == 3
+    _assert_reads_back(other, third, cache, 5)
 
 
 def test_a_hit_is_recomputed_when_that_is_faster(model, tiny_dir):
@@ -1002,6 +1013,60 @@ class _Arenas:
         return type("Attached", (), {"buf": self.fake.buffer(name)})()
 
 
+def _prefill_worker(engine, fake, settings):
+    """A prefill worker's scheduling (workers/runtime.py Worker) over `engine`
+    and the fake cache service, with no sockets: what it sends is recorded."""
+    from protos.messages import CacheAllocReply, WorkerHello
+    from workers.loop_clock import LoopClock
+    from workers.runtime import Worker
+
+    allocations = iter(range(1000))
+    fake.alloc = lambda nbytes, owner, ttl_s: CacheAllocReply(0, True, allocation=next(allocations),
+                                                              offset=1 << 24, nbytes=nbytes, arena=fake.arena)
+    w = Worker.__new__(Worker)
+    w.settings = settings
+    w.worker_id, w.hello, w.clock = "prefill-0", WorkerHello("prefill-0", ["prefill"], 1, "ready"), LoopClock("test")
+    w.prefill, w.prefix, w.decode, w.vision, w.stores = engine, engine.prefix, None, None, None
+    w.cache, w.arenas, w.outbox = fake, _Arenas(fake), _Outbox()
+    w.prefill_queue, w.vision_queue, w.reading = deque(), deque(), deque()
+    w.current, w.local_kv, w.held = None, {}, {}
+    return w
+
+
+def test_a_colocated_prompts_blocks_are_stored_by_the_store_thread(model, tiny_dir):
+    """With --colocate the prompt's KV stays in the process (no handoff
+    tail in host memory): its new blocks are laid out and evaluated on the
+    MLX thread, which keeps those arrays, and copied into the arena and
+    committed by the store thread, which sends nothing for them."""
+    from deploy.settings import Settings
+    from protos.messages import PrefillDone, PrefillRequest
+    from workers.store_thread import StoreThread
+
+    fake = FakeCache()
+    prefix = prefix_for(model, tiny_dir, fake)
+    engine = PrefillEngine(model, chunk_size=64, prefix=prefix)
+    w = _prefill_worker(engine, fake, Settings(prefill_batch=1))
+    w.decode = object()  # this worker decodes what it prefills
+    thread_sends = []
+    fake.close = lambda: None  # the thread's client, closed with it
+    w.stores = StoreThread(prefix, fake, thread_sends.append)
+    writes = []
+    real_write = prefix.write_store
+    prefix.write_store = lambda prepared, client=None: writes.append(threading.current_thread().name) or \
+        real_write(prepared, client)
+    prompt = prompt_of(45, 77)
+    w.prefill_queue.append(PrefillRequest("c", prompt, greedy(4), "prefill-0"))
+    w.prefill_chunk()
+    w.stores.close()
+    (done,) = w.outbox.sent
+    assert isinstance(done, PrefillDone) and done.handoff.local and done.first_token == reference(model, prompt, 1)[0]
+    assert "c" in w.local_kv and thread_sends == []
+    assert writes == ["prefix-store"] and len(fake.blocks) == 45 // BS and not fake.reserved
+    assert w.stores.kept  # the device copies the thread read, still the MLX thread's
+    w.stores.release_done()
+    assert not w.stores.kept
+
+
 def test_the_prefill_worker_batches_within_an_eighth_of_the_arena_in_handoffs(model, tiny_dir):
     """Worker.prefill_batch (workers/runtime.py) over the fake cache service:
     queued prompts join the current one while their handoffs (what the
@@ -1009,9 +1074,7 @@ def test_the_prefill_worker_batches_within_an_eighth_of_the_arena_in_handoffs(mo
     first that does not fit runs next with its hold, and counts then; a
     cancel gives its hold back. Every first token and handoff is sent."""
     from deploy.settings import Settings
-    from protos.messages import CacheAllocReply, PrefillDone, PrefillRequest, WorkerHello
-    from workers.loop_clock import LoopClock
-    from workers.runtime import Worker
+    from protos.messages import PrefillDone, PrefillRequest
 
     fake = FakeCache()
     prefix = prefix_for(model, tiny_dir, fake)
@@ -1022,16 +1085,8 @@ def test_the_prefill_worker_batches_within_an_eighth_of_the_arena_in_handoffs(mo
     expect = [reference(model, p, 1)[0] for p in prompts]
     handoff = 10 * engine.token_nbytes()
 
-    allocations = iter(range(100))
-    fake.alloc = lambda nbytes, owner, ttl_s: CacheAllocReply(0, True, allocation=next(allocations),
-                                                              offset=1 << 24, nbytes=nbytes, arena=fake.arena)
-    w = Worker.__new__(Worker)
-    w.settings = Settings(prefill_batch=8, prefill_chunk=64, cache_memory_bytes=8 * (2 * handoff + handoff // 2))
-    w.worker_id, w.hello, w.clock = "prefill-0", WorkerHello("prefill-0", ["prefill"], 1, "ready"), LoopClock("test")
-    w.prefill, w.prefix, w.decode, w.vision, w.stores = engine, prefix, None, None, None
-    w.cache, w.arenas, w.outbox = fake, _Arenas(fake), _Outbox()
-    w.prefill_queue, w.vision_queue, w.reading = deque(), deque(), deque()
-    w.current, w.local_kv, w.held = None, {}, {}
+    w = _prefill_worker(engine, fake, Settings(prefill_batch=8, prefill_chunk=64,
+                                               cache_memory_bytes=8 * (2 * handoff + handoff // 2)))
     for i, p in enumerate(prompts):
         w.prefill_queue.append(PrefillRequest(f"r{i}", p, greedy(4), ""))
 

@@ -78,7 +78,6 @@ from mlx_lm.utils import maybe_set_recommended_wired_limit
 from protos.messages import DecodeRequest, TokenBatch, TokenUpdate
 from workers import mlx_hooks, ragged_kv
 from workers.batch_cache import SlotBatchKVCache, share_row_state, swap_remove_order
-from workers.kv_transfer import host_view
 from workers.loading import on_cpu
 from workers.loop_clock import part
 from workers.prefix_cache import PreparedStore
@@ -295,13 +294,7 @@ class DecodeEngine:
     def _hand_to_stores(self, prepared: PreparedStore, update: Optional[TokenUpdate]) -> None:
         """commit_finished's host work, to the store thread: the hot tier takes
         the blocks here, the thread reads host views of the device copies."""
-        try:
-            self.prefix.keep_hot(prepared)
-        except Exception:  # noqa: BLE001 - an optimisation; the answer goes all the same
-            log.warning("hot tier store for %s failed", prepared.owner, exc_info=True)
-        held = prepared.arrays()
-        prepared.hot = []  # the hot tier holds them; the thread touches no MLX array
-        prepared.blocks = [host_view(a) for a in prepared.blocks]
+        held = self.prefix.detach(prepared)
         self.stores.submit(prepared, TokenBatch([update]) if update is not None else None, keep=held)
 
     def _prepare_commit(self, request_id: str, tokens: List[int], cache: list,

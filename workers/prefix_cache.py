@@ -28,7 +28,7 @@ from cache_service.client import CacheUnavailable
 from workers.block_hash import BlockHasher, block_extra, model_fingerprint
 from workers.hot_blocks import HotBlocks, block_of, caches_of, concat_blocks, stacked_of_cache
 from workers.kv_transfer import (KVLayout, Snapshot, cache_dtype_name, capture_snapshot, probe_kv_layout,
-                                 blocks_for_write, read_blocks, read_blocks_stacked, read_snapshot, unblockable_reason,
+                                 blocks_for_write, host_view, read_blocks, read_blocks_stacked, read_snapshot, unblockable_reason,
                                  write_prepared_blocks, write_snapshot)
 
 log = logging.getLogger(__name__)
@@ -315,19 +315,35 @@ class PrefixCache(_ServiceUser):
         cache for every later request). `host`: (start, arrays), the same KV
         from token `start` on already in host memory (kv_transfer.arena_kv_views
         of a handoff's tail): blocks from there are copied from it, not from
-        the device. `later`: given blocks to write from host memory only, it
-        is handed the prepared store instead, whose `write_store` (host work
-        and a commit, no MLX) another thread may run; the hot tier has the
-        blocks by then. Returns the blocks written (or handed on)."""
+        the device. `later`: given, it is handed the prepared store instead
+        (`detach`ed: the hot tier has the blocks by then), whose `write_store`
+        (host work and a commit, no MLX) another thread may run, keeping
+        `prepared.kept` alive meanwhile. Returns the blocks written (or
+        handed on)."""
         prepared = self.prepare_store(tokens, cache, owner, per_block, host)
         if prepared is None:
             return 0
         mx.eval(prepared.arrays())
-        if later is not None and prepared.todo and prepared.host_only():
-            self.keep_hot(prepared)
+        if later is not None and prepared.todo:
+            prepared.kept = self.detach(prepared)
             later(prepared)
             return len(prepared.todo)
         return self.finish_store(prepared)
+
+    def detach(self, prepared: "PreparedStore") -> list:
+        """Ready an evaluated prepared store for another thread's write_store:
+        the hot tier takes its blocks here (on the MLX thread), and the blocks
+        to write become host views of their device copies. Returns the MLX
+        arrays those views read, which the MLX thread must keep until the
+        write is done (StoreThread.submit's `keep`) and then free itself."""
+        try:
+            self.keep_hot(prepared)
+        except Exception:  # noqa: BLE001 - an optimisation; the store goes on
+            log.warning("hot tier store for %s failed", prepared.owner, exc_info=True)
+        held = [a for a in prepared.blocks if isinstance(a, mx.array)]
+        prepared.hot = []  # the hot tier holds them; the thread touches no MLX array
+        prepared.blocks = [host_view(a) for a in prepared.blocks]
+        return held
 
     def prepare_store(self, tokens: Sequence[int], cache: Sequence, owner: str,
                       per_block=None, host=None) -> Optional["PreparedStore"]:
@@ -468,6 +484,7 @@ class PreparedStore:
     blocks_first: int = 0  # the block index `blocks` counts from
     blocks: list = field(default_factory=list)  # kv_transfer.blocks_for_write's, or host copies
     hot: list = field(default_factory=list)  # [(hash, (keys, values))] for the hot tier
+    kept: list = field(default_factory=list)  # MLX arrays `blocks` (host views) read, once detached
 
     def arrays(self) -> list:
         """What to evaluate before finish_store."""

@@ -14,7 +14,12 @@ this thread, and starts the next prompt.
 A GPU decode worker does the same with a finished conversation's blocks
 (workers/decode.py): reading them off the device through CUDA's managed
 memory (~14 ms a request on an H100 swarm) and the commit, after which the
-thread sends the request's last token.
+thread sends the request's last token. So does a colocated prefill (the KV
+stays in the process, so there is no host copy of a tail): its new blocks'
+device copies are evaluated on the MLX thread and read here (~29 ms a
+prompt of the MLX thread's on an H100 swarm before), and nothing is sent.
+Both go through PrefixCache.detach: the hot tier takes the blocks on the
+MLX thread, which keeps the arrays the host views read (`keep`).
 
 The copy of a handoff's tail into the arena (kv_transfer.stage_encoded's
 `copy`) comes here too, when given: the host reading the KV off a GPU page by
