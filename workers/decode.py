@@ -294,8 +294,8 @@ class DecodeEngine:
     def _hand_to_stores(self, prepared: PreparedStore, update: Optional[TokenUpdate]) -> None:
         """commit_finished's host work, to the store thread: the hot tier takes
         the blocks here, the thread reads host views of the device copies."""
-        held = self.prefix.detach(prepared)
-        self.stores.submit(prepared, TokenBatch([update]) if update is not None else None, keep=held)
+        self.prefix.detach(prepared)
+        self.stores.submit(prepared, TokenBatch([update]) if update is not None else None, keep=prepared.kept)
 
     def _prepare_commit(self, request_id: str, tokens: List[int], cache: list,
                         update: Optional[TokenUpdate]) -> bool:

@@ -93,10 +93,9 @@ def run_batch(jobs: Sequence[PrefillJob]) -> List[PrefillResult]:
     for job, row, (first, lp) in zip(jobs, rows, firsts):
         job.processed = job.total
         job.cache = row
-        job.parts.update({k: v for k, v in parts.items()})
+        job.parts.update(parts)
         job.result = PrefillResult(first_token=first, logprob=lp, cache=row, num_tokens=job.total,
-                                   rope_offset=job.total, prefill_ms=job._compute_s * 1000.0 + ms,
-                                   cached_tokens=job.cached_tokens)
+                                   rope_offset=job.total, prefill_ms=ms, cached_tokens=job.cached_tokens)
         results.append(job.result)
     return results
 

@@ -325,25 +325,24 @@ class PrefixCache(_ServiceUser):
             return 0
         mx.eval(prepared.arrays())
         if later is not None and prepared.todo:
-            prepared.kept = self.detach(prepared)
+            self.detach(prepared)
             later(prepared)
             return len(prepared.todo)
         return self.finish_store(prepared)
 
-    def detach(self, prepared: "PreparedStore") -> list:
+    def detach(self, prepared: "PreparedStore") -> None:
         """Ready an evaluated prepared store for another thread's write_store:
         the hot tier takes its blocks here (on the MLX thread), and the blocks
-        to write become host views of their device copies. Returns the MLX
-        arrays those views read, which the MLX thread must keep until the
-        write is done (StoreThread.submit's `keep`) and then free itself."""
+        to write become host views of their device copies, whose MLX arrays
+        (`prepared.kept`) the MLX thread must keep until the write is done
+        (StoreThread.submit's `keep`) and then free itself."""
         try:
             self.keep_hot(prepared)
         except Exception:  # noqa: BLE001 - an optimisation; the store goes on
             log.warning("hot tier store for %s failed", prepared.owner, exc_info=True)
-        held = [a for a in prepared.blocks if isinstance(a, mx.array)]
+        prepared.kept = [a for a in prepared.blocks if isinstance(a, mx.array)]
         prepared.hot = []  # the hot tier holds them; the thread touches no MLX array
         prepared.blocks = [host_view(a) for a in prepared.blocks]
-        return held
 
     def prepare_store(self, tokens: Sequence[int], cache: Sequence, owner: str,
                       per_block=None, host=None) -> Optional["PreparedStore"]:

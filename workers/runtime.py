@@ -357,10 +357,8 @@ class Worker:
         first = result.first_token
         finish = first_token_finishes(first, req.sampling)
         local = finish is not None or self.keeps_kv(req)
-        leased = req.request_id in self.held  # its blocks leased before its pass (a batch's row)
-        hold = self.held.pop(req.request_id, None)
-        if local and hold is not None:
-            self.prefix.release(hold.lease)
+        if local:
+            self.unhold(req.request_id)  # a batch's row that ended at its first token
         handoff = None  # None: the KVHandoff follows PrefillDone
         if local:  # nothing to hand over, or the KV stays in this process
             handoff = KVHandoff(req.request_id, result.num_tokens, result.rope_offset, local=True)
@@ -375,7 +373,9 @@ class Worker:
         # (with a store thread, the copy itself is that thread's: `staged`).
         staged = [] if self.stores is not None else None
         if not local:
-            if not leased:
+            if req.request_id in self.held:  # a batch's row: leased before its pass
+                hold = self.held.pop(req.request_id)
+            else:
                 with part(self.clock, "hold blocks", job.parts):
                     hold = self.hold_blocks(req, job, result.cache, result.num_tokens)
             with part(self.clock, "hand off", job.parts):
