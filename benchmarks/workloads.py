@@ -305,7 +305,8 @@ async def swarm(target: Target, cfg: WorkloadConfig, metrics_url: str | None = N
                 await asyncio.sleep(min(5.0, r.retry_after or 0.5))
             results.append(r)
             per_turn.append({"agent": k, "turn": t, "status": r.status, "prompt_tokens": r.prompt_tokens,
-                             "cached_tokens": r.cached_tokens, "ttft_s": r.ttft, "latency_s": r.latency,
+                             "cached_tokens": r.cached_tokens, "output_tokens": r.output_tokens,
+                             "ttft_s": r.ttft, "latency_s": r.latency,
                              "sent_s": r.sent_at - t0})
             progress.update(r)
             if not r.ok:

@@ -178,13 +178,46 @@ def test_incremental_prefill_matches_run(model):
         calls += 1
         if result is None:
             assert 0 < job.processed < job.total
-    assert calls == math.ceil(49 / 16)
+    assert calls == math.ceil(50 / 16)  # the last token rides in the final chunk
     assert result.first_token == whole.first_token
     assert result.num_tokens == result.rope_offset == 50 and result.prefill_ms > 0
     for a, b in zip(result.cache, whole.cache):
         assert a.offset == b.offset == 50
         assert mx.array_equal(a.keys[..., :50, :], b.keys[..., :50, :])
     assert engine.run([7], greedy()).num_tokens == 1  # one-token prompt: no chunks
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_pass_computes_the_head_over_the_wanted_positions_only(tmp_path, monkeypatch, tied):
+    """mlx_hooks.logits_at, which gives a prompt its first token's logits from
+    its final chunk: each row's logits at its own position equal the full
+    pass's there, while the head (lm_head, or the tied embedding) ran over
+    one position a row; the model's parameters and its other calls are as
+    they were."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx.utils import tree_flatten
+
+    from workers import mlx_hooks
+
+    m = load_tiny_model(make_tiny_llama(tmp_path, seed=1, tie_word_embeddings=tied))
+    names = [k for k, _ in tree_flatten(m.parameters())]
+    inputs = mx.array([prompt_of(9, 1), prompt_of(9, 2)])
+    full = m(inputs, cache=make_prompt_cache(m))
+    heads = []
+    if tied:
+        embed = m["model"]["embed_tokens"]
+        as_linear = embed.as_linear
+        monkeypatch.setattr(embed, "as_linear", lambda x: heads.append(x.shape[1]) or as_linear(x))
+    else:
+        head = m["lm_head"]
+        monkeypatch.setitem(m, "lm_head", lambda x: heads.append(x.shape[1]) or head(x))
+    got = mlx_hooks.logits_at(m, inputs, make_prompt_cache(m), last=[4, 8])
+    assert heads == [1] and got.shape == (2, VOCAB)
+    assert mx.allclose(got[0], full[0, 4], atol=1e-5) and mx.allclose(got[1], full[1, 8], atol=1e-5)
+    # The wrapper is out of the way of every other call, and of the weights.
+    assert m(inputs, cache=make_prompt_cache(m)).shape == full.shape and heads == [1, 9]
+    monkeypatch.undo()  # the counting head
+    assert [k for k, _ in tree_flatten(m.parameters())] == names
 
 
 def test_eight_requests_join_at_different_steps(model):

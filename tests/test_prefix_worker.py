@@ -956,10 +956,10 @@ def test_what_a_batch_of_prompts_takes(model, tiny_dir):
     from workers.prefill_batch import batchable, fits
 
     engine = PrefillEngine(model, chunk_size=32)
-    short, longer, too_long = (engine.start(prompt_of(n, n), greedy()) for n in (9, 17, 40))
+    short, longer, too_long = (engine.start(prompt_of(n, n), greedy()) for n in (9, 16, 33))
     for j in (short, longer, too_long):
         j.load()
-    assert batchable(short) and batchable(longer) and not batchable(too_long)  # 39 new tokens > 32
+    assert batchable(short) and batchable(longer) and not batchable(too_long)  # 33 new tokens > 32
     assert fits([short], longer)  # 2 rows x 16 <= 32
     assert not fits([short, longer], engine.start(prompt_of(9, 1), greedy()))  # 3 x 16 > 32
     short.step()

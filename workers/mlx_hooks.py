@@ -23,6 +23,10 @@ process:
     `swiglu` in the model's modules with `cpu_math.silu_mul`, and
     `mlx_lm.generate`'s `mx` with mlx.core seen through `_CoreForGenerate`,
     whose `logsumexp` is `cpu_math.logsumexp`.
+`logits_at(model, inputs, cache, last)` runs a prompt pass whose head (the
+vocabulary projection) computes only the positions whose logits are wanted,
+by wrapping the model's body (`model.model`, which nearly every mlx-lm model
+has) so that its hidden states are cut to those positions before the head.
 `install_vlm(language_model)` does the same for mlx-vlm's language model
 (attention and swiglu), over the mlx-lm caches Tandem's VLM prefill gives it.
 TANDEM_MLX_EXP=1 keeps MLX's own attention, swiglu and logsumexp on the CPU,
@@ -38,6 +42,7 @@ import sys
 import types
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models import activations as mlx_lm_activations
 from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models.cache import BatchKVCache
@@ -102,6 +107,57 @@ def _vlm_attention(queries, keys, values, cache, scale, mask, sinks=None):
         if out is not None:
             return out
     return scaled_dot_product_attention(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+
+class _Selecting:
+    """A model's body (`model.model`) that, while `positions` is set (one
+    index a row), returns only those positions' hidden states, so that the
+    model's head runs over them alone. Set on the model object itself, not in
+    its module tree: its parameters, and every other call, stay as they were."""
+
+    def __init__(self, body):
+        self._body = body
+        self.positions = None
+
+    def __call__(self, *args, **kwargs):
+        hidden = self._body(*args, **kwargs)
+        if self.positions is None or not isinstance(hidden, mx.array) or hidden.ndim != 3:
+            return hidden
+        return mx.take_along_axis(hidden, self.positions[:, None, None], axis=1)
+
+    def __getattr__(self, name):  # embed_tokens.as_linear for tied heads, and the rest
+        return getattr(self._body, name)
+
+
+def logits_at(model, inputs: mx.array, cache, last=None) -> mx.array:
+    """`model` over `inputs` [rows, n] with `cache`; the logits [rows, vocab]
+    at each row's position `last[i]` (default: the last). The head computes
+    those positions only where the model's body can be wrapped (for a
+    512-token chunk of a 49k vocabulary that is ~15 GFLOPs not spent), so a
+    prompt's last token runs in its final chunk instead of a pass of its own,
+    which costs a read of all weights (~60 ms on the 2-core CPU with the
+    embedded model, ~5 ms on an H100: BENCHMARKS.md, session 18). Any other
+    model computes every position's logits and they are sliced."""
+    rows, n = inputs.shape
+    positions = mx.array([n - 1] * rows if last is None else list(last), dtype=mx.int32)
+    body = None
+    if isinstance(model, nn.Module):
+        body = vars(model).get("model")
+        if not isinstance(body, _Selecting) and isinstance(model.get("model"), nn.Module):
+            body = _Selecting(model["model"])
+            object.__setattr__(model, "model", body)  # the instance's attribute, outside the module tree
+    if isinstance(body, _Selecting):
+        body.positions = positions
+    try:
+        logits = model(inputs, cache=cache)
+    finally:
+        if isinstance(body, _Selecting):
+            body.positions = None
+    if logits.shape[1] == n:  # every position's logits (or n == 1)
+        return mx.take_along_axis(logits, positions[:, None, None], axis=1)[:, 0, :]
+    if logits.shape[1] == 1:
+        return logits[:, 0, :]
+    raise RuntimeError(f"{type(model).__name__} gave logits of shape {logits.shape} for inputs {inputs.shape}")
 
 
 class _CoreForGenerate(types.ModuleType):

@@ -11,11 +11,13 @@ Here the prompts' jobs (workers.prefill_mlx.PrefillJob, each with its cached
 prefix loaded) run as one batch, the way mlx_lm.generate's prompt phase runs
 one prompt:
   * their cached prefixes go into mlx-lm's left-padded BatchKVCache;
-  * all new tokens but the last, right-padded to the longest, run as one
-    pass (`prepare(right_padding=...)`, then `finalize()` moves the padding
-    to the left, as mlx-lm's BatchGenerator does);
-  * the last tokens run as one more pass of one token a row, whose logits
-    each row samples with its own request's processors and sampler.
+  * all new tokens, right-padded to the longest, run as one pass
+    (`prepare(right_padding=...)`, then `finalize()` moves the padding to
+    the left, as mlx-lm's BatchGenerator does), whose head computes each
+    row's last real position only (mlx_hooks.logits_at);
+  * each row samples those logits with its own request's processors and
+    sampler. (mlx-lm runs the last tokens as a pass of their own; one pass
+    fewer is one read of the weights fewer.)
 Each row then leaves with a plain per-layer cache of its own (views of the
 batch's buffers), which the worker hands off and stores as for a prompt
 prefilled alone.
@@ -34,14 +36,15 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from workers import mlx_hooks
 from workers.kv_transfer import is_plain_kv
 from workers.loop_clock import part
 from workers.prefill_mlx import PrefillJob, PrefillResult, sample_firsts
 
 
 def new_tokens(job: PrefillJob) -> int:
-    """Tokens the job's first pass computes (all but the last; its prefix loaded)."""
-    return job.total - job.processed - 1
+    """Tokens the job's pass computes (its prefix loaded)."""
+    return job.total - job.processed
 
 
 def batchable(job: PrefillJob) -> bool:
@@ -68,22 +71,16 @@ def run_batch(jobs: Sequence[PrefillJob]) -> List[PrefillResult]:
     with mx.stream(generation_stream):
         lengths = [new_tokens(j) for j in jobs]
         longest = max(lengths)
-        cache = [_padded(layer, room=longest + 1) for layer in zip(*(j.cache for j in jobs))]
-        if longest > 0:
-            with part(clock, "chunk", parts):
-                pad = [longest - n for n in lengths]
-                tokens = mx.array([j.tokens[j.processed:j.total - 1] + [0] * p for j, p in zip(jobs, pad)],
-                                  dtype=mx.int32)
-                if max(pad) > 0:
-                    for c in cache:
-                        c.prepare(right_padding=pad)
-                model(tokens, cache=cache)
+        cache = [_padded(layer, room=longest) for layer in zip(*(j.cache for j in jobs))]
+        with part(clock, "chunk", parts):
+            pad = [longest - n for n in lengths]
+            tokens = mx.array([j.tokens[j.processed:] + [0] * p for j, p in zip(jobs, pad)], dtype=mx.int32)
+            if max(pad) > 0:
                 for c in cache:
-                    c.finalize()
-                mx.eval([c.state for c in cache])
-        with part(clock, "first token", parts):
-            last = mx.array([[j.tokens[-1]] for j in jobs], dtype=mx.int32)
-            logits = model(last, cache=cache)[:, -1, :]
+                    c.prepare(right_padding=pad)
+            logits = mlx_hooks.logits_at(model, tokens, cache, last=[n - 1 for n in lengths])
+            for c in cache:
+                c.finalize()
             starts = cache[0].left_padding.tolist()  # every layer's padding is the same
             rows = [[_row(c, i, start) for c in cache] for i, start in enumerate(starts)]
             firsts = sample_firsts([(logits[i:i + 1], j.prompt, j.sampling) for i, j in enumerate(jobs)],

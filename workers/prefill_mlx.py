@@ -1,10 +1,13 @@
 """Prefill on MLX: run a prompt into a fresh KV cache and sample its first token.
 
-Same computation as mlx_lm.generate_step's prompt phase, so the first token is
-the one mlx_lm.generate would produce: all tokens but the last go through the
-model in chunks (only the cache is evaluated, so the lm_head never runs over
-the whole chunk), then the last token runs alone and its logits go through the
-request's logits processors (context: the whole prompt) and sampler.
+The computation of mlx_lm.generate_step's prompt phase, so the first token is
+the one mlx_lm.generate would produce: the prompt goes through the model in
+chunks, and the final chunk's last position gives the logits, which go
+through the request's logits processors (context: the whole prompt) and
+sampler. generate_step runs the last token in a pass of its own, so that the
+head does not run over a whole chunk; here the head runs over that one
+position inside the final chunk (mlx_hooks.logits_at), which saves a pass
+(a read of all weights) per prompt.
 
 Two ways to drive it, both on the worker's single MLX thread:
   engine.run(tokens, sampling)           -> PrefillResult (all chunks at once)
@@ -90,8 +93,9 @@ class PrefillJob:
     def step(self) -> Optional[PrefillResult]:
         """Process the next chunk; returns the result once the prompt is done.
 
-        The last token always runs alone (as in generate_step), in the same
-        call as the final chunk so a prompt takes max(1, ceil((n-1)/chunk)) calls.
+        The last token runs in the final chunk, whose head computes its
+        logits alone (mlx_hooks.logits_at), so a prompt takes
+        max(1, ceil(n_new / chunk)) calls and no pass of its own.
         """
         if self.result is not None:
             return self.result
@@ -99,23 +103,21 @@ class PrefillJob:
         model, chunk = self.engine.model, self.engine.chunk_size
         self.load()
         with mx.stream(generation_stream):
-            remaining = self.total - self.processed - 1  # all but the last token
-            if remaining > 0:
-                n = min(chunk, remaining)
-                if self.snapshot_at > self.processed:  # a chunk ends at the snapshot point
-                    n = min(n, self.snapshot_at - self.processed)
-                t_chunk = time.perf_counter()
-                with part(self.engine.clock, "chunk", self.parts):
-                    model(self.prompt[None, self.processed : self.processed + n],
-                          cache=self.cache)
+            remaining = self.total - self.processed
+            n = min(chunk, remaining)
+            if self.snapshot_at > self.processed:  # a chunk ends at the snapshot point
+                n = min(n, self.snapshot_at - self.processed)
+            t_chunk = time.perf_counter()
+            with part(self.engine.clock, "chunk", self.parts):
+                if n < remaining:
+                    model(self.prompt[None, self.processed : self.processed + n], cache=self.cache)
                     mx.eval([c.state for c in self.cache])
-                self.engine.observe_compute(n, time.perf_counter() - t_chunk)
-                self.processed += n
-                if self.processed == self.snapshot_at:
-                    self.snapshot = self.engine.prefix.capture(self.cache, self.processed)
-            if self.total - self.processed == 1:
-                with part(self.engine.clock, "first token", self.parts):
+                else:
                     self.result = self._finish()
+            self.engine.observe_compute(n, time.perf_counter() - t_chunk)
+            self.processed += n
+            if self.processed == self.snapshot_at:
+                self.snapshot = self.engine.prefix.capture(self.cache, self.processed)
         self._compute_s += time.perf_counter() - tic
         if self.result is not None:
             self.result.prefill_ms = self._compute_s * 1000.0
@@ -170,9 +172,9 @@ class PrefillJob:
         return prefix.store(self.tokens, self.result.cache, self.owner, host=host, later=later)
 
     def _finish(self) -> PrefillResult:
-        logits = self.engine.model(self.prompt[None, -1:], cache=self.cache)[:, -1, :]
+        """The final chunk, the last token with it, and the first token."""
+        logits = mlx_hooks.logits_at(self.engine.model, self.prompt[None, self.processed:], self.cache)
         first, lp = sample_first(logits, self.prompt, self.sampling, self.cache)
-        self.processed = self.total
         return PrefillResult(
             first_token=first,
             logprob=lp,
