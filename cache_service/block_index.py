@@ -91,6 +91,7 @@ def check_nbytes(value) -> None:
 
 
 _COUNTERS = ("lookups_total", "lookup_blocks_total", "lookup_hit_blocks_total", "lookup_miss_total",
+             "lookup_tail_hits_total",
              "reserved_blocks_total", "committed_blocks_total", "evictions_total",
              "reservations_expired_total", "leases_expired_total")
 
@@ -131,9 +132,11 @@ class BlockIndex:
     # --------------------------------------------------------------- lookup --
 
     def lookup(self, hashes: list, owner: str, lease_s: float,
-               fetch: Optional[Callable[[bytes], bool]] = None) -> tuple[int, list[BlockEntry]]:
+               fetch: Optional[Callable[[bytes], bool]] = None, first: bool = False) -> tuple[int, list[BlockEntry]]:
         """Lease the longest run of READY blocks from hashes[0]. Returns
-        (lease id, entries); (-1, []) on a miss at hashes[0].
+        (lease id, entries); (-1, []) on a miss at hashes[0]. With `first`,
+        lease the first READY block of `hashes` alone (a tail block's
+        candidates), and count no lookup: the chain's lookup was counted.
 
         `fetch(h)`, called for a hash that is not in memory at all, may place it
         as READY (from the disk tier) and returns whether it did. Blocks already
@@ -147,9 +150,16 @@ class BlockIndex:
             if entry is None and fetch is not None and fetch(h):
                 entry = self._entries.get(h)
             if entry is None or entry.state != READY:
+                if first:
+                    continue
                 break
             entry.leases += 1
             held.append(entry)
+            if first:
+                break
+        if first:
+            self.counters["lookup_tail_hits_total"] += len(held)
+            return self._lease(held, owner, lease_s) if held else (-1, [])
         c = self.counters
         c["lookups_total"] += 1
         c["lookup_blocks_total"] += len(hashes)
@@ -157,6 +167,9 @@ class BlockIndex:
         c["lookup_miss_total"] += len(held) < len(hashes)
         if not held:
             return -1, []
+        return self._lease(held, owner, lease_s)
+
+    def _lease(self, held: list[BlockEntry], owner: str, lease_s: float) -> tuple[int, list[BlockEntry]]:
         for entry in reversed(held):  # the chain's head ends up the most recent
             self._touch(entry)
         lease = Lease(self._next_lease, owner, self._clock() + lease_s, [e.hash for e in held])

@@ -28,9 +28,9 @@ class BlockStore:
         self.index = index
         self.disk = disk
 
-    def lookup(self, hashes: list, owner: str, lease_s: float) -> tuple[int, list[BlockEntry]]:
+    def lookup(self, hashes: list, owner: str, lease_s: float, first: bool = False) -> tuple[int, list[BlockEntry]]:
         self.collect_disk_writes()  # finished copies unpin blocks: more room to promote into
-        lease, entries = self.index.lookup(hashes, owner, lease_s, self._promote if self.disk else None)
+        lease, entries = self.index.lookup(hashes, owner, lease_s, self._promote if self.disk else None, first)
         if self.disk is not None and entries:
             # Memory hits are uses too: the disk copies of hot prefixes must not
             # age out. Head last: the most recent, like in memory.

@@ -92,8 +92,9 @@ class _CallFactory:
     def stats(self) -> _Call:
         return _Call(CacheStats(call_id=next(self._ids)), CacheReply, self.timeout_s, finish=_stats_or_raise)
 
-    def lookup(self, hashes, owner: str, lease_s: float) -> _Call:
-        req = KVLookup(call_id=next(self._ids), hashes=_hash_list(hashes), owner=owner, lease_s=float(lease_s))
+    def lookup(self, hashes, owner: str, lease_s: float, first: bool = False) -> _Call:
+        req = KVLookup(call_id=next(self._ids), hashes=_hash_list(hashes), owner=owner, lease_s=float(lease_s),
+                       first=bool(first))
         return _Call(req, KVLookupReply, self.timeout_s)
 
     def release(self, lease: int) -> _Call:
@@ -157,12 +158,12 @@ class CacheClient:
 
     # Prefix cache. Block hashes are bytes, chained, in prompt order.
 
-    def lookup(self, hashes, owner: str, lease_s: float = DEFAULT_LEASE_S) -> KVLookupReply:
+    def lookup(self, hashes, owner: str, lease_s: float = DEFAULT_LEASE_S, first: bool = False) -> KVLookupReply:
         """Lease the longest run of cached blocks from hashes[0]: `.blocks`
         covers hashes[:len(blocks)] (read them in `.arena`), then `release`
         `.lease` (-1 when nothing was found). An unreleased lease ends by itself
-        after `lease_s`."""
-        return self._call(self._calls.lookup(hashes, owner, lease_s))
+        after `lease_s`. With `first`: the first cached of `hashes` alone."""
+        return self._call(self._calls.lookup(hashes, owner, lease_s, first))
 
     def release(self, lease: int) -> None:
         """Give a lookup's lease back. A lease that already expired is fine;

@@ -106,7 +106,7 @@ class CacheService:
 
     def _lookup(self, msg: KVLookup) -> KVLookupReply:
         try:
-            lease, entries = self.blocks.lookup(msg.hashes, msg.owner, msg.lease_s)
+            lease, entries = self.blocks.lookup(msg.hashes, msg.owner, msg.lease_s, bool(msg.first))
         except ValueError as exc:
             return KVLookupReply(call_id=msg.call_id, ok=False, arena=self.arena.name, error=f"invalid KVLookup: {exc}")
         return KVLookupReply(call_id=msg.call_id, ok=True, arena=self.arena.name, lease=lease,

@@ -324,12 +324,15 @@ class BlockRef:
 @dataclass
 class KVLookup:
     """Find the longest run of cached blocks from the start of `hashes` and
-    lease them: leased blocks are never evicted until released or expired."""
+    lease them: leased blocks are never evicted until released or expired.
+    With `first`, lease only the first of `hashes` that is cached: a tail
+    block's candidates, longest first (workers/block_hash.py)."""
 
     call_id: int
-    hashes: list  # [bytes, ...] chained, in prompt order
+    hashes: list  # [bytes, ...] chained, in prompt order (or candidates, with `first`)
     owner: str
     lease_s: float = 30.0
+    first: bool = False
 
 
 @dataclass

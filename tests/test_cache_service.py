@@ -697,6 +697,25 @@ def test_prefix_lookup_reserve_commit_across_processes(procs, make_settings):
     client.close()
 
 
+def test_a_tail_lookup_leases_the_first_cached_candidate(procs, make_settings):
+    """KVLookup(first=True), a tail block's candidates longest first: the
+    first cached one alone is leased (past misses), no lookup is counted
+    (the chain's was), and a miss on all leases nothing."""
+    settings = make_settings(cache_memory_bytes=16 * BLK)
+    start_service(procs, settings)
+    client = CacheClient(settings)
+    a = chain("t", 3)
+    put_blocks(client, a)
+    reply = client.lookup([H("miss"), a[2], a[0]], owner="r", first=True)
+    assert reply.ok and [r.hash for r in reply.blocks] == [a[2]] and reply.lease >= 0
+    st = client.stats()
+    assert (st["leases"], st["lookup_tail_hits_total"], st["lookups_total"]) == (1, 1, 0)
+    client.release(reply.lease)
+    assert client.lookup([H("miss"), H("miss again")], owner="r", first=True).lease == -1
+    assert client.stats()["leases"] == 0
+    client.close()
+
+
 def test_eviction_spares_leased_blocks_and_handoffs(procs, make_settings):
     settings = make_settings(cache_memory_bytes=6 * BLK)
     start_service(procs, settings)

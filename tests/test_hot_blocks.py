@@ -176,6 +176,41 @@ def test_decode_commits_keep_the_conversation_hot(model, tiny_dir):
     assert decode_side.stats.hot_blocks == 6  # nothing read from the (wiped) arena
 
 
+def test_a_next_turn_reads_the_conversations_tail_with_its_hot_blocks(model, tiny_dir):
+    """The tokens after a conversation's last full block come from its tail
+    block, after the blocks this worker holds and those it reads: the next
+    turn computes its new message alone, and answers as mlx-lm does; again
+    once every full block is hot, with the tail read alone."""
+    fake = FakeCache()
+    prefill_side = hot_prefix(model, tiny_dir, fake)
+    decode_side = hot_prefix(model, tiny_dir, fake)
+    prompt = prompt_of(30, 21)
+    res = PrefillEngine(model, chunk_size=16, prefix=prefill_side).run(prompt, greedy(20), owner="t1")
+    decode = DecodeEngine(model, max_batch=2, prefix=decode_side)
+    decode.add(DecodeRequest("t1", prompt, res.first_token, KVHandoff("t1", 30, 30), greedy(20)), res.cache)
+    answer = [res.first_token]
+    while decode.has_work:
+        answer += [u.token for u in decode.step()]
+        decode.commit_finished()
+    conversation = prompt + answer  # 50 tokens: 6 full blocks and a tail of 2
+    for i, hot in ((0, 3), (1, 6)):  # the prompt's 3 blocks are hot here, then all 6
+        turn2 = conversation + prompt_of(5, 30 + i)
+        counted = Counting(model)
+        before = prefill_side.stats.hot_blocks
+        res = PrefillEngine(counted, chunk_size=16, prefix=prefill_side).run(turn2, greedy(8), owner=f"t2{i}")
+        assert res.cached_tokens == 50 and counted.tokens == 5 and prefill_side.stats.hot_blocks - before == hot
+        want = reference(model, turn2, 8)
+        assert res.first_token == want[0]
+        decode.add(DecodeRequest(f"t2{i}", turn2, res.first_token, KVHandoff(f"t2{i}", 55, 55), greedy(8)),
+                   res.cache)
+        got = [res.first_token]
+        while decode.has_work:
+            got += [u.token for u in decode.step()]
+            decode.commit_finished()
+        assert got == want
+    assert prefill_side.stats.tail_tokens == 4
+
+
 def test_a_block_neither_hot_nor_readable_fails_the_take(model, tiny_dir):
     fake = FakeCache()
     prefix = hot_prefix(model, tiny_dir, fake)

@@ -83,13 +83,17 @@ class FakeCache:
         if self.fail:
             raise CacheUnavailable(f"fake: no reply to {name}")
 
-    def lookup(self, hashes, owner, lease_s=30.0):
+    def lookup(self, hashes, owner, lease_s=30.0, first=False):
         self._maybe_fail("lookup")
         refs = []
         for h in hashes:
             if h not in self.blocks:
+                if first:
+                    continue
                 break
             refs.append(self.blocks[h])
+            if first:
+                break
         lease = self.next_lease
         self.next_lease += 1
         self.leases[lease] = len(refs)
@@ -213,6 +217,27 @@ def test_block_hashes_chain():
     with pytest.raises(ValueError):
         hasher.hashes([-1] * 4)
     assert SEED != hs[0]
+
+
+def test_tail_keys_name_their_prefix_and_their_length():
+    """A tail block (the tokens after a conversation's last full block) is
+    keyed by its parent block, its exact tokens and the model's extra: never
+    a full block's key; its candidates come longest first, within a block
+    and the given end."""
+    hasher = BlockHasher(block_extra(b"f" * 32, "float32", 4), 4)
+    toks = list(range(100, 111))  # 2 full blocks + 3
+    hs = hasher.hashes(toks)
+    t = hasher.tail_key(hs[-1], toks[8:11])
+    assert len(t) == 32 and t not in hs and t not in hasher.hashes(toks[:8] + toks[8:11] + [5])
+    assert t != hasher.tail_key(hs[-1], toks[8:10]) and t != hasher.tail_key(hs[0], toks[8:11])
+    assert t != BlockHasher(block_extra(b"g" * 32, "float32", 4), 4).tail_key(hs[-1], toks[8:11])
+    assert hasher.tail_keys(toks, hs[-1], 8, 11) == [(k, hasher.tail_key(hs[-1], toks[8:8 + k])) for k in (3, 2, 1)]
+    assert [k for k, _ in hasher.tail_keys(toks, hs[-1], 8, 10)] == [2, 1]
+    assert hasher.tail_keys(toks, hs[-1], 8, 8) == []
+    assert [k for k, _ in hasher.tail_keys(list(range(40)), hs[0], 4, 40)] == [3, 2, 1]  # less than a block
+    for bad in (toks[:4], []):
+        with pytest.raises(ValueError):
+            hasher.tail_key(hs[-1], bad)
 
 
 def test_block_hashes_reuse_a_shared_leading_run_and_stay_exact(monkeypatch):
@@ -564,17 +589,25 @@ def test_second_turn_reuses_prompt_and_answer(model, tiny_dir):
     turn1 = prompt_of(30, 5)
     answer, res = run_request(counted, prefix, turn1, greedy(20), rid="t1")
     assert res.cached_tokens == 0 and answer == reference(model, turn1, 20)
-    # The decode worker committed prompt + all 20 answer tokens: 50 // 8 blocks.
+    # The decode worker committed prompt + all 20 answer tokens: 50 // 8
+    # blocks, and the 2 tokens after them as a tail block.
     held = turn1 + answer
-    assert len(fake.blocks) == 6
-    assert all(h in fake.blocks for h in prefix.hasher.hashes(held))
-    # Turn two: the conversation so far plus a new message.
+    hashes = prefix.hasher.hashes(held)
+    assert len(hashes) == 6 and all(h in fake.blocks for h in hashes)
+    assert len(fake.blocks) == 7 and prefix.hasher.tail_key(hashes[-1], held[48:]) in fake.blocks
+    # Turn two: the conversation so far plus a new message. It computes the
+    # new message alone: all 50 tokens of turn one come from the cache.
     turn2 = held + prompt_of(7, 6)
     counted.tokens = 0
     res = PrefillEngine(counted, chunk_size=16, prefix=prefix).run(turn2, greedy(), owner="t2")
-    assert res.cached_tokens == 48 and counted.tokens == len(turn2) - 48
+    assert res.cached_tokens == 50 and counted.tokens == len(turn2) - 50
+    assert prefix.stats.tail_tokens == 2
     tokens, res = run_request(model, prefix, turn2, greedy(12), rid="t2b")
-    assert tokens == reference(model, turn2, 12)
+    assert res.cached_tokens == 56 and tokens == reference(model, turn2, 12)  # now its own 7 blocks
+    # A tail serves only whole: a prompt that leaves it midway takes the full blocks.
+    turn2c = held[:49] + prompt_of(7, 7)
+    tokens, res = run_request(model, prefix, turn2c, greedy(12), rid="t2c")
+    assert res.cached_tokens == 48 and tokens == reference(model, turn2c, 12)
 
 
 def test_stop_commits_the_stop_token_too(model, tiny_dir):
@@ -679,7 +712,9 @@ def test_a_gpu_decode_worker_commits_on_its_store_thread_then_sends_the_last_tok
         with lock:
             for u in msg.updates:  # its blocks are in the cache before the token leaves
                 want = prompts[u.request_id] + tokens[u.request_id] + [u.token]
-                assert all(h in fake.blocks for h in prefix.hasher.hashes(want)), u.request_id
+                hashes = prefix.hasher.hashes(want)
+                assert all(h in fake.blocks for h in hashes), u.request_id
+                assert prefix.hasher.tail_key(hashes[-1], want[len(hashes) * BS:]) in fake.blocks  # 25, 39 tokens
             sent.extend(msg.updates)
 
     decode = DecodeEngine(model, max_batch=4, prefix=prefix, ragged=False)
@@ -709,6 +744,13 @@ def test_a_gpu_decode_worker_commits_on_its_store_thread_then_sends_the_last_tok
     assert all(thread != threading.get_ident() for _, thread, _ in ours)
     decode.stores.release_done()
     assert not decode.stores.kept
+    # The tails the thread wrote from host views hold the right KV: each
+    # conversation's next turn reuses all of it and answers as mlx-lm does.
+    for rid, prompt in prompts.items():
+        held = prompt + tokens[rid]
+        nxt = held + prompt_of(5, 50)
+        got, res = run_request(model, prefix, nxt, greedy(6), rid=rid + "2")
+        assert res.cached_tokens == len(held) and got == reference(model, nxt, 6), rid
 
 
 def test_cancel_commits_what_the_kv_holds(model, tiny_dir):
@@ -723,9 +765,13 @@ def test_cancel_commits_what_the_kv_holds(model, tiny_dir):
     for _ in range(13):
         seen += [u.token for u in decode.step()]
     assert decode.cancel("c") and decode.has_work  # the commit is pending
-    assert decode.commit_finished() == (21 + len(seen)) // BS - 2
+    held = prompt + seen
+    assert len(held) % BS  # a tail too
+    assert decode.commit_finished() == len(held) // BS - 2 + 1
     assert not decode.has_work
-    assert all(h in fake.blocks for h in prefix.hasher.hashes(prompt + seen))
+    hashes = prefix.hasher.hashes(held)
+    assert all(h in fake.blocks for h in hashes)
+    assert prefix.hasher.tail_key(hashes[-1], held[len(hashes) * BS:]) in fake.blocks
     # save=False (a failed batch) commits nothing.
     decode.add(DecodeRequest("d", prompt, res.first_token, KVHandoff("d", 21, 21), greedy(40)),
                _copy(res.cache))
@@ -757,7 +803,7 @@ def test_unavailable_cache_service_does_not_fail_the_request(model, tiny_dir):
     fake.fail = False
     prefix._skip_until = 0.0  # the back-off elapsed
     tokens, res = run_request(model, prefix, prompt, greedy(10), rid="y")
-    assert res.cached_tokens == 0 and len(fake.blocks) == (33 + 10) // BS
+    assert res.cached_tokens == 0 and len(fake.blocks) == (33 + 10) // BS + 1  # and its tail
 
 
 def test_refused_and_broken_replies_fall_back(model, tiny_dir):

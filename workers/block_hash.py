@@ -8,6 +8,17 @@ with h_{-1} = SEED. Chaining makes a key name the whole prefix up to the end
 of its block, so a hit on block i implies blocks 0..i-1 match too, and the
 cache service can answer "longest cached run from the start" by walking keys.
 
+A conversation's end rarely falls on a block boundary: the tokens after its
+last full block (1 to block_size-1 of them) are kept as a *tail block*,
+keyed by
+
+    t = SHA-256(TAIL || h_{n-1} || extra || tokens as uint32 LE, length-prefixed)
+
+so a tail names its whole prefix too, never collides with a full block's key,
+and is found by trying the next prompt's candidate lengths, longest first
+(`tail_keys`). The next turn of a conversation then reuses every token its
+previous answer left, as a single-process server's cache does.
+
 `extra` pins everything besides token ids that changes the KV: the model's
 weights (`model_fingerprint`), the KV dtype, the block size, the layout
 version, an adapter name. `block_extra_i` is the hook for things that enter
@@ -36,6 +47,7 @@ SEED = hashlib.sha256(b"tandem kv block chain seed v1").digest()
 # Bump when workers.kv_transfer changes the byte layout of a block: old
 # blocks (in a disk tier) then simply stop matching.
 LAYOUT_VERSION = b"tandem-kv-layout-1"
+TAIL = b"tandem kv tail block v1"  # sets a tail block's key apart from a full block's
 
 _EDGE_BYTES = 1 << 20  # fingerprint reads this much from each end of a weights file
 _WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf", ".bin")
@@ -132,6 +144,25 @@ class BlockHasher:
         if n >= len(last_keys) or same < n:  # keep the longer chain when this one is its prefix
             self._last = (data, per_block, out)
         return list(out)
+
+
+    def tail_key(self, parent: bytes, tokens: Sequence[int]) -> bytes:
+        """Key of the tail block holding `tokens` (fewer than a block) after
+        the full block whose key is `parent` (SEED: from the start)."""
+        if not 0 < len(tokens) < self.block_size:
+            raise ValueError(f"a tail holds 1 to {self.block_size - 1} tokens, not {len(tokens)}")
+        h = hashlib.sha256(TAIL)
+        h.update(parent)
+        h.update(self.extra)
+        h.update(_field(_token_bytes(tokens)))
+        return h.digest()
+
+    def tail_keys(self, tokens: Sequence[int], parent: bytes, start: int, end: int) -> List[tuple]:
+        """[(length, key), ...] of the tail blocks that could follow `parent`
+        (the key of the block ending at `start`) within tokens[start:end],
+        longest first."""
+        longest = min(self.block_size - 1, end - start)
+        return [(k, self.tail_key(parent, tokens[start:start + k])) for k in range(longest, 0, -1)]
 
 
 def _common_blocks(a: bytes, b: bytes, width: int) -> int:

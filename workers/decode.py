@@ -35,8 +35,10 @@ its new message. The KV then holds the prompt, the first token and every
 generated token including the last one: mlx-lm feeds each token through the
 model in the same step that returns it (it computes the next token's logits
 ahead), and its `all_tokens` / `GenerationBatch.tokens` list is kept equal to
-the tokens in the cache. Those tokens' full blocks are committed; the cache
-service skips the ones it has (the prompt's, stored by prefill).
+the tokens in the cache. Those tokens' full blocks are committed (the cache
+service skips the ones it has: the prompt's, stored by prefill), and the
+tokens after the last full one as a tail block (workers/block_hash.py), so
+that the next turn computes only its new message, as in one process.
 
 A commit never leaves the GPU waiting on the host. When a request ends, its
 blocks are reserved and laid out as device copies (PrefixCache.prepare_store)
@@ -309,7 +311,7 @@ class DecodeEngine:
                         request_id, len(tokens), held)
             return False
         with part(self.clock, "prepare commit"):
-            prepared = self.prefix.prepare_store(list(tokens), cache, request_id)  # never raises
+            prepared = self.prefix.prepare_store(list(tokens), cache, request_id, tail=True)  # never raises
         if prepared is None:
             return False
         arrays = prepared.arrays()

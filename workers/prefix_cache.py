@@ -44,6 +44,7 @@ class PrefixStats:
     stored_snapshots: int = 0  # snapshots written and committed (SnapshotCache)
     recomputed_blocks: int = 0  # hits not loaded: recomputing them was expected to be faster
     hot_blocks: int = 0  # of the hits, blocks this worker held in its own memory (no arena read)
+    tail_tokens: int = 0  # tokens read from tail blocks (the ends of conversations, after their full blocks)
 
 
 class RecentMin:
@@ -160,15 +161,18 @@ class PrefixCache(_ServiceUser):
         # (and no cache service: they serve even while it is away).
         n_hot = self.hot.leading(hashes)
         blocks = [self.hot.get(h) for h in hashes[:n_hot]]
-        n_read = 0
-        if n_hot < len(hashes) and self._available():
-            read = self._read_run(hashes[n_hot:], owner, compute_s_per_token)
+        # A tail block may follow the run, up to the prompt's last token
+        # (which always runs: its logits give the first token); not with images.
+        tail_end = len(tokens) - 1 if per_block is None else None
+        n_read = k = 0
+        if self._available():
+            read, n_read, k = self._read_run(tokens, hashes, n_hot, owner, compute_s_per_token, tail_end)
             if read is not None and not self.hot.enabled:  # per-layer caches, as read
-                n = read[0].offset // self.block_size
-                self.stats.hit_blocks += n
-                return read, n * self.block_size
+                held = n_read * self.block_size + k
+                self.stats.hit_blocks += n_read
+                self.stats.tail_tokens += k
+                return [_first_tokens(c, held) for c in read], held
             if read is not None:
-                n_read = read[0].shape[2] // self.block_size
                 self._keep(hashes[n_hot:n_hot + n_read], *read)
                 blocks.append(read)
         n = n_hot + n_read
@@ -177,40 +181,74 @@ class PrefixCache(_ServiceUser):
         self.hot.touch(hashes[:n])
         self.stats.hit_blocks += n
         self.stats.hot_blocks += n_hot
-        log.debug("prefix hit %s: %d of %d blocks (%d from this worker's memory; %d tokens) in %.2f ms",
-                  owner, n, len(hashes), n_hot, n * self.block_size, (time.perf_counter() - t0) * 1000)
-        return caches_of(*concat_blocks(blocks)), n * self.block_size
+        self.stats.tail_tokens += k
+        held = n * self.block_size + k
+        log.debug("prefix hit %s: %d of %d blocks (%d from this worker's memory) and a tail of %d (%d tokens) "
+                  "in %.2f ms", owner, n, len(hashes), n_hot, k, held, (time.perf_counter() - t0) * 1000)
+        keys, values = concat_blocks(blocks)
+        return caches_of(keys[:, :, :held], values[:, :, :held]), held
 
-    def _read_run(self, hashes, owner, compute_s_per_token=None):
-        """The longest leading run of `hashes` the cache service has, read
-        from the arena: stacked (keys, values) when the hot tier is on,
-        else per-layer caches; None when there is none (or it is not worth
-        loading)."""
+    def _read_run(self, tokens, hashes, n_hot, owner, compute_s_per_token=None, tail_end=None):
+        """The longest run of hashes[n_hot:] the cache service has, and the
+        tail block after it (when `tail_end` is given: the longest that fits
+        before it), read from the arena in one go: (stacked (keys, values)
+        when the hot tier is on, else per-layer caches; blocks read; tail
+        tokens read), or (None, 0, 0) when there is nothing (worth) reading.
+        The read may hold a tail block's unused positions past those."""
+        leases, arena, refs = [], "", []
         try:
-            reply = self.client.lookup(hashes, owner, lease_s=self.lease_s)
+            if n_hot < len(hashes):
+                reply = self.client.lookup(hashes[n_hot:], owner, lease_s=self.lease_s)
+                if not reply.ok:
+                    self.stats.failures += 1
+                    log.warning("prefix lookup for %s refused: %s", owner, reply.error)
+                    return None, 0, 0
+                leases.append(reply.lease)
+                arena = reply.arena
+                refs = self._usable(reply.blocks, hashes[n_hot:])
+                if refs and not self._worth_loading(len(refs), compute_s_per_token):
+                    self.stats.recomputed_blocks += len(refs)
+                    log.debug("prefix hit %s: %d blocks left unread (load %.2f ms/block, compute %.3f ms/token)",
+                              owner, len(refs), self.load_cost.value * 1000, compute_s_per_token * 1000)
+                    return None, 0, 0
+            n, k, offsets = n_hot + len(refs), 0, [r.offset for r in refs]
+            if tail_end is not None and n > 0 and self._tail_worth_looking(compute_s_per_token):
+                candidates = self.hasher.tail_keys(tokens, hashes[n - 1], n * self.block_size, tail_end)
+                if candidates:
+                    reply = self.client.lookup([key for _, key in candidates], owner, lease_s=self.lease_s,
+                                               first=True)
+                    if reply.ok:
+                        leases.append(reply.lease)
+                    if reply.ok and reply.blocks:
+                        ref = reply.blocks[0]
+                        k = dict((key, length) for length, key in candidates).get(bytes(ref.hash), 0)
+                        if k and ref.nbytes == self.layout.block_nbytes and (arena or reply.arena) == reply.arena:
+                            arena = reply.arena
+                            offsets.append(ref.offset)
+                        else:
+                            k = 0
+            if not offsets:
+                return None, 0, 0
+            t_read = time.perf_counter()
+            read = self._read(arena, offsets)
+            self.load_cost.add((time.perf_counter() - t_read) / len(offsets))
+            return read, len(refs), k
         except CacheUnavailable as exc:
             self._unavailable(exc)
-            return None
-        if not reply.ok:
-            self.stats.failures += 1
-            log.warning("prefix lookup for %s refused: %s", owner, reply.error)
-            return None
-        try:
-            refs = self._usable(reply.blocks, hashes)
-            if not refs:
-                return None
-            if not self._worth_loading(len(refs), compute_s_per_token):
-                self.stats.recomputed_blocks += len(refs)
-                log.debug("prefix hit %s: %d blocks left unread (load %.2f ms/block, compute %.3f ms/token)",
-                          owner, len(refs), self.load_cost.value * 1000, compute_s_per_token * 1000)
-                return None
-            t_read = time.perf_counter()
-            read = self._read(reply.arena, [r.offset for r in refs])
-            self.load_cost.add((time.perf_counter() - t_read) / len(refs))
-            return read
+            return None, 0, 0
         finally:
             # The read copied the blocks out of the arena: they may go now.
-            self.release(reply.lease)
+            for lease in leases:
+                self.release(lease)
+
+    def _tail_worth_looking(self, compute_s_per_token: Optional[float]) -> bool:
+        """A tail saves half a block's tokens on average, for a round trip
+        and a block's read: looked for unless both costs are known and the
+        read alone costs more (a fast GPU with a small model)."""
+        load = self.load_cost.value
+        if load is None or not compute_s_per_token:
+            return True
+        return load <= (self.block_size - 1) / 2 * compute_s_per_token
 
     def _read(self, arena: str, offsets: Sequence[int]):
         if self.hot.enabled:
@@ -340,12 +378,14 @@ class PrefixCache(_ServiceUser):
             self.keep_hot(prepared)
         except Exception:  # noqa: BLE001 - an optimisation; the store goes on
             log.warning("hot tier store for %s failed", prepared.owner, exc_info=True)
-        prepared.kept = [a for a in prepared.blocks if isinstance(a, mx.array)]
+        prepared.kept = [a for a in prepared.blocks + prepared.tail_arrays() if isinstance(a, mx.array)]
         prepared.hot = []  # the hot tier holds them; the thread touches no MLX array
         prepared.blocks = [host_view(a) for a in prepared.blocks]
+        if prepared.tail is not None:
+            prepared.tail = (prepared.tail[0], [host_view(a) for a in prepared.tail[1]])
 
     def prepare_store(self, tokens: Sequence[int], cache: Sequence, owner: str,
-                      per_block=None, host=None) -> Optional["PreparedStore"]:
+                      per_block=None, host=None, tail: bool = False) -> Optional["PreparedStore"]:
         """store()'s first half: reserve the blocks the service lacks and lay
         out their KV (and the blocks the hot tier lacks) as device copies,
         lazily. Evaluate `arrays()`, then finish_store() writes and commits:
@@ -353,15 +393,17 @@ class PrefixCache(_ServiceUser):
         while that step runs, so the GPU never waits on the host's copy.
         Once prepared, `cache` may be dropped (and its batch's buffers
         written in place again). None when there is nothing to do or the
-        call failed (logged: an optimisation never fails the request)."""
+        call failed (logged: an optimisation never fails the request).
+        `tail`: the tokens after the last full block go in a tail block too
+        (a finished conversation's end, which its next turn reuses)."""
         try:
-            return self._prepare_store(tokens, cache, owner, per_block, host)
+            return self._prepare_store(tokens, cache, owner, per_block, host, tail)
         except Exception:  # noqa: BLE001
             self.stats.failures += 1
             log.warning("prefix store for %s failed", owner, exc_info=True)
             return None
 
-    def _prepare_store(self, tokens, cache, owner, per_block=None, host=None):
+    def _prepare_store(self, tokens, cache, owner, per_block=None, host=None, tail=False):
         held = min(min(c.offset for c in cache), len(tokens))
         hashes = self.hasher.hashes(tokens, held // self.block_size, per_block)
         if not hashes:
@@ -369,7 +411,13 @@ class PrefixCache(_ServiceUser):
         prepared = PreparedStore(owner, hashes, time.perf_counter())
         bs = self.block_size
         hot_new = [j for j, h in enumerate(hashes) if h not in self.hot] if self.hot.enabled else []
-        prepared.arena, prepared.todo = self._reserve(hashes, owner)
+        end_full = len(hashes) * bs
+        tail_key = (self.hasher.tail_key(hashes[-1], tokens[end_full:held])
+                    if tail and per_block is None and held > end_full else None)
+        prepared.arena, prepared.todo = self._reserve(hashes + ([tail_key] if tail_key else []), owner)
+        if prepared.todo and prepared.todo[-1][0] == len(hashes):  # the tail block is ours to write
+            _, ref = prepared.todo.pop()
+            prepared.tail = (ref, blocks_for_write(_tail_block(cache, end_full, held, bs), 0, 1, self.layout))
         span = sorted(set(hot_new) | {j for j, _ in prepared.todo})
         if not span:
             return prepared
@@ -446,14 +494,21 @@ class PrefixCache(_ServiceUser):
 
     def _write_store(self, prepared: "PreparedStore", client) -> int:
         todo = prepared.todo
-        if not todo:
+        if not todo and prepared.tail is None:
             return 0
         try:
-            write_prepared_blocks(self.arena_buf(prepared.arena), [r.offset for _, r in todo], prepared.blocks,
-                                  [j - prepared.blocks_first for j, _ in todo], self.layout)
+            buf = self.arena_buf(prepared.arena)
+            if todo:
+                write_prepared_blocks(buf, [r.offset for _, r in todo], prepared.blocks,
+                                      [j - prepared.blocks_first for j, _ in todo], self.layout)
+            refs = [r for _, r in todo]
+            if prepared.tail is not None:
+                ref, arrays = prepared.tail
+                write_prepared_blocks(buf, [ref.offset], arrays, [0], self.layout)
+                refs.append(ref)
             # With our owner: a reservation of ours that expired meanwhile (and
             # was re-reserved by another writer) is not published by us.
-            ack = client.commit([r.hash for _, r in todo], owner=prepared.owner)
+            ack = client.commit([r.hash for r in refs], owner=prepared.owner)
         except CacheUnavailable as exc:
             self._unavailable(exc)
             return 0
@@ -462,12 +517,32 @@ class PrefixCache(_ServiceUser):
             log.warning("prefix commit for %s refused: %s", prepared.owner, ack.error)
             return 0
         # Fewer when a reservation expired before the commit (a very slow write).
-        done = int(ack.stats.get("committed", len(todo)))
+        done = int(ack.stats.get("committed", len(refs)))
         self.stats.stored_blocks += done
         log.debug("prefix store %s: %d of %d blocks new (%d bytes) in %.2f ms", prepared.owner, done,
-                  len(prepared.hashes), len(todo) * self.layout.block_nbytes,
+                  len(prepared.hashes), len(refs) * self.layout.block_nbytes,
                   (time.perf_counter() - prepared.started) * 1000)
         return done
+
+
+def _first_tokens(c: KVCache, n: int) -> KVCache:
+    """A per-layer cache's first `n` tokens (views)."""
+    if c.offset == n and c.keys.shape[2] == n:
+        return c
+    out = KVCache()
+    out.state = (c.keys[..., :n, :], c.values[..., :n, :], n)
+    return out
+
+
+def _tail_block(cache: Sequence, start: int, end: int, block_size: int) -> List[KVCache]:
+    """Tokens [start, end) of per-layer caches, zero-padded to one block (lazy)."""
+    out = []
+    for c in cache:
+        pad = [(0, 0), (0, 0), (0, block_size - (end - start)), (0, 0)]
+        t = KVCache()
+        t.state = (mx.pad(c.keys[..., start:end, :], pad), mx.pad(c.values[..., start:end, :], pad), block_size)
+        out.append(t)
+    return out
 
 
 @dataclass
@@ -484,14 +559,19 @@ class PreparedStore:
     blocks: list = field(default_factory=list)  # kv_transfer.blocks_for_write's, or host copies
     hot: list = field(default_factory=list)  # [(hash, (keys, values))] for the hot tier
     kept: list = field(default_factory=list)  # MLX arrays `blocks` (host views) read, once detached
+    tail: Optional[tuple] = None  # (reserved ref, blocks_for_write's arrays) of a tail block to write
 
     def arrays(self) -> list:
         """What to evaluate before finish_store."""
-        return [a for a in self.blocks if isinstance(a, mx.array)] + [kv for _, block in self.hot for kv in block]
+        return ([a for a in self.blocks + self.tail_arrays() if isinstance(a, mx.array)]
+                + [kv for _, block in self.hot for kv in block])
+
+    def tail_arrays(self) -> list:
+        return list(self.tail[1]) if self.tail is not None else []
 
     def host_only(self) -> bool:
         """The blocks to write are host copies: writing them needs no MLX."""
-        return all(isinstance(a, np.ndarray) for a in self.blocks)
+        return all(isinstance(a, np.ndarray) for a in self.blocks + self.tail_arrays())
 
 
 @dataclass
