@@ -199,7 +199,7 @@ def test_a_prefill_job_runs_in_steps_and_matches_mlx_vlm(setup):
             encoded.append(job.encoded)
         # Step 1 encodes the first image, step 2 the second, then the chunks.
         assert encoded[:2] == [1, 2]
-        chunks = -(-(len(ids) - 1) // chunk)
+        chunks = -(-len(ids) // chunk)  # the last token rides in the final chunk
         assert steps + 1 == 2 + chunks
         got = [result.first_token] + decode_greedy(
             setup.text_model, shift_rope(result.cache, result.rope_offset - result.num_tokens),

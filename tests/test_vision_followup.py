@@ -232,10 +232,33 @@ def test_the_vlm_prefill_attends_through_cpu_attention(qwen, monkeypatch):
     calls = _count_calls(monkeypatch, cpu_attention, "attention")
     _prefill(qwen, messages, pictures)
     layers = len(qwen.engine.model.language_model.model.layers)
-    assert len(calls) == 2 * layers  # the prompt's chunk, then its last token
+    assert len(calls) == layers  # the prompt's one chunk, its last token with it
     want = reference(qwen, messages, pictures)
-    assert len(calls) == 2 * layers
+    assert len(calls) == layers
     assert_same(ours(qwen, messages, pictures), want)
+
+
+def test_the_vlm_prefills_head_computes_its_last_position_only(any_vlm, monkeypatch):
+    """The prompt's last token runs in its final chunk, and the language
+    model's head (lm_head, or the tied embedding) runs over that one
+    position (mlx_hooks.head_at); the answer stays mlx-vlm's."""
+    from tests.test_vision_engine import _prefill, ours
+
+    lm = any_vlm.engine.model.language_model
+    heads = []
+    if "lm_head" in lm:
+        head = lm["lm_head"]
+        monkeypatch.setitem(lm, "lm_head", lambda x: heads.append(x.shape[1]) or head(x))
+    else:
+        embed = lm["model"]["embed_tokens"]
+        as_linear = embed.as_linear
+        monkeypatch.setattr(embed, "as_linear", lambda x: heads.append(x.shape[1]) or as_linear(x))
+    pictures = [synthetic_image(64, 96, 4)]
+    messages = [_user(None, "What is in this picture?")]
+    ids, _, _, _ = _prefill(any_vlm, messages, pictures)
+    assert len(ids) > 1 and heads == [1]
+    monkeypatch.undo()
+    assert_same(ours(any_vlm, messages, pictures), reference(any_vlm, messages, pictures))
 
 
 # ---------------------------------------------------------------- the router

@@ -23,10 +23,11 @@ process:
     `swiglu` in the model's modules with `cpu_math.silu_mul`, and
     `mlx_lm.generate`'s `mx` with mlx.core seen through `_CoreForGenerate`,
     whose `logsumexp` is `cpu_math.logsumexp`.
-`logits_at(model, inputs, cache, last)` runs a prompt pass whose head (the
-vocabulary projection) computes only the positions whose logits are wanted,
-by wrapping the model's body (`model.model`, which nearly every mlx-lm model
-has) so that its hidden states are cut to those positions before the head.
+`head_at(model, positions)` makes a prompt pass's head (the vocabulary
+projection) compute only the positions whose logits are wanted, by wrapping
+the model's body (`model.model`, which nearly every mlx-lm model and mlx-vlm
+language model has) so that its hidden states are cut to those positions
+before the head; `logits_at` is a pass of an mlx-lm model with it.
 `install_vlm(language_model)` does the same for mlx-vlm's language model
 (attention and swiglu), over the mlx-lm caches Tandem's VLM prefill gives it.
 TANDEM_MLX_EXP=1 keeps MLX's own attention, swiglu and logsumexp on the CPU,
@@ -36,6 +37,7 @@ TANDEM_MLX_DECODE_ATTENTION=1 its masked decode attention (to compare).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -129,35 +131,50 @@ class _Selecting:
         return getattr(self._body, name)
 
 
-def logits_at(model, inputs: mx.array, cache, last=None) -> mx.array:
-    """`model` over `inputs` [rows, n] with `cache`; the logits [rows, vocab]
-    at each row's position `last[i]` (default: the last). The head computes
-    those positions only where the model's body can be wrapped (for a
-    512-token chunk of a 49k vocabulary that is ~15 GFLOPs not spent), so a
-    prompt's last token runs in its final chunk instead of a pass of its own,
-    which costs a read of all weights (~60 ms on the 2-core CPU with the
-    embedded model, ~5 ms on an H100: BENCHMARKS.md, session 18). Any other
-    model computes every position's logits and they are sliced."""
-    rows, n = inputs.shape
-    positions = mx.array([n - 1] * rows if last is None else list(last), dtype=mx.int32)
+@contextlib.contextmanager
+def head_at(model, positions):
+    """While in this block, `model`'s head computes only `positions` (one
+    index a row, into the inputs of the next call) where its body
+    (`model.model`) can be wrapped: its logits come out [rows, 1, vocab].
+    Other models give every position's logits, unchanged."""
     body = None
     if isinstance(model, nn.Module):
         body = vars(model).get("model")
         if not isinstance(body, _Selecting) and isinstance(model.get("model"), nn.Module):
             body = _Selecting(model["model"])
             object.__setattr__(model, "model", body)  # the instance's attribute, outside the module tree
-    if isinstance(body, _Selecting):
-        body.positions = positions
+    if not isinstance(body, _Selecting):
+        yield
+        return
+    body.positions = mx.array(list(positions), dtype=mx.int32)
     try:
-        logits = model(inputs, cache=cache)
+        yield
     finally:
-        if isinstance(body, _Selecting):
-            body.positions = None
-    if logits.shape[1] == n:  # every position's logits (or n == 1)
-        return mx.take_along_axis(logits, positions[:, None, None], axis=1)[:, 0, :]
+        body.positions = None
+
+
+def logits_at(model, inputs: mx.array, cache, last=None) -> mx.array:
+    """`model` over `inputs` [rows, n] with `cache`; the logits [rows, vocab]
+    at each row's position `last[i]` (default: the last), the head computing
+    those positions only (`head_at`: for a 512-token chunk of a 49k
+    vocabulary that is ~15 GFLOPs not spent). So a prompt's last token runs
+    in its final chunk instead of a pass of its own, which costs a read of
+    all weights (~60 ms on the 2-core CPU with the embedded model, ~5 ms on
+    an H100: BENCHMARKS.md, session 18)."""
+    rows, n = inputs.shape
+    last = [n - 1] * rows if last is None else list(last)
+    with head_at(model, last):
+        logits = model(inputs, cache=cache)
+    return at_positions(logits, last)
+
+
+def at_positions(logits: mx.array, last) -> mx.array:
+    """[rows, vocab] from a head_at call's logits: [rows, 1, vocab] as they
+    are, or every position's [rows, n, vocab] taken at `last`."""
     if logits.shape[1] == 1:
         return logits[:, 0, :]
-    raise RuntimeError(f"{type(model).__name__} gave logits of shape {logits.shape} for inputs {inputs.shape}")
+    positions = mx.array(list(last), dtype=mx.int32)
+    return mx.take_along_axis(logits, positions[:, None, None], axis=1)[:, 0, :]
 
 
 class _CoreForGenerate(types.ModuleType):

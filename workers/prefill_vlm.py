@@ -39,6 +39,7 @@ from mlx_lm.generate import generation_stream
 
 from cache_service.client import CacheUnavailable
 from protos.messages import ImageInput, SamplingParams
+from workers import mlx_hooks
 from workers.block_hash import image_block_extra
 from workers.loop_clock import part
 from workers.prefill_mlx import PrefillResult, sample_first
@@ -142,25 +143,27 @@ class VLMPrefillJob:
         self._snapshot_at = self.prefix.snapshot_point(len(self.tokens)) if self.snapshots else 0
 
     def _chunk(self) -> None:
-        """The next chunk of all but the last token; the last token and the
-        first sampled one in the call that runs the final chunk."""
+        """The next chunk; the final one takes the last token too, with the
+        head over that position alone (mlx_hooks.head_at), and samples the
+        first token."""
         eng, n = self.engine, len(self.tokens)
         start = self._done
-        end = min(start + self.chunk_size, n - 1)
-        if self._snapshot_at > start:  # a chunk ends at the snapshot point
+        end = min(start + self.chunk_size, n)
+        if self._snapshot_at > start:  # a chunk ends at the snapshot point (< n)
             end = min(end, self._snapshot_at)
-        if end > start:
-            with part(self.clock, "chunk", self.parts):
+        with part(self.clock, "chunk", self.parts):
+            if end < n:
                 eng.prefill_chunk(*self._inputs(start, end), self._cache)
                 mx.eval([c.state for c in self._cache])
-            self._done = end
-            if end == self._snapshot_at:
-                self.snapshot = self.prefix.capture(self._cache, end)
-        if self._done < n - 1:
+            else:
+                with mlx_hooks.head_at(eng.model.language_model, [end - start - 1]):
+                    logits = eng.prefill_chunk(*self._inputs(start, end), self._cache).logits[:, -1]
+                first, lp = sample_first(logits, mx.array(self.tokens, dtype=mx.int32), self.sampling, self._cache)
+        self._done = end
+        if end == self._snapshot_at:
+            self.snapshot = self.prefix.capture(self._cache, end)
+        if end < n:
             return
-        with part(self.clock, "first token", self.parts):
-            logits = eng.prefill_chunk(*self._inputs(n - 1, n), self._cache).logits[:, -1]
-            first, lp = sample_first(logits, mx.array(self.tokens, dtype=mx.int32), self.sampling, self._cache)
         self._embeds = self._positions = None
         self.result = PrefillResult(first, lp, self._cache, n, n + int(self._delta), 0.0, self._hit)
 

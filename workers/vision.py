@@ -702,8 +702,8 @@ class VisionEngine:
     def prefill(self, token_ids: Sequence[int], embeddings: mx.array, positions: mx.array | None,
                 cache: list, chunk: int = 512) -> mx.array:
         """The whole prompt through prefill_chunk; returns the last position's
-        logits [vocab]. Like generate_step: all tokens but the last in chunks
-        (only the cache is evaluated), then the last one alone."""
+        logits [vocab]. In chunks (only the cache is evaluated), the final
+        one with the head over its last position alone (mlx_hooks.head_at)."""
         token_ids = list(token_ids)
         n = len(token_ids)
         if embeddings.shape[1] != n:
@@ -714,12 +714,14 @@ class VisionEngine:
                                       None if positions is None else positions[..., s:e], cache)
 
         start = 0
-        while n - start > 1:
-            end = min(start + chunk, n - 1)
-            run(start, end)
+        while n - start > chunk:
+            run(start, start + chunk)
             mx.eval([c.state for c in cache])
-            start = end
-        logits = run(start, n).logits[0, -1]
+            start += chunk
+        from workers import mlx_hooks
+
+        with mlx_hooks.head_at(self.model.language_model, [n - start - 1]):
+            logits = run(start, n).logits[0, -1]
         mx.eval(logits, [c.state for c in cache])
         return logits
 
