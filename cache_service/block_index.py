@@ -144,22 +144,15 @@ class BlockIndex:
         """
         check_hashes(hashes)
         check_seconds(lease_s, "lease_s")
+        if first:
+            return self._lookup_first(hashes, owner, lease_s, fetch)
         held: list[BlockEntry] = []
         for h in hashes:
-            entry = self._entries.get(h)
-            if entry is None and fetch is not None and fetch(h):
-                entry = self._entries.get(h)
-            if entry is None or entry.state != READY:
-                if first:
-                    continue
+            entry = self._ready(h, fetch)
+            if entry is None:
                 break
             entry.leases += 1
             held.append(entry)
-            if first:
-                break
-        if first:
-            self.counters["lookup_tail_hits_total"] += len(held)
-            return self._lease(held, owner, lease_s) if held else (-1, [])
         c = self.counters
         c["lookups_total"] += 1
         c["lookup_blocks_total"] += len(hashes)
@@ -168,6 +161,22 @@ class BlockIndex:
         if not held:
             return -1, []
         return self._lease(held, owner, lease_s)
+
+    def _lookup_first(self, hashes: list, owner: str, lease_s: float, fetch) -> tuple[int, list[BlockEntry]]:
+        for h in hashes:
+            entry = self._ready(h, fetch)
+            if entry is not None:
+                entry.leases += 1
+                self.counters["lookup_tail_hits_total"] += 1
+                return self._lease([entry], owner, lease_s)
+        return -1, []
+
+    def _ready(self, h: bytes, fetch) -> Optional[BlockEntry]:
+        """The READY entry of `h`, fetched (from disk) if it is not in memory at all; else None."""
+        entry = self._entries.get(h)
+        if entry is None and fetch is not None and fetch(h):
+            entry = self._entries.get(h)
+        return entry if entry is not None and entry.state == READY else None
 
     def _lease(self, held: list[BlockEntry], owner: str, lease_s: float) -> tuple[int, list[BlockEntry]]:
         for entry in reversed(held):  # the chain's head ends up the most recent

@@ -151,6 +151,20 @@ def test_take_with_a_tier_too_small_for_the_prompt(model, tiny_dir):
     assert not fake.leases
 
 
+def _turn(model, prefill_side, decode, rid, prompt, n):
+    """One turn of a conversation: prefilled with `prefill_side`'s blocks,
+    decoded to its end by `decode`, which commits as the decode worker does.
+    (its tokens, the prefill's result)."""
+    res = PrefillEngine(model, chunk_size=16, prefix=prefill_side).run(prompt, greedy(n), owner=rid)
+    decode.add(DecodeRequest(rid, prompt, res.first_token, KVHandoff(rid, res.num_tokens, res.rope_offset),
+                             greedy(n)), res.cache)
+    tokens = [res.first_token]
+    while decode.has_work:
+        tokens += [u.token for u in decode.step()]
+        decode.commit_finished()
+    return tokens, res
+
+
 def test_decode_commits_keep_the_conversation_hot(model, tiny_dir):
     """A finished request's blocks (prompt + answer) stay in the decode
     worker: the next turn's handoff finds them there."""
@@ -158,13 +172,8 @@ def test_decode_commits_keep_the_conversation_hot(model, tiny_dir):
     prefill_side = hot_prefix(model, tiny_dir, fake)
     decode_side = hot_prefix(model, tiny_dir, fake)
     prompt = prompt_of(30, 11)
-    res = PrefillEngine(model, chunk_size=16, prefix=prefill_side).run(prompt, greedy(20), owner="t1")
     decode = DecodeEngine(model, max_batch=2, prefix=decode_side)
-    decode.add(DecodeRequest("t1", prompt, res.first_token, KVHandoff("t1", 30, 30), greedy(20)), res.cache)
-    answer = [res.first_token]
-    while decode.has_work:
-        answer += [u.token for u in decode.step()]
-        decode.commit_finished()
+    answer, _ = _turn(model, prefill_side, decode, "t1", prompt, 20)
     assert answer == reference(model, prompt, 20)
     conversation = prompt + answer  # 50 tokens: 6 full blocks committed by decode
     assert len(decode_side.hot) == 6
@@ -185,29 +194,16 @@ def test_a_next_turn_reads_the_conversations_tail_with_its_hot_blocks(model, tin
     prefill_side = hot_prefix(model, tiny_dir, fake)
     decode_side = hot_prefix(model, tiny_dir, fake)
     prompt = prompt_of(30, 21)
-    res = PrefillEngine(model, chunk_size=16, prefix=prefill_side).run(prompt, greedy(20), owner="t1")
     decode = DecodeEngine(model, max_batch=2, prefix=decode_side)
-    decode.add(DecodeRequest("t1", prompt, res.first_token, KVHandoff("t1", 30, 30), greedy(20)), res.cache)
-    answer = [res.first_token]
-    while decode.has_work:
-        answer += [u.token for u in decode.step()]
-        decode.commit_finished()
+    answer, _ = _turn(model, prefill_side, decode, "t1", prompt, 20)
     conversation = prompt + answer  # 50 tokens: 6 full blocks and a tail of 2
     for i, hot in ((0, 3), (1, 6)):  # the prompt's 3 blocks are hot here, then all 6
         turn2 = conversation + prompt_of(5, 30 + i)
         counted = Counting(model)
         before = prefill_side.stats.hot_blocks
-        res = PrefillEngine(counted, chunk_size=16, prefix=prefill_side).run(turn2, greedy(8), owner=f"t2{i}")
+        got, res = _turn(counted, prefill_side, decode, f"t2{i}", turn2, 8)
         assert res.cached_tokens == 50 and counted.tokens == 5 and prefill_side.stats.hot_blocks - before == hot
-        want = reference(model, turn2, 8)
-        assert res.first_token == want[0]
-        decode.add(DecodeRequest(f"t2{i}", turn2, res.first_token, KVHandoff(f"t2{i}", 55, 55), greedy(8)),
-                   res.cache)
-        got = [res.first_token]
-        while decode.has_work:
-            got += [u.token for u in decode.step()]
-            decode.commit_finished()
-        assert got == want
+        assert got == reference(model, turn2, 8)
     assert prefill_side.stats.tail_tokens == 4
 
 

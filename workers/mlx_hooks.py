@@ -165,15 +165,9 @@ def logits_at(model, inputs: mx.array, cache, last=None) -> mx.array:
     last = [n - 1] * rows if last is None else list(last)
     with head_at(model, last):
         logits = model(inputs, cache=cache)
-    return at_positions(logits, last)
-
-
-def at_positions(logits: mx.array, last) -> mx.array:
-    """[rows, vocab] from a head_at call's logits: [rows, 1, vocab] as they
-    are, or every position's [rows, n, vocab] taken at `last`."""
-    if logits.shape[1] == 1:
+    if logits.shape[1] == 1:  # the head ran over `last` alone
         return logits[:, 0, :]
-    positions = mx.array(list(last), dtype=mx.int32)
+    positions = mx.array(last, dtype=mx.int32)
     return mx.take_along_axis(logits, positions[:, None, None], axis=1)[:, 0, :]
 
 

@@ -213,20 +213,12 @@ class PrefixCache(_ServiceUser):
                     return None, 0, 0
             n, k, offsets = n_hot + len(refs), 0, [r.offset for r in refs]
             if tail_end is not None and n > 0 and self._tail_worth_looking(compute_s_per_token):
-                candidates = self.hasher.tail_keys(tokens, hashes[n - 1], n * self.block_size, tail_end)
-                if candidates:
-                    reply = self.client.lookup([key for _, key in candidates], owner, lease_s=self.lease_s,
-                                               first=True)
-                    if reply.ok:
-                        leases.append(reply.lease)
-                    if reply.ok and reply.blocks:
-                        ref = reply.blocks[0]
-                        k = dict((key, length) for length, key in candidates).get(bytes(ref.hash), 0)
-                        if k and ref.nbytes == self.layout.block_nbytes and (arena or reply.arena) == reply.arena:
-                            arena = reply.arena
-                            offsets.append(ref.offset)
-                        else:
-                            k = 0
+                reply, k = self._lookup_tail(tokens, hashes[n - 1], n * self.block_size, tail_end, owner)
+                if reply is not None:
+                    leases.append(reply.lease)
+                if k:
+                    arena = reply.arena
+                    offsets.append(reply.blocks[0].offset)
             if not offsets:
                 return None, 0, 0
             t_read = time.perf_counter()
@@ -240,6 +232,22 @@ class PrefixCache(_ServiceUser):
             # The read copied the blocks out of the arena: they may go now.
             for lease in leases:
                 self.release(lease)
+
+    def _lookup_tail(self, tokens, parent: bytes, start: int, end: int, owner: str):
+        """The longest tail block after `parent` within tokens[start:end] that
+        the cache service has, leased: (its reply, its tokens); the reply is
+        None when nothing was asked or it failed, the tokens 0 for no tail."""
+        candidates = self.hasher.tail_keys(tokens, parent, start, end)
+        if not candidates:
+            return None, 0
+        reply = self.client.lookup([key for _, key in candidates], owner, lease_s=self.lease_s, first=True)
+        if not reply.ok:
+            return None, 0
+        lengths = {key: k for k, key in candidates}
+        ref = reply.blocks[0] if reply.blocks else None
+        if ref is None or ref.nbytes != self.layout.block_nbytes:
+            return reply, 0
+        return reply, lengths.get(bytes(ref.hash), 0)
 
     def _tail_worth_looking(self, compute_s_per_token: Optional[float]) -> bool:
         """A tail saves half a block's tokens on average, for a round trip
