@@ -1,1 +1,1 @@
-"""Benchmarks: `tandem bench` (load generator, systems side by side) and `tandem random-model`."""
+"""Benchmarks: `tandem bench` (bench/), `tandem random-model` (random_models/), one-off probes (probes/)."""

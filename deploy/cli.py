@@ -9,7 +9,8 @@ from deploy import blas
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from benchmarks import bench_cmd, random_model
+    from benchmarks.bench import bench_cmd
+    from benchmarks.random_models import random_model_cmd
     from deploy import generate_cmd, serve_cmd
 
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving on MLX.")
@@ -24,8 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cmd.add_arguments(bench)
     bench.set_defaults(run=bench_cmd.run)
     rand = sub.add_parser("random-model", help="write a random-weight model of a real architecture's shape")
-    random_model.add_arguments(rand)
-    rand.set_defaults(run=random_model.run)
+    random_model_cmd.add_arguments(rand)
+    rand.set_defaults(run=random_model_cmd.run)
     return parser
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from workers.model_store import ModelError
+from deploy.blas import reexec_with_openblas
+from deploy.model_folder import ModelError
+from workers.models.store import resolve_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,8 +45,7 @@ def _generate(args: argparse.Namespace) -> int:
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from workers.loading import load_model
-    from workers.model_store import resolve_model
+    from workers.models.loading import load_model  # MLX: only to generate
 
     if args.max_tokens < 1:
         raise ModelError(f"--max-tokens must be at least 1, not {args.max_tokens}")
@@ -66,8 +67,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m deploy.generate_cmd ...`, the same as `tandem generate ...`."""
-    from deploy.blas import reexec_with_openblas
-
     reexec_with_openblas()
     parser = argparse.ArgumentParser(prog="tandem generate", description=__doc__.splitlines()[0])
     add_arguments(parser)

@@ -8,7 +8,10 @@ import signal
 import sys
 
 from deploy.logs import setup_logging
+from deploy.model_folder import ModelError
 from deploy.settings import Settings
+from deploy.supervisor import Supervisor
+from workers.models.store import model_id_for, resolve_model
 
 
 def _positive(text: str) -> int:
@@ -68,9 +71,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from deploy.supervisor import Supervisor
-    from workers.model_store import ModelError, model_id_for, resolve_model
-
     setup_logging(args.log_level, "supervisor")
     try:
         model_dir = resolve_model(args.model)

@@ -7,6 +7,9 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 
+from deploy.backend import on_cpu
+from deploy.model_folder import is_vlm
+
 
 def default_cache_dir() -> str:
     """The user's cache folder: ~/Library/Caches on macOS, XDG elsewhere."""
@@ -34,27 +37,23 @@ def default_block_size() -> int:
     A prompt recomputes what follows its last full block (half a block on
     average), against costs per block (hashing, round trips, stores, and on
     a GPU a copy per block into the hot tier). On the 2-core CPU box 4-token
-    blocks served a warm request faster (benchmarks/block_size.py: 21.8 ms
+    blocks served a warm request faster (benchmarks/probes/block_size.py: 21.8 ms
     of reuse costs against 32.0 at 8; prefix_restart.py: 0.22-0.25 s against
     0.28-0.30 s) and cached more of a swarm's turns; on the H100 8- and
-    16-token blocks timed the same (BENCHMARKS.md, sessions 14 and 15)."""
-    from workers.loading import on_cpu
-
+    16-token blocks timed the same (docs/benchmarks-log.md, sessions 14 and 15)."""
     return 4 if on_cpu() else 8
 
 
 def default_prefill_batch() -> int:
     """Prompts one prefill pass may take together: 16 on a GPU, 1 (none)
     where MLX runs on the CPU. On an H100 a burst's passes cost 3.8-11x less
-    a prompt batched (benchmarks/prefill_batch.py), a 32-agent swarm's TTFT
+    a prompt batched (benchmarks/probes/prefill_batch.py), a 32-agent swarm's TTFT
     p99 fell from 1.4-2.1 s to 1.0-1.2 s, and with --colocate its wall time
     from 17.5 s to 12.3-14.6 s. On the 2-core CPU a 16-agent swarm's
     prefill worker was as busy either way (80 s; its passes compete with
     the decode steps for the same cores) and its wall time moved within
-    the box's noise (150-189 s batched, 162-166 s not): BENCHMARKS.md,
+    the box's noise (150-189 s batched, 162-166 s not): docs/benchmarks-log.md,
     session 17."""
-    from workers.loading import on_cpu
-
     return 1 if on_cpu() else 16
 
 
@@ -81,8 +80,8 @@ class Settings:
     block_size: int = field(default_factory=default_block_size)  # tokens per KV block
     cache_dir: str | None = field(default_factory=lambda: os.path.join(default_cache_dir(), "kv"))  # None: no disk tier
     cache_disk_bytes: int = 8 << 30
-    # Blocks each model worker keeps as MLX arrays (workers/hot_blocks.py);
-    # None: sized by the device (workers.loading.hot_kv_bytes), 0: none.
+    # Blocks each model worker keeps as MLX arrays (workers/kv/hot_blocks.py);
+    # None: sized by the device (workers.models.loading.hot_kv_bytes), 0: none.
     hot_kv_bytes: int | None = None
     # Scheduling and admission
     max_batch: int = 32  # decode batch size per decode worker
@@ -114,8 +113,6 @@ class Settings:
         """The model worker processes these settings ask for: (name, roles),
         what the supervisor starts, /health waits for, and each worker sizes
         its share of the accelerator's memory by."""
-        from workers.model_store import is_vlm
-
         vlm = bool(self.model_dir) and is_vlm(self.model_dir)
         if self.colocate:
             return [(f"worker-{i}", ["prefill", "decode"] + (["vision"] if vlm else []))
@@ -124,12 +121,3 @@ class Settings:
                 + [(f"decode-{i}", ["decode"]) for i in range(self.decode_workers)]
                 + ([("vision-0", ["vision"])] if vlm else []))  # the image encoder: embeddings into the cache
 
-    def media_limits(self):
-        """router/media.py's limits from these settings."""
-        from pathlib import Path
-
-        from router.media import MediaLimits
-
-        return MediaLimits(max_images=self.max_images, max_pixels=self.max_image_pixels,
-                           fetch_timeout_s=self.media_fetch_timeout_s, max_frames=self.max_video_frames,
-                           allowed_local_dir=Path(self.allow_local_media) if self.allow_local_media else None)

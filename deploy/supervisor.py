@@ -22,6 +22,8 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 
+from cache_service.arena import unlink_arena
+from deploy.blas import calm_blas_threads
 from deploy.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -77,7 +79,7 @@ class Supervisor:
         self.children.append(Child("router", "router.server:run", lambda: (self.settings,)))
 
     def _worker(self, name: str, roles: list[str]) -> None:
-        self.children.append(Child(name, "workers.runtime:run", lambda: (self.settings, roles, name)))
+        self.children.append(Child(name, "workers.main:run", lambda: (self.settings, roles, name)))
 
     def _spawn(self, child: Child) -> None:
         if child.name == "cache":
@@ -90,8 +92,6 @@ class Supervisor:
 
     def _cleanup_arena(self) -> None:
         if self.settings.arena_name:
-            from cache_service.arena import unlink_arena
-
             unlink_arena(self.settings.arena_name)
 
     # -------------------------------------------------------------- run --
@@ -99,8 +99,6 @@ class Supervisor:
         """Start everything, keep it alive until asked to stop. Returns an exit code."""
         os.makedirs(self.settings.run_dir, exist_ok=True)
         self._plan()
-        from deploy.blas import calm_blas_threads
-
         if calm_blas_threads():
             log.info("OpenBLAS: idle threads sleep at once (OPENBLAS_THREAD_TIMEOUT=4)")
         for child in self.children:

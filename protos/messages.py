@@ -51,6 +51,22 @@ class ArenaSlice:
 
 
 @dataclass
+class HeldBlocks:
+    """A prompt's leading full prefix-cache blocks, leased in the cache
+    service for one request: `hashes` in prompt order, at `offsets` in
+    `arena`, under `lease` (so that none is evicted before decode takes
+    them), covering the prompt's first `tokens` tokens. A prefill worker
+    holds them (workers.kv.prefix_cache.PrefixCache.hold) and refers to them
+    in its KVHandoff; empty (no hashes, lease -1) when nothing is held."""
+
+    hashes: list = field(default_factory=list)  # [bytes, ...]
+    offsets: list = field(default_factory=list)
+    arena: str = ""
+    lease: int = -1
+    tokens: int = 0
+
+
+@dataclass
 class KVHandoff:
     """What decode needs to rebuild a prompt's KV cache. Prefill worker ->
     router on its own (after PrefillDone), router -> decode in DecodeRequest.
@@ -62,7 +78,7 @@ class KVHandoff:
     leaves that process: `layers` is empty.
 
     Models whose caches are not all plain attention KV (sliding window,
-    recurrent: see workers.kv_transfer.write_cache) also fill `cache_meta`:
+    recurrent: see workers.kv.handoff.write_cache) also fill `cache_meta`:
     per layer the cache class and its state with array leaves {"a": i}, the
     i-th slice of that layer's entry in `layers` (any number of slices).
     Empty `cache_meta` means the plain [keys, values] layout above.
@@ -79,17 +95,11 @@ class KVHandoff:
     bytes_moved: int = 0
     write_ms: float = 0.0
     cache_meta: list = field(default_factory=list)  # per-layer cache class + state spec; [] for plain KV
-    # By reference: the prompt's first `block_tokens` tokens are full prefix
-    # cache blocks (`block_hashes`, in order, at `block_offsets` in
-    # `block_arena`), leased for this request (`block_lease`) so that none is
-    # evicted before decode takes them, from its own memory where it holds
-    # them. `layers` then covers only the tokens after them (none, and no
-    # allocation, when the prompt ends on a block boundary).
-    block_hashes: list = field(default_factory=list)
-    block_offsets: list = field(default_factory=list)
-    block_arena: str = ""
-    block_lease: int = -1
-    block_tokens: int = 0
+    # By reference: the prompt's first `blocks.tokens` tokens are the held
+    # prefix-cache blocks, which decode takes from its own memory where it
+    # holds them. `layers` then covers only the tokens after them (none, and
+    # no allocation, when the prompt ends on a block boundary).
+    blocks: HeldBlocks = field(default_factory=HeldBlocks)
 
 
 @dataclass
@@ -117,9 +127,9 @@ class WorkerHello:
     waiting: int = 0  # requests queued inside the worker
     kv_bytes: int = 0  # bytes of KV the worker holds for live requests
     max_context: int = 0
-    hot_kv_bytes: int = 0  # prefix-cache blocks it keeps as MLX arrays (workers/hot_blocks.py)
+    hot_kv_bytes: int = 0  # prefix-cache blocks it keeps as MLX arrays (workers/kv/hot_blocks.py)
     hot_kv_hits: int = 0  # blocks it took from there instead of the arena, since start
-    batched_prompts: int = 0  # prompts it prefilled in a pass with others (workers/prefill_batch.py), since start
+    batched_prompts: int = 0  # prompts it prefilled in a pass with others (workers/prefill/batch.py), since start
 
 
 @dataclass
@@ -161,7 +171,7 @@ class ImageInput:
 @dataclass
 class VisionRequest:
     """Router -> vision worker: put these images' embeddings in the cache
-    service (workers/vision_cache.py), encoding those it lacks."""
+    service (workers/vision/embeddings.py), encoding those it lacks."""
 
     request_id: str
     images: list  # [ImageInput]
@@ -310,7 +320,7 @@ class CacheReply:
 # --------------------------------------------------------------------------- #
 # Prefix cache: KV blocks keyed by chained block hashes (same cache service socket)
 # A block holds the KV of `block_size` tokens for every layer, in the layout
-# workers.kv_transfer defines; the service only sees opaque byte ranges.
+# workers/kv/ defines; the service only sees opaque byte ranges.
 # --------------------------------------------------------------------------- #
 
 
@@ -326,7 +336,7 @@ class KVLookup:
     """Find the longest run of cached blocks from the start of `hashes` and
     lease them: leased blocks are never evicted until released or expired.
     With `first`, lease only the first of `hashes` that is cached: a tail
-    block's candidates, longest first (workers/block_hash.py)."""
+    block's candidates, longest first (workers/kv/block_hash.py)."""
 
     call_id: int
     hashes: list  # [bytes, ...] chained, in prompt order (or candidates, with `first`)
@@ -388,6 +398,7 @@ class KVCommit:
 ALL_MESSAGES = [
     SamplingParams,
     ArenaSlice,
+    HeldBlocks,
     KVHandoff,
     TokenLogprob,
     WorkerHello,

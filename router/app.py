@@ -30,13 +30,17 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from deploy.model_folder import is_vlm
 from deploy.settings import Settings
 from protos.messages import TokenLogprob
 from router.answer_tokens import AnswerTokens
 from router.engine_api import Engine, EngineError, GenerationRequest
 from router.errors import ApiError, exception_handlers
+from router.media import DecodedVideo, MediaLimits, RecentImages
+from router.media_parts import load_media_parts
 from router.schemas import MODEL_ALIAS, ParsedRequest, parse_chat, parse_completion, read_json
 from router.text_stream import TextStream, TokenBytes
+from router.vision_prompt import VisionPrompter
 
 log = logging.getLogger("tandem.router")
 
@@ -95,16 +99,9 @@ class _Api:
         self.token_bytes = TokenBytes(tokenizer)  # shared: a cache over the vocabulary
         self.created = int(time.time())
         self.answers = AnswerTokens(self.token_bytes)  # recent answers' tokens, for the next turn's prompt
-        from router.vision_prompt import VisionPrompter
-        from workers.model_store import is_vlm
-
         self.vision = VisionPrompter(settings.model_dir) if settings.model_dir and is_vlm(settings.model_dir) else None
-        self.media_limits = settings.media_limits()
-        self.recent_images = None
-        if self.vision is not None:
-            from router.media import RecentImages
-
-            self.recent_images = RecentImages()
+        self.media_limits = MediaLimits.from_settings(settings)
+        self.recent_images = RecentImages() if self.vision is not None else None
 
     async def chat_completions(self, request: Request) -> "GenerationResponse":
         t0 = time.perf_counter()
@@ -124,8 +121,6 @@ class _Api:
         the part on any refusal), then template and tokenize in a thread. A
         video stays one video where the model takes video (Qwen-VL), else it
         becomes its frames, each an image."""
-        from router.media import DecodedVideo, load_media_parts
-
         media = await load_media_parts(body["messages"], self.media_limits, self.recent_images)
         native = self.vision.native_video
         items, it = [], iter(media)

@@ -416,8 +416,8 @@ class Dispatcher:
             decode = self.workers.get(wid)
         else:
             self.metrics.handoff.observe(h.write_ms / 1000)
-            self.metrics.handoff_tokens.labels("copied").inc(h.num_tokens - h.block_tokens)
-            self.metrics.handoff_tokens.labels("referenced").inc(h.block_tokens)
+            self.metrics.handoff_tokens.labels("copied").inc(h.num_tokens - h.blocks.tokens)
+            self.metrics.handoff_tokens.labels("referenced").inc(h.blocks.tokens)
             try:
                 decode = self._pick("decode")
             except EngineError as exc:
@@ -446,7 +446,7 @@ class Dispatcher:
         try:
             if handoff.allocation >= 0:
                 await self._cache.free(allocations=[handoff.allocation], arena=handoff.arena)
-            await self._cache.release(handoff.block_lease)
+            await self._cache.release(handoff.blocks.lease)
         except CacheUnavailable:
             pass  # the reservation's and the lease's TTLs free them
 

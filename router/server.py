@@ -15,7 +15,10 @@ from pathlib import Path
 import uvicorn
 
 from deploy.logs import setup_logging
+from deploy.model_folder import context_length
 from deploy.settings import Settings
+from router.app import create_app
+from router.dispatcher import Dispatcher
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +39,6 @@ def run(settings: Settings) -> None:
     """Process main for the router (a `spawn` target)."""
     setup_logging(settings.log_level, "router")
     from mlx_lm.utils import load_tokenizer
-
-    from router.app import create_app
-    from router.dispatcher import Dispatcher
-    from workers.loading import context_length
 
     tokenizer = load_tokenizer(Path(settings.model_dir))
     dispatcher = Dispatcher(settings, max_context=context_length(settings.model_dir))

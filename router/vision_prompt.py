@@ -3,14 +3,14 @@
 The router holds only the model's processor (tokenizer, chat template, image
 processor settings: no weights). For a chat with images it renders the chat
 template with one placeholder per image, expands each to the number of tokens
-the image takes (workers/vision.py's per-architecture `_Arch`, the same code
+the image takes (protos/vision_layout.py's per-architecture `Layout`, the same code
 the prefill worker runs), tokenizes as mlx-vlm does, and finds each image's
 run of placeholder tokens: the `ImageInput`s a PrefillRequest carries.
 
 An architecture that takes video (`native_video`: Qwen2.5-VL, Qwen3-VL)
 gets a video part as one video: its grid from the frame count and size, the
 prompt's blocks of video tokens (Qwen3-VL: one per frame pair, stamped
-"<t.t seconds>" from its frames' times; the same `_Arch` code), and one
+"<t.t seconds>" from its frames' times; the same `Layout` code), and one
 `ImageInput` of kind "video" spanning all its blocks. Others get a video's
 frames as images (router/app.py).
 """
@@ -23,32 +23,31 @@ from pathlib import Path
 
 import numpy as np
 
+from deploy.model_folder import ModelError
 from protos.messages import ImageInput
-from workers.model_store import is_vlm  # noqa: F401 - re-exported for the router
+from protos.vision_layout import LAYOUTS
+from router.media import DecodedVideo, MediaError
 
 
 class VisionPrompter:
     def __init__(self, model_dir: str | Path):
-        from mlx_vlm.utils import get_model_and_args, load_processor
-
-        from workers.model_store import ModelError
-        from workers.vision import ARCHS
+        from mlx_vlm.utils import get_model_and_args, load_processor  # only a VLM's router loads mlx-vlm
 
         config = json.loads((Path(model_dir) / "config.json").read_text())
         # Imports mlx-vlm's model package, which registers its own processors
         # (transformers' Qwen2-VL video processor would need torch).
         get_model_and_args(config)
         self.model_type = config.get("model_type")
-        if self.model_type not in ARCHS:
+        if self.model_type not in LAYOUTS:
             raise ModelError(f"{model_dir}: no vision add-on for {self.model_type!r}")
-        self.arch = ARCHS[self.model_type]
+        self.layout = LAYOUTS[self.model_type]
         self.processor = load_processor(Path(model_dir), add_detokenizer=False)
         self.tokenizer = self.processor.tokenizer
-        self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.arch.image_token(self.processor))
+        self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.layout.image_token(self.processor))
         self.video_token_id = (self.tokenizer.convert_tokens_to_ids(self.processor.video_token)
                                if self.native_video else None)
         # Placeholder text -> id, for those the tokenizer keeps whole (see _tokenize).
-        tokens = {self.arch.image_token(self.processor): self.image_token_id}
+        tokens = {self.layout.image_token(self.processor): self.image_token_id}
         if self.native_video:
             tokens[self.processor.video_token] = self.video_token_id
         self._placeholders = {t: i for t, i in tokens.items()
@@ -60,10 +59,10 @@ class VisionPrompter:
     @property
     def native_video(self) -> bool:
         """Whether a video goes to the model as a video (else as its frames, each an image)."""
-        return self.arch.native_video
+        return self.layout.native_video
 
     def tokens_for(self, height: int, width: int) -> int:
-        return self.arch.tokens_for_size(self.processor, int(height), int(width))
+        return self.layout.tokens_for_size(self.processor, int(height), int(width))
 
     def build(self, messages: list[dict], media: list) -> tuple[list[int], list[ImageInput]]:
         """(prompt token ids, one ImageInput per image or video, in prompt
@@ -73,15 +72,13 @@ class VisionPrompter:
         Blocking (tokenizer work): run it in a thread."""
         from mlx_vlm.utils import should_add_special_tokens
 
-        from router.media import DecodedVideo
-
         images = [m for m in media if not isinstance(m, DecodedVideo)]
         videos = [m for m in media if isinstance(m, DecodedVideo)]
         counts = [self.tokens_for(im.height, im.width) for im in images]
         grids = [self._video(v) for v in videos]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        text = self.arch.expand_videos(self.processor, text, grids)
-        text = self.arch.expand(self.processor, text, counts)
+        text = self.layout.expand_videos(self.processor, text, grids)
+        text = self.layout.expand(self.processor, text, counts)
         ids = self._tokenize(text, should_add_special_tokens(self.model_type, self.processor))
         starts = _runs(ids, self.image_token_id)
         if [n for _, n in starts] != counts:
@@ -119,11 +116,9 @@ class VisionPrompter:
 
     def _video(self, video):
         """The video's ImageBatch by size (its grid and tokens), or a 400 naming the part."""
-        from router.media import MediaError
-
         first = video.frames[0]
         try:
-            return self.arch.video_for_size(self.processor, len(video.frames), first.height, first.width,
+            return self.layout.video_for_size(self.processor, len(video.frames), first.height, first.width,
                                             video.fps, video.timestamps)
         except ValueError as exc:
             raise MediaError(video.where, f"the model cannot take this video: {exc}") from None
@@ -134,7 +129,7 @@ class VisionPrompter:
         through the last, in order."""
         runs, out = _runs(ids, self.video_token_id), []
         for video, batch in zip(videos, grids):
-            pairs = self.arch.video_blocks(batch)
+            pairs = self.layout.video_blocks(batch)
             mine, runs = runs[:pairs], runs[pairs:]
             n = batch.tokens_per_image[0]
             if len(mine) != pairs or sum(k for _, k in mine) != n or len({k for _, k in mine}) != 1:

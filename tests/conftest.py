@@ -1,15 +1,17 @@
-"""Fixtures shared by the suite: the embedded model and real `tandem serve` instances."""
+"""Fixtures shared by the suite: the embedded model, a tiny random llama and
+real `tandem serve` instances. Helpers and fakes are in tests/support/."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.server_harness import TandemServer
+from tests.support.server import TandemServer
+from tests.support.tiny_models import load_tiny_model, make_tiny_llama
 
 
 @pytest.fixture(scope="session")
 def embedded_model_dir():
-    from workers.model_store import resolve_model
+    from workers.models.store import resolve_model
 
     return resolve_model(None)
 
@@ -17,9 +19,21 @@ def embedded_model_dir():
 @pytest.fixture(scope="session")
 def embedded_model(embedded_model_dir):
     """The embedded model loaded exactly as the workers load it (fp32 on the CPU)."""
-    from workers.loading import load_model
+    from workers.models.loading import load_model
 
     return load_model(str(embedded_model_dir))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny random llama's folder (tests/support/tiny_models.py), one per test module."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir):
+    """The tiny llama of `tiny_dir`, loaded (fp32, no tokenizer)."""
+    return load_tiny_model(tiny_dir)
 
 
 @pytest.fixture
@@ -35,10 +49,3 @@ def server_factory(tmp_path, embedded_model_dir):
     yield start
     for srv in started:
         srv.stop()
-
-
-def module_server(request, tmp_path_factory, *args: str) -> TandemServer:
-    """A server shared by one test module (set-up costs seconds; most tests only read)."""
-    srv = TandemServer(*args, log_path=tmp_path_factory.mktemp("srv") / "server.log")
-    request.addfinalizer(srv.stop)
-    return srv.start()

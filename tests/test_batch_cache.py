@@ -1,4 +1,4 @@
-"""The decode batch's KV a GPU uses (workers/batch_cache.py): rows dropped by
+"""The decode batch's KV a GPU uses (workers/kernels/slot_batch_cache.py): rows dropped by
 contiguous copies (RunsBatchKVCache: the same rows, offsets and padding as
 mlx-lm's gather), and rows that join and leave in place (SlotBatchKVCache:
 the same rows as mlx-lm's BatchKVCache, with only the rows that move
@@ -11,13 +11,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from workers import batch_cache
-from workers.batch_cache import RunsBatchKVCache, SlotBatchKVCache, runs, swap_remove_order
-
-try:
-    from tests.test_engines import drive, greedy, model, prompt_of, reference
-except ImportError:  # pragma: no cover
-    from test_engines import drive, greedy, model, prompt_of, reference  # noqa: F401
+from tests.support.pipeline import drive, reference
+from tests.support.tiny_models import greedy, prompt_of
+from workers.kernels.slot_batch_cache import RunsBatchKVCache, SlotBatchKVCache, runs, swap_remove_order
 
 
 def row(length: int, seed: int) -> KVCache:

@@ -26,9 +26,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from benchmarks import bench_cmd, loadgen, report, workloads
-from benchmarks.loadgen import RequestResult, percentile, summarize
-from tests.server_harness import free_port
+from benchmarks.bench import bench_cmd, loadgen, report, systems, workloads
+from benchmarks.bench import vision_workload as vw
+from benchmarks.bench.loadgen import RequestResult, percentile, summarize
+from benchmarks.bench.memory import ProcessTreeMemory
+from benchmarks.bench.peer_weights import needs_float32_copy
+from benchmarks.random_models import text as random_model
+from tests.support.server import free_port
+from tests.support.tiny_vlms import tiny_vlm
 
 FIRST_S, GAP_S = 0.20, 0.05
 TOKENS = ["Hello", ",", " world", "!"]
@@ -416,8 +421,6 @@ def _vision_cfg(**kw) -> workloads.WorkloadConfig:
 def test_bench_pictures_are_seeded_and_distinct():
     from PIL import Image
 
-    from benchmarks import vision_workload as vw
-
     a = vw.bench_picture(96, 0, "x")
     assert a.shape == (96, 96, 3) and a.dtype == np.uint8
     assert np.array_equal(a, vw.bench_picture(96, 0, "x"))
@@ -431,7 +434,6 @@ def test_bench_pictures_are_seeded_and_distinct():
 
 
 def test_bench_video_decodes_as_tandem_samples_it(tmp_path):
-    from benchmarks import vision_workload as vw
     from router.media import MediaLimits, decode_video_bytes
 
     path = vw.write_video(tmp_path / "v.mp4", 6, 64, 0, "v")
@@ -451,8 +453,6 @@ def test_bench_video_decodes_as_tandem_samples_it(tmp_path):
 
 
 def test_text_words_match_the_turns_new_tokens():
-    from benchmarks import vision_workload as vw
-
     assert vw.text_words_for(57, 20, 99) == 37
     assert vw.text_words_for(10, 20, 99) == 1
     assert vw.text_words_for(None, 20, 99) == 99
@@ -460,8 +460,6 @@ def test_text_words_match_the_turns_new_tokens():
 
 
 def test_vision_workload_turns_ratios_and_video(fake_vlm):
-    from benchmarks import vision_workload as vw
-
     base, _ = fake_vlm
     out = asyncio.run(vw.vision(workloads.Target("fake", base + "/vlm", "m"), _vision_cfg()))
     assert out["warmup_errors"] == [] and out["video_transport"] == "data" and out["errors"] == 0
@@ -490,8 +488,6 @@ def test_vision_workload_turns_ratios_and_video(fake_vlm):
 
 
 def test_vision_workload_falls_back_to_http_and_records_refusals(fake_vlm):
-    from benchmarks import vision_workload as vw
-
     base, fake = fake_vlm
     cfg = _vision_cfg(video_frames=(4,), vision_repeats=1)
     fetched = len(fake.fetched)
@@ -524,8 +520,6 @@ def test_vision_workload_falls_back_to_http_and_records_refusals(fake_vlm):
 def test_vision_options_and_system_specs(tmp_path):
     import sys
 
-    from benchmarks import systems
-
     p = bench_cmd.argparse.ArgumentParser()
     bench_cmd.add_arguments(p)
     args = p.parse_args(["--workload", "all", "--video-frames", "none", "--image-size", "512"])
@@ -547,8 +541,6 @@ def test_vision_options_and_system_specs(tmp_path):
 
 def test_bench_vision_on_a_tiny_vlm(tmp_path, tmp_path_factory, capsys):
     """The real thing, small: `tandem bench --systems tandem --workload vision` on a tiny Qwen2.5-VL."""
-    from tests.tiny_vlms import tiny_vlm
-
     model = tiny_vlm(tmp_path_factory)
     p = bench_cmd.argparse.ArgumentParser()
     bench_cmd.add_arguments(p)
@@ -570,8 +562,6 @@ def test_bench_vision_on_a_tiny_vlm(tmp_path, tmp_path_factory, capsys):
 # ------------------------------------------------------------ random models
 
 def test_every_shape_has_its_table_parameter_count(embedded_model_dir):
-    from benchmarks import random_model
-
     for like in random_model.SHAPES:
         config = random_model.build_config(like, "bfloat16", embedded_model_dir, 0)
         model = random_model.build_model(config)  # MLX arrays are lazy: nothing is allocated here
@@ -582,9 +572,6 @@ def test_random_model_loads_and_generates_varied_tokens(tmp_path, embedded_model
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import generate_step
-
-    from benchmarks import random_model
-    from benchmarks.peer_weights import needs_float32_copy
 
     out = tmp_path / "tiny"
     info = random_model.write_random_model("tiny-llama", out, dtype="bfloat16", seed=1,
@@ -612,8 +599,6 @@ def test_shared_memory_counts_once_in_pss_twice_in_rss():
     the summed RSS counts it twice, the summed PSS once (the arena case)."""
     import multiprocessing as mp
     from multiprocessing import shared_memory
-
-    from benchmarks.memory import ProcessTreeMemory
 
     size = 64 << 20
     shm = shared_memory.SharedMemory(create=True, size=size)

@@ -1,11 +1,11 @@
-"""workers/cpu_attention.py against MLX's own attention."""
+"""workers/kernels/cpu_attention.py against MLX's own attention."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import pytest
 
-from workers import cpu_attention
+from workers.kernels import cpu_attention
 
 
 @pytest.mark.parametrize("n,length,heads,kv_heads", [(1, 700, 9, 3), (37, 300, 9, 3), (64, 64, 4, 4), (5, 90, 8, 2)])

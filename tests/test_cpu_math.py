@@ -1,5 +1,5 @@
-"""workers/cpu_math.py against MLX's own exp, swiglu and logsumexp, and
-workers/mlx_hooks.py putting them in mlx-lm's place on the CPU."""
+"""workers/kernels/cpu_math.py against MLX's own exp, swiglu and logsumexp, and
+workers/kernels/mlx_hooks.py putting them in mlx-lm's place on the CPU."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.activations import swiglu
 
-from workers import cpu_math, mlx_hooks
+from workers.kernels import cpu_math, mlx_hooks
+from workers.models.loading import CPU_BUFFER_CACHE, buffer_cache_bytes, size_buffer_cache
 
 
 def test_exp_is_within_two_ulps_of_mlx_exp():
@@ -66,8 +67,6 @@ def test_each_worker_process_keeps_a_bounded_share_of_freed_buffers():
     buffers). GPU: MLX's default is the whole memory limit in every process, so
     workers sharing a device get 1/(2 x processes) of its memory each; the
     platform call is MLX's, fed here with an H100's and an M-series Mac's info."""
-    from workers.loading import CPU_BUFFER_CACHE, buffer_cache_bytes, size_buffer_cache
-
     assert buffer_cache_bytes(True, {}, 3) == CPU_BUFFER_CACHE
     h100 = {"total_memory": 85520809984, "device_name": "NVIDIA H100 80GB HBM3"}
     assert buffer_cache_bytes(False, h100, 2) == 85520809984 // 4

@@ -1,11 +1,11 @@
-"""workers/cuda_attention.py: a prefill's attention on MLX's CUDA backend
+"""workers/kernels/cuda_attention.py: a prefill's attention on MLX's CUDA backend
 without cuDNN. For float32 inputs it must compute exactly what MLX computes
 where no fused kernel applies (on this CPU, MLX's own attention for several
 queries is that computation: compared bit for bit); for half precision it
 keeps the scores in float32, so it must be closer to exact attention than
 that fallback (written out here with MLX's ops: on a CUDA device
 `mx.fast.scaled_dot_product_attention` would take cuDNN's fused kernel
-instead, which keeps its scores in float32 too). The routing through workers/mlx_hooks.py is tested with the
+instead, which keeps its scores in float32 too). The routing through workers/kernels/mlx_hooks.py is tested with the
 backend check answering "CUDA" (the CUDA kernels themselves cannot run on
 this machine)."""
 
@@ -14,13 +14,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 
-from workers import cuda_attention, mlx_hooks
-
-try:
-    from tests.tiny_models import load_tiny_model, make_tiny_llama
-except ImportError:  # pragma: no cover
-    from tiny_models import load_tiny_model, make_tiny_llama
+from tests.support.tiny_models import load_tiny_model, make_tiny_llama
+from workers.kernels import cuda_attention, mlx_hooks
 
 
 SHAPES = [
@@ -108,8 +105,6 @@ def as_if_cuda(monkeypatch):
 
 
 def test_on_cuda_a_prefill_takes_it_and_decode_does_not(as_if_cuda, tmp_path, monkeypatch):
-    from mlx_lm.models.cache import make_prompt_cache
-
     model = load_tiny_model(make_tiny_llama(tmp_path, seed=1))
     assert mlx_hooks.install(model) and mlx_hooks._CUDA["on"] and not mlx_hooks._CPU["on"]
     took = []

@@ -1,10 +1,10 @@
-"""workers/cuda_decode_attention.py: a padded decode batch's attention on
+"""workers/kernels/cuda_decode_attention.py: a padded decode batch's attention on
 MLX's CUDA backend without mlx-lm's mask.
 
 The CUDA kernels run only where MLX has a CUDA device: there they are
 compared with MLX's own masked attention (`mx.fast.scaled_dot_product_attention`
 with the left-padding mask) on strided views of padded buffers, as a decode
-batch passes them. Everywhere, the routing through workers/mlx_hooks.py is
+batch passes them. Everywhere, the routing through workers/kernels/mlx_hooks.py is
 tested with the backend check answering "CUDA" and the kernel replaced by a
 double that computes the same thing with MLX's masked attention (the kernels
 cannot run on a machine without CUDA): a decode step of a padded batch must
@@ -16,12 +16,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from workers import cuda_decode_attention, mlx_hooks
-
-try:
-    from tests.tiny_models import load_tiny_model, make_tiny_llama
-except ImportError:  # pragma: no cover
-    from tiny_models import load_tiny_model, make_tiny_llama
+from tests.support.tiny_models import load_tiny_model, make_tiny_llama
+from workers.kernels import cuda_decode_attention, mlx_hooks
 
 ON_CUDA = mx.cuda.is_available() and mx.default_device() == mx.gpu
 

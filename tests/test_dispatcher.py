@@ -7,63 +7,13 @@ import asyncio
 import time
 
 import pytest
-import zmq
-import zmq.asyncio
 
-from deploy.settings import Settings
 from protos import transport
 from protos.messages import (
     Cancel, DecodeRequest, KVHandoff, PrefillDone, PrefillRequest, SamplingParams, TokenBatch, TokenUpdate,
-    WorkerHello,
 )
-from router.dispatcher import Dispatcher
 from router.engine_api import EngineError, EngineEvent, GenerationRequest
-
-
-class ScriptedWorker:
-    """A DEALER that speaks the worker protocol as the test tells it to."""
-
-    def __init__(self, ctx, settings, wid, roles):
-        self.hello = WorkerHello(wid, roles, pid=1000 + len(wid), state="ready")
-        self.sock = transport.make_socket(ctx, zmq.DEALER, identity=wid)
-        self.sock.connect(transport.ipc_address(settings.run_dir, "router"))
-
-    async def beat(self):
-        await transport.asend(self.sock, self.hello)
-
-    async def next(self, timeout=5.0):
-        assert await self.sock.poll(int(timeout * 1000)), "nothing arrived"
-        return await transport.arecv(self.sock)
-
-
-def run(coro_fn, **overrides):
-    async def main(tmp):
-        settings = Settings(run_dir=tmp, heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5, model_id="m",
-                            cache_call_timeout_s=0.2, **overrides)
-        disp = Dispatcher(settings, max_context=1024)
-        await disp.start()
-        ctx = zmq.asyncio.Context()
-        try:
-            await coro_fn(disp, lambda wid, roles: ScriptedWorker(ctx, settings, wid, roles))
-        finally:
-            await disp.stop()
-            ctx.destroy(linger=0)
-
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        asyncio.run(asyncio.wait_for(main(tmp), 30))
-
-
-async def wait_for(pred, timeout=3.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition never held"
-        await asyncio.sleep(0.02)
-
-
-def request(rid="r1", n=3):
-    return GenerationRequest(rid, [1, 2, 3], SamplingParams(max_tokens=n, temperature=0.0))
+from tests.support.dispatcher import request, run, wait_for
 
 
 def test_request_goes_prefill_then_decode_and_streams_tokens():

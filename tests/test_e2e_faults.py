@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_harness import pid_alive
+from tests.support.server import pid_alive
 
 QUESTION = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 

@@ -12,14 +12,8 @@ import openai
 import pytest
 from mlx_lm.generate import stream_generate
 
-from tests.conftest import module_server
-
-LONG_SYSTEM = (
-    "You are a meticulous travel assistant. You answer in short sentences, you never invent facts, "
-    "and when you are unsure you say so. You know European capitals, rivers, mountains and the dates "
-    "of major festivals. Always mention the country when you name a city. Prefer metric units. "
-    "If the user asks for a list, give at most three items. Keep a friendly, calm tone throughout."
-)
+from tests.support.embedded_chat import LONG_SYSTEM, reference
+from tests.support.server import module_server
 
 CONVERSATIONS = {
     "short": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
@@ -46,16 +40,6 @@ def server(request, tmp_path_factory, embedded_model_dir):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
-
-
-def reference(embedded_model, messages, max_tokens):
-    """Greedy tokens from mlx_lm itself on the same weights (the end-of-sequence
-    token included, as usage counts it), and their text."""
-    model, tokenizer = embedded_model
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    tokens = [r.token for r in stream_generate(model, tokenizer, prompt=prompt, max_tokens=max_tokens)]
-    text = tokenizer.decode([t for t in tokens if t not in tokenizer.eos_token_ids])
-    return tokens, text, len(prompt)
 
 
 @pytest.mark.parametrize("name", list(CONVERSATIONS))

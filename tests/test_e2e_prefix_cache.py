@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from tests.server_harness import metric
-from tests.test_e2e_pipeline import LONG_SYSTEM, reference
+from tests.support.embedded_chat import LONG_SYSTEM, reference
+from tests.support.server import metric
 
 BLOCK = 16
 
@@ -126,7 +126,7 @@ def test_tiny_cache_evicts_without_failing_or_changing_output(server_factory, em
 def test_a_burst_of_agents_is_prefilled_in_batches_with_mlx_lm_output(server_factory, embedded_model, role):
     """A swarm's turns arrive together: the prefill worker takes the queued
     prompts over the cached system prompt in shared passes
-    (workers/prefill_batch.py), and every answer is still mlx-lm's own,
+    (workers/prefill/batch.py), and every answer is still mlx-lm's own,
     whether the rows' KV is handed off or decoded where it was made (--colocate)."""
     # Batching is a GPU's default (deploy/settings.py default_prefill_batch); asked for here.
     srv = server_factory("--block-size", str(BLOCK), "--prefill-batch", "8",

@@ -4,77 +4,18 @@ mlx-vlm's own generate for the same folder, image and prompt."""
 
 from __future__ import annotations
 
-import base64
 import http.server
-import io
 import threading
 import time
 
 import numpy as np
-import openai
 import pytest
 
-from tests.server_harness import TandemServer, metric
-from tests.tiny_vlms import TINY_GEMMA3, TINY_QWEN_VL, synthetic_image, tiny_vlm
-
-N_TOKENS = 12
-
-
-def client_for(srv):
-    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
-
-
-def data_url(image, fmt: str = "PNG") -> str:
-    buf = io.BytesIO()
-    image.save(buf, fmt)
-    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def image_part(url: str) -> dict:
-    return {"type": "image_url", "image_url": {"url": url}}
-
-
-def text_part(text: str) -> dict:
-    return {"type": "text", "text": text}
-
-
-def ask(client, messages, max_tokens=N_TOKENS):
-    r = client.chat.completions.create(model="default", messages=messages, max_tokens=max_tokens, temperature=0)
-    return r.choices[0].message.content, r.usage
-
-
-_refs: dict = {}
-
-
-def reference(folder, messages, images, n: int = N_TOKENS, **video) -> str:
-    """mlx-vlm's greedy answer, as text. `messages` in the template's form
-    ({"type": "image"} parts; {"type": "video"} with `video=[frames]` and
-    `video_metadata`)."""
-    from mlx_vlm import load as vlm_load
-    from mlx_vlm.generate.dispatch import stream_generate
-
-    if folder not in _refs:
-        _refs[folder] = vlm_load(str(folder))
-    model, processor = _refs[folder]
-    prompt = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    last = None
-    for last in stream_generate(model, processor, prompt, image=list(images), max_tokens=n, temperature=0.0, **video):
-        pass
-    ids = list(last.token_ids)
-    assert len(ids) >= 8 and len(set(ids)) >= 2, f"degenerate reference {ids}"
-    eos = getattr(processor.tokenizer, "eos_token_ids", None)
-    eos = {eos} if isinstance(eos, int) else set(eos or ())
-    return processor.tokenizer.decode([t for t in ids if t not in eos])
-
-
-def template_form(messages):
-    out = []
-    for m in messages:
-        c = m["content"]
-        if isinstance(c, list):
-            c = [{"type": "image"} if p["type"] == "image_url" else p for p in c]
-        out.append({"role": m["role"], "content": c})
-    return out
+from tests.support.media import make_video
+from tests.support.server import TandemServer, metric
+from tests.support.tiny_vlms import TINY_GEMMA3, TINY_QWEN_VL, synthetic_image, tiny_vlm
+from tests.support.vision_chat import (ask, client_for, counters, data_url, image_part, reference, refused,
+                                       template_form, text_part)
 
 
 class _Files(http.server.SimpleHTTPRequestHandler):
@@ -120,10 +61,6 @@ def _server(request, tmp_path_factory, like, media_dir):
 @pytest.fixture(scope="module", params=[TINY_QWEN_VL, TINY_GEMMA3])
 def vlm_server(request, tmp_path_factory, media_dir):
     return _server(request, tmp_path_factory, request.param, media_dir)
-
-
-def counters(srv):
-    return (metric(srv, "tandem_vision_cache_queries_total"), metric(srv, "tandem_vision_cache_hits_total"))
 
 
 def test_follow_up_turns_skip_the_encoder_and_reuse_kv(vlm_server):
@@ -255,22 +192,15 @@ def test_image_in_the_middle_of_a_conversation_reuses_the_text_before_it(vlm_ser
     assert got == reference(vlm_server.folder, template_form(messages), [image]).lstrip(" ")
 
 
-def _refused(client, content, where: str, words: str):
-    with pytest.raises(openai.BadRequestError) as err:
-        ask(client, [{"role": "user", "content": content}])
-    message = err.value.body["message"] if isinstance(err.value.body, dict) else str(err.value)
-    assert where in message and words in message, message
-
-
 def test_bad_media_is_a_400_naming_the_part(vlm_server, media_dir, http_base, tmp_path):
     client = client_for(vlm_server)
     good = image_part(data_url(synthetic_image(32, 32, 1)))
-    _refused(client, [text_part("Look"), image_part("data:image/png;base64,aGVsbG8gd29ybGQ=")],
+    refused(client, [text_part("Look"), image_part("data:image/png;base64,aGVsbG8gd29ybGQ=")],
              "messages[0].content[1].image_url", "")
-    _refused(client, [good, good, good, good], "messages[0].content[3]", "limit of 3")
+    refused(client, [good, good, good, good], "messages[0].content[3]", "limit of 3")
     synthetic_image(32, 32, 2).save(tmp_path / "outside.png")
-    _refused(client, [good, image_part(f"file://{tmp_path}/outside.png")], "messages[0].content[1].image_url", "")
-    _refused(client, [image_part(f"{http_base}/slow/same.png")], "messages[0].content[0].image_url",
+    refused(client, [good, image_part(f"file://{tmp_path}/outside.png")], "messages[0].content[1].image_url", "")
+    refused(client, [image_part(f"{http_base}/slow/same.png")], "messages[0].content[0].image_url",
              "longer than")
     # Still serving.
     answer, _ = ask(client, [{"role": "user", "content": [good, text_part("Fine?")]}])
@@ -292,7 +222,7 @@ def test_image_block_hashes():
     """Blocks before an image hash like text; from the block holding it on,
     two pictures (or one picture at another offset) never share a key."""
     from protos.messages import ImageInput
-    from workers.block_hash import BlockHasher, image_block_extra
+    from workers.kv.block_hash import BlockHasher, image_block_extra
 
     hasher, tokens = BlockHasher(b"x", 4), list(range(16))
     a, b = "aa" * 32, "bb" * 32
@@ -340,7 +270,6 @@ def test_a_video_goes_in_as_a_video_or_as_its_frames(vlm_server, media_dir):
     from PIL import Image
 
     from router.media import MediaLimits, decode_video_bytes
-    from tests.test_media import make_video
 
     data = make_video(media_dir / "clip.mp4", frames=20, fps=10.0, size=(64, 48))
     video = decode_video_bytes(data, MediaLimits(), "v", 2.0, 2, "file", None)

@@ -9,139 +9,24 @@ token-identical to it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from multiprocessing import shared_memory
-from typing import Dict, List, Optional
+import threading
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 from protos.messages import DecodeRequest, KVHandoff, SamplingParams
-try:  # conftest imports siblings as `tests.*`; plain `pytest tests/...` may not
-    from tests.tiny_models import load_tiny_model, make_tiny_llama
-except ImportError:  # pragma: no cover
-    from tiny_models import load_tiny_model, make_tiny_llama
-from workers.decode import DecodeEngine
-from workers.kv_transfer import kv_dtype_name, kv_nbytes, read_kv, write_kv
-from workers.prefill_mlx import PrefillEngine, first_token_finishes
+from tests.support.pipeline import drive, reference
+from tests.support.tiny_models import VOCAB, greedy, load_tiny_model, make_tiny_llama, prompt_of
+from workers.decode.engine import DecodeEngine
+from workers.kernels import mlx_hooks
+from workers.kv import arena_io, cache_state
+from workers.kv.handoff import kv_dtype_name, kv_nbytes, read_kv, write_kv
+from workers.prefill.engine import PrefillEngine
 from workers.sampling import make_sampler
-
-VOCAB = 512
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return load_tiny_model(make_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=0))
-
-
-def prompt_of(length: int, seed: int) -> List[int]:
-    return np.random.default_rng(seed).integers(0, VOCAB, length).tolist()
-
-
-def greedy(max_tokens=24, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
-
-
-# ----------------------------------------------------------------- reference
-@dataclass
-class Out:
-    tokens: List[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)  # reference: mx arrays; ours: TokenLogprob
-    reason: Optional[str] = None
-
-
-def reference(model, prompt, max_tokens, sampler=None, processors=None, stop_ids=()):
-    """mlx-lm's own generation with stream_generate's stop/length rules."""
-    out = Out()
-    for tok, lp in generate_step(mx.array(prompt), model, max_tokens=max_tokens,
-                                 sampler=sampler, logits_processors=processors):
-        out.tokens.append(tok)
-        out.logprobs.append(lp)
-        if tok in stop_ids:
-            out.reason = "stop"
-            break
-        if len(out.tokens) == max_tokens:
-            out.reason = "length"
-            break
-    return out
-
-
-# ------------------------------------------------------------------ pipeline
-def handoff(cache, transport: str):
-    """Move a prefill cache through a buffer the way two processes would."""
-    if transport == "local":
-        return cache
-    nbytes = kv_nbytes(cache)
-    if transport == "bytearray":
-        buf = bytearray(nbytes + 128)
-        layers = write_kv(buf, 64, cache)  # non-zero base offset on purpose
-        return read_kv(bytes(buf), layers)  # reader sees a copy: nothing shared
-    if transport == "arena":  # the cache service's real arena, when present
-        arena_mod = pytest.importorskip("cache_service.arena")
-        owner = arena_mod.Arena.create(arena_mod.new_arena_name("tandem-test"), nbytes + 4096)
-        try:
-            layers = write_kv(owner.buf, 4096, cache)
-            reader = arena_mod.Arena.attach(owner.name)
-            try:
-                return read_kv(reader.buf, layers)
-            finally:
-                reader.close()
-        finally:
-            owner.close()
-            owner.unlink()
-    shm = shared_memory.SharedMemory(create=True, size=nbytes)
-    try:
-        layers = write_kv(shm.buf, 0, cache)
-        reader = shared_memory.SharedMemory(name=shm.name)
-        try:
-            return read_kv(reader.buf, layers)
-        finally:
-            reader.close()  # must not fail with "exported pointers exist"
-    finally:
-        shm.close()
-        shm.unlink()
-
-
-def drive(model, jobs, *, chunk=16, max_batch=8, transport="bytearray",
-          cancel_at=None, observe=None, ragged=None) -> Dict[str, Out]:
-    """jobs: [(rid, join_step, prompt, SamplingParams)]. Runs prefill, handoff
-    and decode, adding each request at its join step. Returns rid -> Out.
-    ragged=False: the padded batch a GPU uses, on any backend."""
-    prefill = PrefillEngine(model, chunk_size=chunk)
-    decode = DecodeEngine(model, max_batch=max_batch, ragged=ragged)
-    outs: Dict[str, Out] = {}
-    cancel_at = cancel_at or {}
-    step = 0
-    pending = sorted(jobs, key=lambda j: j[1])
-    while pending or decode.has_work:
-        while pending and pending[0][1] <= step:
-            rid, _, prompt, sp = pending.pop(0)
-            res = prefill.run(prompt, sp)
-            out = outs[rid] = Out([res.first_token], [res.logprob])
-            reason = first_token_finishes(res.first_token, sp)
-            if reason is not None:
-                out.reason = reason
-                continue
-            req = DecodeRequest(rid, prompt, res.first_token,
-                                KVHandoff(rid, res.num_tokens, res.rope_offset), sp)
-            decode.add(req, handoff(res.cache, transport))
-        if step in cancel_at:
-            assert decode.cancel(cancel_at[step])
-        for u in decode.step():
-            out = outs[u.request_id]
-            assert out.reason is None, "token after finish"
-            out.tokens.append(u.token)
-            out.logprobs.append(u.logprob)
-            out.reason = u.finish_reason
-        if observe:
-            observe(step, decode)
-        step += 1
-        assert step < 1000
-    return outs
 
 
 # --------------------------------------------------------------------- tests
@@ -170,8 +55,8 @@ def test_greedy_prompt_longer_than_a_chunk(model, transport):
 def test_incremental_prefill_matches_run(model):
     prompt = prompt_of(50, 3)
     engine = PrefillEngine(model, chunk_size=16)
-    whole = engine.run(prompt, greedy())
-    job = engine.start(prompt, greedy())
+    whole = engine.run(prompt, greedy(24))
+    job = engine.start(prompt, greedy(24))
     calls, result = 0, None
     while result is None:
         result = job.step()
@@ -184,7 +69,7 @@ def test_incremental_prefill_matches_run(model):
     for a, b in zip(result.cache, whole.cache):
         assert a.offset == b.offset == 50
         assert mx.array_equal(a.keys[..., :50, :], b.keys[..., :50, :])
-    assert engine.run([7], greedy()).num_tokens == 1  # one-token prompt: no chunks
+    assert engine.run([7], greedy(24)).num_tokens == 1  # one-token prompt: no chunks
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -194,11 +79,6 @@ def test_a_pass_computes_the_head_over_the_wanted_positions_only(tmp_path, monke
     pass's there, while the head (lm_head, or the tied embedding) ran over
     one position a row; the model's parameters and its other calls are as
     they were."""
-    from mlx_lm.models.cache import make_prompt_cache
-    from mlx.utils import tree_flatten
-
-    from workers import mlx_hooks
-
     m = load_tiny_model(make_tiny_llama(tmp_path, seed=1, tie_word_embeddings=tied))
     names = [k for k, _ in tree_flatten(m.parameters())]
     inputs = mx.array([prompt_of(9, 1), prompt_of(9, 2)])
@@ -331,11 +211,11 @@ def test_max_tokens_and_stop_ids(model):
 
 def test_decode_rejects_requests_that_prefill_finished(model):
     prompt = prompt_of(5, 8)
-    res = PrefillEngine(model, 16).run(prompt, greedy())
+    res = PrefillEngine(model, 16).run(prompt, greedy(24))
     decode = DecodeEngine(model, 4, eos_token_ids=[res.first_token])
     hand = KVHandoff("x", res.num_tokens, res.rope_offset)
     with pytest.raises(ValueError, match="stop token"):
-        decode.add(DecodeRequest("x", prompt, res.first_token, hand, greedy()), res.cache)
+        decode.add(DecodeRequest("x", prompt, res.first_token, hand, greedy(24)), res.cache)
     decode = DecodeEngine(model, 4)
     with pytest.raises(ValueError, match="max_tokens"):
         decode.add(DecodeRequest("x", prompt, res.first_token, hand, greedy(1)), res.cache)
@@ -363,9 +243,9 @@ def test_cancel_waiting_request(model):
     prefill, decode = PrefillEngine(model, 16), DecodeEngine(model, 1)
     for rid in ("a", "b"):
         prompt = prompt_of(4, 70)
-        res = prefill.run(prompt, greedy())
+        res = prefill.run(prompt, greedy(24))
         decode.add(DecodeRequest(rid, prompt, res.first_token,
-                                 KVHandoff(rid, 4, 4), greedy()), res.cache)
+                                 KVHandoff(rid, 4, 4), greedy(24)), res.cache)
     decode.step()
     assert (decode.running, decode.waiting) == (1, 1)
     assert decode.request_ids() == ["a", "b"]
@@ -410,9 +290,7 @@ def _filled_cache(dtype, tokens, seed):
 def test_kv_roundtrip_is_exact(dtype, on_cpu, monkeypatch):
     """Both ways write_kv copies: array by array (MLX's CPU backend) and
     packed into one device array first (a GPU)."""
-    import workers.kv_transfer as kv
-
-    monkeypatch.setattr(kv, "_on_cpu", lambda: on_cpu)
+    monkeypatch.setattr(arena_io, "rearrange_on_host", lambda: on_cpu)
     cache = [_filled_cache(dtype, 37, s) for s in range(3)]
     assert cache[0].keys.shape[2] == 256  # the live part is a strided view
     nbytes = kv_nbytes(cache)
@@ -431,12 +309,10 @@ def test_kv_roundtrip_is_exact(dtype, on_cpu, monkeypatch):
 
 
 def test_both_kv_write_paths_write_the_same_bytes(monkeypatch):
-    import workers.kv_transfer as kv
-
     cache = [_filled_cache(mx.bfloat16, 21, s) for s in range(2)]
     written = {}
     for on_cpu in (True, False):
-        monkeypatch.setattr(kv, "_on_cpu", lambda on_cpu=on_cpu: on_cpu)
+        monkeypatch.setattr(arena_io, "rearrange_on_host", lambda on_cpu=on_cpu: on_cpu)
         buf = bytearray(kv_nbytes(cache) + 128)
         written[on_cpu] = (write_kv(buf, 128, cache), bytes(buf))
     assert any(s.nbytes % 64 for p in written[True][0] for s in p)  # alignment padding in between
@@ -445,27 +321,23 @@ def test_both_kv_write_paths_write_the_same_bytes(monkeypatch):
 
 def test_a_staged_kv_write_copies_the_same_bytes_on_another_thread(monkeypatch):
     """A prefill worker lays a handoff out on its MLX thread and leaves the
-    copy into the arena to its store thread (kv_transfer.stage_encoded):
+    copy into the arena to its store thread (arena_io.stage_encoded):
     nothing is written before copy() runs, and it writes what write_kv does,
     in both layouts."""
-    import threading
-
-    import workers.kv_transfer as kv
-
     cache = [_filled_cache(mx.bfloat16, 21, s) for s in range(2)]
     for on_cpu in (True, False):
-        monkeypatch.setattr(kv, "_on_cpu", lambda on_cpu=on_cpu: on_cpu)
+        monkeypatch.setattr(arena_io, "rearrange_on_host", lambda on_cpu=on_cpu: on_cpu)
         expect = bytearray(kv_nbytes(cache) + 128)
         layers = write_kv(expect, 128, cache)
         buf = bytearray(len(expect))
-        staged_layers, copy, held = kv.stage_encoded(buf, 128, kv.encode_cache(cache))
+        staged_layers, copy, held = arena_io.stage_encoded(buf, 128, cache_state.encode_cache(cache))
         assert staged_layers == layers and held and not any(buf)
         worker = threading.Thread(target=copy)
         worker.start()
         worker.join(10)
         assert bytes(buf) == bytes(expect), on_cpu
     with pytest.raises(ValueError, match="buffer too small"):
-        kv.stage_encoded(bytearray(64), 0, kv.encode_cache(cache))
+        arena_io.stage_encoded(bytearray(64), 0, cache_state.encode_cache(cache))
 
 
 def test_kv_transfer_errors():
@@ -501,7 +373,7 @@ def test_colocated_interleaves_prefill_chunks_with_decode(model):
 def test_bfloat16_model_through_shared_memory(tmp_path):
     bf16 = load_tiny_model(make_tiny_llama(tmp_path, seed=3, torch_dtype="bfloat16"))
     prompt = prompt_of(21, 90)
-    res = PrefillEngine(bf16, 8).run(prompt, greedy())
+    res = PrefillEngine(bf16, 8).run(prompt, greedy(24))
     assert res.cache[0].keys.dtype == mx.bfloat16
     ref = reference(bf16, prompt, 16)
     out = drive(bf16, [("a", 0, prompt, greedy(16))], chunk=8, transport="shm")

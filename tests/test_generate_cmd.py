@@ -15,8 +15,8 @@ from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from deploy import blas, generate_cmd
-from workers.loading import load_model
-from workers.model_store import embedded_gguf, resolve_model
+from workers.models.loading import load_model
+from workers.models.store import embedded_gguf, resolve_model
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTION = "What is the capital of France? Answer in one sentence."

@@ -16,14 +16,12 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from mlx_lm.models import llama
 
-try:  # tests/ as a package or as a plain folder on sys.path (pytest's default)
-    from tests.gguf_fixtures import write_minimal_gguf, write_tiny_llama
-except ImportError:
-    from gguf_fixtures import write_minimal_gguf, write_tiny_llama
-from workers import gguf_convert
-from workers.gguf_convert import convert_gguf, read_header
-from workers.loading import load_model
-from workers.model_store import ModelError, embedded_gguf
+from tests.support.gguf_fixtures import write_minimal_gguf, write_tiny_llama
+from workers.models import gguf_convert
+from workers.models.gguf_convert import convert_gguf, read_header
+from workers.models.loading import load_model
+from deploy.model_folder import ModelError
+from workers.models.store import embedded_gguf
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -165,7 +163,7 @@ def test_missing_file(tmp_path):
 
 
 def _convert_in_subprocess(src: Path, dst: Path) -> subprocess.Popen:
-    code = "import sys; from workers.gguf_convert import convert_gguf; convert_gguf(sys.argv[1], sys.argv[2])"
+    code = "import sys; from workers.models.gguf_convert import convert_gguf; convert_gguf(sys.argv[1], sys.argv[2])"
     return subprocess.Popen([sys.executable, "-c", code, str(src), str(dst)], cwd=REPO)
 
 

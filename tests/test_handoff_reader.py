@@ -1,10 +1,10 @@
-"""A decode worker's handoff reads on a thread (workers/runtime.py
-read_handoff / take_reads, workers/kv_transfer.py copy_kv): the copies out
+"""A decode worker's handoff reads on a thread (workers/decode/role.py
+read_handoff / take_reads, workers/kv/handoff.py copy_kv): the copies out
 of the arena are exact; decode requests start in arrival order, each once
 its copy is done; a request cancelled while its copy is pending never
 starts, and what its handoff held in the cache service is given back. Real
-threads, real MLX arrays over a real buffer; the Worker runs without its
-sockets and model (the decode engine and the cache client are recorders).
+threads, real MLX arrays over a real buffer; the decode role runs without a
+worker's sockets and model (the decode engine and the cache client are recorders).
 Workers use the reader only on MLX's CUDA backend; here it runs on the CPU
 backend, where creating arrays on a second thread is safe too (on Metal it
 is not: these tests skip there)."""
@@ -12,7 +12,6 @@ is not: these tests skip there)."""
 from __future__ import annotations
 
 import threading
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
@@ -20,11 +19,13 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from protos.messages import Cancel, DecodeRequest, KVHandoff, SamplingParams
-from workers.kv_transfer import copy_kv, kv_from_copies, kv_nbytes, read_kv, write_kv
-from workers.loading import on_cpu, on_cuda
+from deploy.backend import on_cpu, on_cuda
+from protos.messages import DecodeRequest, HeldBlocks, KVHandoff, SamplingParams
+from tests.support.cache_fakes import FakeCacheService
+from workers.decode.role import DecodeRole
+from workers.kv import handoff
+from workers.kv.handoff import copy_kv, kv_from_copies, kv_nbytes, read_kv, write_kv
 from workers.loop_clock import LoopClock
-from workers.runtime import Worker
 
 pytestmark = pytest.mark.skipif(not (on_cpu() or on_cuda()), reason="MLX from a second thread crashes Metal")
 
@@ -58,28 +59,12 @@ def test_copies_made_on_another_thread_rebuild_the_same_kv(dtype):
     assert all(mx.array_equal(a.keys, b.keys[..., :7, :]) for a, b in zip(read_kv(buf2, layers), cache))
 
 
-class _Arena:
-    def __init__(self, buf):
-        self.buf = buf
+class _Cache(FakeCacheService):
+    """The decode side's cache service: a handoff's lease was taken by the
+    prefill worker's lookup, not through this client."""
 
-
-class _Arenas:
-    def __init__(self, buf):
-        self.arena = _Arena(buf)
-
-    def get(self, name):
-        return self.arena
-
-
-class _Cache:
     def __init__(self):
-        self.freed, self.released = [], []
-
-    def free(self, allocations, arena="", wait=True):
-        self.freed += allocations
-
-    def release(self, lease):
-        self.released.append(lease)
+        super().__init__(strict_leases=False)
 
 
 class _Decode:
@@ -107,20 +92,14 @@ class _Gate:
 
 
 def _worker(buf, monkeypatch, gate):
-    import workers.kv_transfer as kv
-
-    monkeypatch.setattr(kv, "copy_kv", gate)
-    w = Worker.__new__(Worker)
-    w.reader, w.reading, w.local_kv, w.held = ThreadPoolExecutor(1), deque(), {}, {}
-    w.cache, w.decode, w.arenas = _Cache(), _Decode(), _Arenas(buf)
-    w.prefill_queue, w.vision_queue, w.current, w.prefix = deque(), deque(), None, None
-    w.clock = LoopClock("test")
-    return w
+    monkeypatch.setattr(handoff, "copy_kv", gate)
+    return DecodeRole(_Decode(), worker_id="decode-0", prefix=None, cache=_Cache(), arena_buf=lambda name: buf,
+                      outbox=None, clock=LoopClock("test"), local_kv={}, reader=ThreadPoolExecutor(1))
 
 
 def _request(rid, layers, allocation, lease=-1):
     h = KVHandoff(rid, 7, 7, arena="a", allocation=allocation, layers=layers,
-                  block_hashes=[b"x"] if lease >= 0 else [], block_lease=lease)
+                  blocks=HeldBlocks([b"x"] if lease >= 0 else [], lease=lease))
     return DecodeRequest(rid, list(range(7)), 1, h, SamplingParams(max_tokens=8))
 
 
@@ -135,15 +114,15 @@ def test_requests_start_in_order_once_copied_and_a_cancel_while_copying_gives_ba
         w.handle(_request("b", layers, allocation=2, lease=9))
         w.handle(_request("c", [], allocation=-1))  # nothing to copy: still waits its turn
         w.take_reads(wait=False)
-        assert w.decode.added == [] and len(w.reading) == 3 and w.has_work()
-        w.handle(Cancel("b"))  # its copy still pending
+        assert w.engine.added == [] and len(w.reading) == 3 and w.has_work()
+        w.cancel("b")  # its copy still pending
         assert [r.request_id for r, _ in w.reading] == ["a", "c"]
         assert w.cache.freed == [2] and w.cache.released == [9]
         gate.open.set()
         w.take_reads(wait=True)
-        assert [rid for rid, _ in w.decode.added] == ["a", "c"]
+        assert [rid for rid, _ in w.engine.added] == ["a", "c"]
         assert w.cache.freed == [2, 1]  # a's arena slot, once its KV was copied
-        got = w.decode.added[0][1]
+        got = w.engine.added[0][1]
         assert all(mx.array_equal(g.keys[..., :7, :], c.keys[..., :7, :]) for g, c in zip(got, cache))
         assert not w.reading
     finally:

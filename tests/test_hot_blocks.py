@@ -1,8 +1,8 @@
 """The hot tier: prefix-cache blocks a worker keeps as MLX arrays, and the
 handoff by reference that lets decode take a prompt's blocks from there.
 
-Real MLX on a tiny random llama; the cache service is the in-memory FakeCache
-of test_prefix_worker.py (its prefix calls over one bytearray), so a test can
+Real MLX on a tiny random llama; the cache service is the in-memory
+FakeCacheService (tests/support/cache_fakes.py: one bytearray), so a test can
 see every call and can wipe the arena to prove a block came from the hot tier.
 Greedy output must equal mlx-lm's own generation.
 """
@@ -14,17 +14,15 @@ import numpy as np
 import pytest
 
 from protos.messages import DecodeRequest, KVHandoff
-from workers.decode import DecodeEngine
-from workers.hot_blocks import HotBlocks, join, tail_of
-from workers.kv_transfer import KVLayout
-from workers.prefill_mlx import PrefillEngine
-from workers.prefix_cache import make_prefix_cache
+from tests.support.cache_fakes import FakeCacheService
+from tests.support.tiny_models import Counting, greedy, prompt_of, reference
+from workers.decode.engine import DecodeEngine
+from workers.kv.hot_blocks import HotBlocks, join, tail_of
+from workers.kv.blocks import KVLayout
+from workers.prefill.engine import PrefillEngine
+from workers.kv.prefix_cache import make_prefix_cache
 
-try:
-    from tests.test_prefix_worker import BS, Counting, FakeCache, greedy, model, prompt_of, reference, tiny_dir  # noqa: F401
-except ImportError:  # pragma: no cover
-    from test_prefix_worker import BS, Counting, FakeCache, greedy, model, prompt_of, reference, tiny_dir  # noqa: F401
-
+BS = 8  # small blocks: short prompts span several
 BIG = 64 << 20
 
 
@@ -68,7 +66,7 @@ def test_layers_of_different_shapes_get_no_hot_tier():
 
 # ------------------------------------------------------------ prefill fetch --
 def test_hot_hits_need_no_lookup_and_match_mlx_lm(model, tiny_dir):
-    fake = FakeCache()
+    fake = FakeCacheService()
     counted = Counting(model)
     prefix = hot_prefix(counted, tiny_dir, fake)
     prompt = prompt_of(49, 7)  # 6 full blocks, (49 - 1) // 8 = 6 looked up
@@ -94,7 +92,7 @@ def test_hot_hits_need_no_lookup_and_match_mlx_lm(model, tiny_dir):
 def test_a_worker_without_the_blocks_reads_them_once(model, tiny_dir):
     """Blocks another worker stored: the first hit reads the arena (and keeps
     them), the next needs no lookup; a longer prompt reads only its new blocks."""
-    fake = FakeCache()
+    fake = FakeCacheService()
     writer = hot_prefix(model, tiny_dir, fake)
     prompt = prompt_of(41, 8)  # 5 full blocks
     PrefillEngine(model, chunk_size=16, prefix=writer).run(prompt, greedy(), owner="w")
@@ -109,7 +107,7 @@ def test_a_worker_without_the_blocks_reads_them_once(model, tiny_dir):
 
 # ---------------------------------------------------- handoff by reference --
 def test_hold_and_take_move_only_what_decode_lacks(model, tiny_dir):
-    fake = FakeCache()
+    fake = FakeCacheService()
     prefill_side = hot_prefix(model, tiny_dir, fake)
     decode_side = hot_prefix(model, tiny_dir, fake)
     prompt = prompt_of(44, 9)  # 5 full blocks + 4 tokens
@@ -137,7 +135,7 @@ def test_hold_and_take_move_only_what_decode_lacks(model, tiny_dir):
 def test_take_with_a_tier_too_small_for_the_prompt(model, tiny_dir):
     """Two blocks of hot tier for a five-block prompt: blocks are evicted
     while the prompt is assembled, and the KV is still exact."""
-    fake = FakeCache()
+    fake = FakeCacheService()
     prefill_side = hot_prefix(model, tiny_dir, fake)
     prompt = prompt_of(40, 10)
     res = PrefillEngine(model, chunk_size=16, prefix=prefill_side).run(prompt, greedy(), owner="a")
@@ -168,7 +166,7 @@ def _turn(model, prefill_side, decode, rid, prompt, n):
 def test_decode_commits_keep_the_conversation_hot(model, tiny_dir):
     """A finished request's blocks (prompt + answer) stay in the decode
     worker: the next turn's handoff finds them there."""
-    fake = FakeCache()
+    fake = FakeCacheService()
     prefill_side = hot_prefix(model, tiny_dir, fake)
     decode_side = hot_prefix(model, tiny_dir, fake)
     prompt = prompt_of(30, 11)
@@ -190,7 +188,7 @@ def test_a_next_turn_reads_the_conversations_tail_with_its_hot_blocks(model, tin
     block, after the blocks this worker holds and those it reads: the next
     turn computes its new message alone, and answers as mlx-lm does; again
     once every full block is hot, with the tail read alone."""
-    fake = FakeCache()
+    fake = FakeCacheService()
     prefill_side = hot_prefix(model, tiny_dir, fake)
     decode_side = hot_prefix(model, tiny_dir, fake)
     prompt = prompt_of(30, 21)
@@ -208,7 +206,7 @@ def test_a_next_turn_reads_the_conversations_tail_with_its_hot_blocks(model, tin
 
 
 def test_a_block_neither_hot_nor_readable_fails_the_take(model, tiny_dir):
-    fake = FakeCache()
+    fake = FakeCacheService()
     prefix = hot_prefix(model, tiny_dir, fake)
     prompt = prompt_of(24, 13)
     PrefillEngine(model, chunk_size=16, prefix=prefix).run(prompt, greedy(), owner="a")
@@ -221,7 +219,7 @@ def test_a_block_neither_hot_nor_readable_fails_the_take(model, tiny_dir):
 
 def test_without_a_hot_tier_the_handoff_still_refers_to_blocks(model, tiny_dir):
     """--hot-kv-memory 0: fetch and take read the arena every time, exactly."""
-    fake = FakeCache()
+    fake = FakeCacheService()
     prefill_side = hot_prefix(model, tiny_dir, fake, hot_bytes=0)
     decode_side = hot_prefix(model, tiny_dir, fake, hot_bytes=0)
     prompt = prompt_of(36, 14)
@@ -238,7 +236,7 @@ def test_without_a_hot_tier_the_handoff_still_refers_to_blocks(model, tiny_dir):
 def test_hot_tier_size_per_worker():
     """An eighth of the GPU's memory per model process (the working set on a
     Mac), a small fixed tier on a CPU; fed an H100's and a Mac's device info."""
-    from workers.loading import CPU_HOT_KV, hot_kv_bytes
+    from workers.models.loading import CPU_HOT_KV, hot_kv_bytes
 
     assert hot_kv_bytes(True, {}, 2) == CPU_HOT_KV
     assert hot_kv_bytes(False, {"total_memory": 85520809984}, 2) == 85520809984 // 16

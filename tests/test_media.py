@@ -14,7 +14,6 @@ import time
 import zlib
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -30,10 +29,10 @@ from router.media import (
     MediaLimits,
     decode_image_bytes,
     decode_video_bytes,
-    fetch_url,
     image_content_hash,
-    load_media_parts,
 )
+from router.media_parts import fetch_url, load_media_parts
+from tests.support.media import make_video
 
 LIMITS = MediaLimits()
 
@@ -88,22 +87,6 @@ def png_header_only(width: int, height: int) -> bytes:
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", bytes(16)) + chunk(b"IEND", b"")
-
-
-def make_video(path: Path, frames: int, fps: float = 10.0, size: tuple[int, int] = (64, 48)) -> bytes:
-    """An MPEG-4 Part 2 video (the encoder every opencv-python wheel has): frame i is gray level
-    (4 * i) % 256 with a white square moving one pixel per frame."""
-    cv2 = pytest.importorskip("cv2", reason="video needs opencv-python")
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, size)
-    if not writer.isOpened():
-        pytest.skip("this OpenCV build has no mp4v encoder")
-    width, height = size
-    for i in range(frames):
-        frame = np.full((height, width, 3), (4 * i) % 256, np.uint8)
-        frame[8:16, i % (width - 8): i % (width - 8) + 8] = 255
-        writer.write(frame)
-    writer.release()
-    return path.read_bytes()
 
 
 # --------------------------------------------------------------------------- #
@@ -555,7 +538,7 @@ def test_video_refusals(tmp_path, monkeypatch):
 
 
 def test_a_data_url_seen_lately_is_not_even_base64_decoded(monkeypatch):
-    import router.media as media
+    import router.media_parts as media
 
     recent = RecentImages()
     url = data_url(encode(picture(40, 30)))

@@ -11,12 +11,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-try:  # tests/ as a package or as a plain folder on sys.path (pytest's default)
-    from tests.gguf_fixtures import write_tiny_llama
-except ImportError:
-    from gguf_fixtures import write_tiny_llama
-from workers.loading import context_length, load_model
-from workers.model_store import ModelError, embedded_gguf, model_id_for, models_dir, resolve_model
+from tests.support.gguf_fixtures import write_tiny_llama
+from deploy.model_folder import ModelError, context_length
+from workers.models.loading import load_model
+from workers.models.store import embedded_gguf, model_id_for, models_dir, resolve_model
 
 
 @pytest.fixture(autouse=True)

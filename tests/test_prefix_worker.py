@@ -2,7 +2,7 @@
 prefill reusing cached blocks, decode committing a finished conversation.
 
 Engines run real MLX on a tiny random llama (and once on the embedded model).
-The cache service is `FakeCache` (its prefix calls over one bytearray) unless a
+The cache service is `FakeCacheService` (in memory, tests/support/cache_fakes.py) unless a
 test says otherwise; the real service is used where its client has the calls.
 Greedy output with cache hits must equal mlx-lm's own generation (no cache).
 """
@@ -16,165 +16,28 @@ import os
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
-from collections import deque
-from typing import Dict, List
+from typing import List
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from cache_service.client import CacheClient, CacheUnavailable
-from protos.messages import BlockRef, CacheReply, DecodeRequest, KVHandoff, KVLookupReply, KVReserveReply, SamplingParams
+from cache_service.client import CacheClient
+from protos.messages import BlockRef, DecodeRequest, KVHandoff, SamplingParams
+from tests.support.cache_fakes import FakeCacheService
+from tests.support.tiny_models import Counting, greedy, prompt_of, reference
+from workers.kv.block_hash import SEED, BlockHasher, block_extra, model_fingerprint
+from workers.decode.engine import DecodeEngine
+from workers.kv.blocks import KVLayout, block_nbytes, kv_layout, probe_kv_layout, read_blocks, unblockable_reason, write_blocks
+from workers.kv.prefix_cache import PrefixCache, make_prefix_cache
+from workers.prefill.engine import PrefillEngine
 
-try:
-    from tests.tiny_models import load_tiny_model, make_tiny_llama
-except ImportError:  # pragma: no cover
-    from tiny_models import load_tiny_model, make_tiny_llama
-from workers.block_hash import SEED, BlockHasher, block_extra, model_fingerprint
-from workers.decode import DecodeEngine
-from workers.kv_transfer import (
-    KVLayout,
-    block_nbytes,
-    kv_layout,
-    probe_kv_layout,
-    read_blocks,
-    unblockable_reason,
-    write_blocks,
-)
-from workers.prefix_cache import PrefixCache, make_prefix_cache
-from workers.prefill_mlx import PrefillEngine
-
-VOCAB = 512
 BS = 8  # small blocks: short prompts span several
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ------------------------------------------------------------------ helpers --
-class FakeCache:
-    """The cache service's prefix calls, in memory, over one bytearray.
-
-    Same semantics the real service promises: lookup leases the longest
-    committed run from hashes[0]; reserve hands out space only for hashes
-    neither committed nor in flight; commit makes reserved blocks visible.
-    `fail=True` makes every call time out.
-    """
-
-    arena = "fake-arena"
-
-    def __init__(self, nbytes: int = 32 << 20):
-        self.buf = bytearray(nbytes)
-        self.blocks: Dict[bytes, BlockRef] = {}
-        self.reserved: Dict[bytes, BlockRef] = {}
-        self.leases: Dict[int, int] = {}
-        self.next_offset = 0
-        self.next_lease = 1
-        self.fail = False
-        self.calls: List[str] = []
-
-    def buffer(self, arena: str):
-        assert arena == self.arena
-        return self.buf
-
-    def _maybe_fail(self, name):
-        self.calls.append(name)
-        if self.fail:
-            raise CacheUnavailable(f"fake: no reply to {name}")
-
-    def lookup(self, hashes, owner, lease_s=30.0, first=False):
-        self._maybe_fail("lookup")
-        refs = []
-        for h in hashes:
-            if h not in self.blocks:
-                if first:
-                    continue
-                break
-            refs.append(self.blocks[h])
-            if first:
-                break
-        lease = self.next_lease
-        self.next_lease += 1
-        self.leases[lease] = len(refs)
-        return KVLookupReply(call_id=0, ok=True, arena=self.arena, lease=lease, blocks=refs)
-
-    def release(self, lease):
-        self._maybe_fail("release")
-        self.leases.pop(lease)
-        return CacheReply(call_id=0, ok=True)
-
-    def reserve(self, hashes, nbytes, owner, ttl_s=30.0):
-        self._maybe_fail("reserve")
-        out = []
-        for h in hashes:
-            if h in self.blocks or h in self.reserved:
-                continue
-            if self.next_offset + nbytes > len(self.buf):
-                return KVReserveReply(call_id=0, ok=False, error="full")
-            ref = BlockRef(hash=h, offset=self.next_offset, nbytes=nbytes)
-            self.next_offset += (nbytes + 63) // 64 * 64
-            self.reserved[h] = _Reserved(h, ref.offset, nbytes, owner)
-            out.append(ref)
-        return KVReserveReply(call_id=0, ok=True, arena=self.arena, blocks=out)
-
-    def commit(self, hashes, owner=""):
-        self._maybe_fail("commit")
-        for h in hashes:
-            assert owner and self.reserved[h].owner == owner  # workers always commit as the reserving owner
-            ref = self.reserved.pop(h)
-            self.blocks[h] = BlockRef(hash=ref.hash, offset=ref.offset, nbytes=ref.nbytes)
-        return CacheReply(call_id=0, ok=True, stats={"committed": len(hashes), "unknown": 0})
-
-
-@dataclass
-class _Reserved:
-    hash: bytes
-    offset: int
-    nbytes: int
-    owner: str
-
-
-class Counting:
-    """The model, counting the token positions it is run over."""
-
-    def __init__(self, model):
-        self.model = model
-        self.tokens = 0
-
-    def __call__(self, inputs, *args, **kwargs):
-        self.tokens += inputs.size
-        return self.model(inputs, *args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_dir):
-    return load_tiny_model(tiny_dir)
-
-
-def prompt_of(length: int, seed: int) -> List[int]:
-    return np.random.default_rng(seed).integers(0, VOCAB, length).tolist()
-
-
-def greedy(max_tokens=12) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0)
-
-
-def reference(model, prompt, max_tokens) -> List[int]:
-    out = []
-    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
-        out.append(int(tok))
-    return out
-
-
 def prefix_for(model, model_dir, client, block_size=BS) -> PrefixCache:
     prefix = make_prefix_cache(model, str(model_dir), block_size, client, client.buffer)
     assert prefix is not None
@@ -247,7 +110,7 @@ def test_block_hashes_reuse_a_shared_leading_run_and_stay_exact(monkeypatch):
     answer equals a fresh hasher's, whatever came before it."""
     import random
 
-    import workers.block_hash as bh
+    import workers.kv.block_hash as bh
 
     extra = block_extra(b"f" * 32, "float32", 4)
     fresh = lambda toks, n=None, per_block=None: BlockHasher(extra, 4).hashes(toks, n, per_block)  # noqa: E731
@@ -289,7 +152,7 @@ def test_block_hashes_same_in_another_process(tiny_dir):
     toks = prompt_of(70, 1)
     fp = model_fingerprint(tiny_dir)
     mine = [h.hex() for h in BlockHasher(block_extra(fp, "float32", 16), 16).hashes(toks)]
-    code = ("import json,sys; from workers.block_hash import *; "
+    code = ("import json,sys; from workers.kv.block_hash import *; "
             "a=json.loads(sys.argv[1]); fp=model_fingerprint(a['dir']); "
             "print(json.dumps([h.hex() for h in BlockHasher(block_extra(fp,'float32',16),16).hashes(a['toks'])]))")
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
@@ -338,9 +201,9 @@ def _filled(dtype, tokens, seed, layers=3, heads=2, dk=16, dv=8):
 def copy_path(request, monkeypatch):
     """Both ways blocks are rearranged: with numpy on the host (MLX's CPU
     backend) and with MLX ops (a GPU); they must write the same bytes."""
-    import workers.kv_transfer as kv
+    from workers.kv import arena_io
 
-    monkeypatch.setattr(kv, "_on_cpu", lambda: request.param == "host")
+    monkeypatch.setattr(arena_io, "rearrange_on_host", lambda: request.param == "host")
     return request.param
 
 
@@ -373,21 +236,21 @@ def test_blocks_roundtrip_exact(dtype, copy_path):
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_both_copy_paths_write_the_same_bytes_and_read_them_back(dtype, monkeypatch):
-    import workers.kv_transfer as kv
+    from workers.kv import arena_io, blocks
 
     cache = _filled(dtype, 40, 3)
     layout = kv_layout(cache, BS)
     nb = block_nbytes(layout)
     written = {}
     for host in (True, False):
-        monkeypatch.setattr(kv, "_on_cpu", lambda host=host: host)
+        monkeypatch.setattr(arena_io, "rearrange_on_host", lambda host=host: host)
         buf = bytearray(6 * nb)
         write_blocks(buf, [4 * nb, 0, 2 * nb], cache, 1, layout)  # blocks 1..3, scattered
         written[host] = bytes(buf)
     assert written[True] == written[False]
     for host in (True, False):
-        monkeypatch.setattr(kv, "_on_cpu", lambda host=host: host)
-        keys, values = kv.read_blocks_stacked(bytearray(written[not host]), [4 * nb, 0, 2 * nb], layout)
+        monkeypatch.setattr(arena_io, "rearrange_on_host", lambda host=host: host)
+        keys, values = blocks.read_blocks_stacked(bytearray(written[not host]), [4 * nb, 0, 2 * nb], layout)
         assert keys.shape == (3, 2, 3 * BS, 16) and values.shape == (3, 2, 3 * BS, 8)
         for i, c in enumerate(cache):
             assert mx.array_equal(keys[i:i + 1], c.keys[..., BS:4 * BS, :])
@@ -420,14 +283,14 @@ def test_caches_that_cannot_be_blocked(caplog):
         probe_kv_layout(SlidingModel(), BS)
     # Such a model gets snapshots instead (tests/test_snapshot_cache.py); one
     # that cannot even be probed (this fake has no forward pass) runs uncached.
-    with caplog.at_level(logging.INFO, logger="workers.prefix_cache"):
-        assert make_prefix_cache(SlidingModel(), ".", BS, FakeCache(), None) is None
+    with caplog.at_level(logging.INFO, logger="workers.kv"):
+        assert make_prefix_cache(SlidingModel(), ".", BS, FakeCacheService(), None) is None
     assert "prefix caching off" in caplog.text and "layer 1 is RotatingKVCache" in caplog.text
 
 
 # ---------------------------------------------------------- prefill and decode --
 def test_cold_partial_and_full_hits_match_mlx_lm(model, tiny_dir):
-    fake = FakeCache()
+    fake = FakeCacheService()
     counted = Counting(model)
     prefix = prefix_for(counted, tiny_dir, fake)
     shared = prompt_of(40, 2)  # 5 full blocks
@@ -473,30 +336,30 @@ def test_new_blocks_are_stored_from_a_host_copy_of_the_tail(dtype, tiny_dir, mod
     already in host memory (on a GPU: no second device-to-host transfer);
     the blocks read back equal the KV, and a tail that starts after the first
     new block leaves the store to the device copy."""
-    import workers.kv_transfer as kv
-    import workers.prefix_cache as pc
-    from workers.hot_blocks import tail_of
+    from workers.kv import arena_io, blocks, handoff
+    import workers.kv.prefix_cache as pc
+    from workers.kv.hot_blocks import tail_of
 
-    monkeypatch.setattr(kv, "_on_cpu", lambda: False)  # the GPU path, where it matters
+    monkeypatch.setattr(arena_io, "rearrange_on_host", lambda: False)  # the GPU path, where it matters
     device_copies = []
-    monkeypatch.setattr(pc, "blocks_for_write", lambda *a: device_copies.append(a) or kv.blocks_for_write(*a))
+    monkeypatch.setattr(pc, "blocks_for_write", lambda *a: device_copies.append(a) or blocks.blocks_for_write(*a))
     cache = _filled(dtype, 45, 5)  # 5 full blocks
     tokens = prompt_of(45, 9)
     layout = kv_layout(cache, BS)
-    fake = FakeCache()
+    fake = FakeCacheService()
     prefix = PrefixCache(fake, fake.buffer, BlockHasher(b"m", BS), layout)
     # Blocks 0-1 are cached already (referred to); the tail from token 16 is the handoff's.
     assert prefix.store(tokens[:16], tail_of(cache, 0)[:3], "first") == 2 and len(device_copies) == 1
-    buf = bytearray(kv.kv_nbytes(tail_of(cache, 16)) + 64)
-    layers = kv.write_kv(buf, 0, tail_of(cache, 16))
-    host = (16, kv.arena_kv_views(buf, layers))
+    buf = bytearray(handoff.kv_nbytes(tail_of(cache, 16)) + 64)
+    layers = handoff.write_kv(buf, 0, tail_of(cache, 16))
+    host = (16, arena_io.arena_kv_views(buf, layers))
     assert prefix.store(tokens, cache, "second", host=host) == 3 and len(device_copies) == 1
     _assert_reads_back(prefix, tokens, cache, 5)
     # A tail from token 24 does not hold block 2 (tokens 16-23): the device copy serves.
     other = prompt_of(45, 10)
     prefix.store(other[:16], cache, "third")
     calls = len(device_copies)
-    assert prefix.store(other, cache, "fourth", host=(24, kv.arena_kv_views(buf, layers))) == 3
+    assert prefix.store(other, cache, "fourth", host=(24, arena_io.arena_kv_views(buf, layers))) == 3
     assert len(device_copies) == calls + 1
 
 
@@ -509,21 +372,21 @@ def test_a_store_from_host_copies_can_be_written_by_another_thread(tiny_dir, mod
     store that needs device copies hands on host views of them."""
     import threading
 
-    import workers.kv_transfer as kv
-    from workers.hot_blocks import tail_of
+    from workers.kv import arena_io, handoff
+    from workers.kv.hot_blocks import tail_of
 
-    monkeypatch.setattr(kv, "_on_cpu", lambda: False)  # the GPU path: host copies vs device copies
+    monkeypatch.setattr(arena_io, "rearrange_on_host", lambda: False)  # the GPU path: host copies vs device copies
     cache = _filled(mx.float32, 45, 6)  # 5 full blocks
     tokens = prompt_of(45, 11)
     layout = kv_layout(cache, BS)
-    fake = FakeCache()
+    fake = FakeCacheService()
     prefix = PrefixCache(fake, fake.buffer, BlockHasher(b"m", BS), layout, hot_bytes=64 << 20)
     other = PrefixCache(fake, fake.buffer, BlockHasher(b"m", BS), layout)  # another worker: no hot tier
     assert prefix.store(tokens[:16], tail_of(cache, 0)[:3], "first") == 2
-    buf = bytearray(kv.kv_nbytes(tail_of(cache, 16)) + 64)
-    layers = kv.write_kv(buf, 0, tail_of(cache, 16))
+    buf = bytearray(handoff.kv_nbytes(tail_of(cache, 16)) + 64)
+    layers = handoff.write_kv(buf, 0, tail_of(cache, 16))
     pending = []
-    assert prefix.store(tokens, cache, "second", host=(16, kv.arena_kv_views(buf, layers)),
+    assert prefix.store(tokens, cache, "second", host=(16, arena_io.arena_kv_views(buf, layers)),
                         later=pending.append) == 3
     assert len(pending) == 1 and pending[0].host_only()
     assert other.fetch(tokens + [0], 5, "reader")[1] == 2 * BS  # not committed yet
@@ -541,7 +404,7 @@ def test_a_store_from_host_copies_can_be_written_by_another_thread(tiny_dir, mod
     third = prompt_of(45, 12)
     prefix.store(third[:16], cache, "third")
     pending.clear()
-    assert prefix.store(third, cache, "fourth", host=(24, kv.arena_kv_views(buf, layers)),
+    assert prefix.store(third, cache, "fourth", host=(24, arena_io.arena_kv_views(buf, layers)),
                         later=pending.append) == 3
     assert len(pending) == 1 and pending[0].host_only() and pending[0].hot == []
     assert pending[0].kept and all(isinstance(a, mx.array) for a in pending[0].kept)
@@ -559,7 +422,7 @@ def test_a_hit_is_recomputed_when_that_is_faster(model, tiny_dir):
     compute (a fast GPU, a small model), the hit is left unread: computed,
     not reported as cached, same tokens; every REPROBE-th such hit is read
     anyway to refresh the load estimate."""
-    fake = FakeCache()
+    fake = FakeCacheService()
     counted = Counting(model)
     prefix = prefix_for(counted, tiny_dir, fake)
     a = prompt_of(49, 5)
@@ -583,7 +446,7 @@ def test_a_hit_is_recomputed_when_that_is_faster(model, tiny_dir):
 
 
 def test_second_turn_reuses_prompt_and_answer(model, tiny_dir):
-    fake = FakeCache()
+    fake = FakeCacheService()
     counted = Counting(model)
     prefix = prefix_for(counted, tiny_dir, fake)
     turn1 = prompt_of(30, 5)
@@ -614,7 +477,7 @@ def test_stop_commits_the_stop_token_too(model, tiny_dir):
     """mlx-lm feeds every token it returns (it computes one step ahead), so the
     KV of a stopped request holds the stop token: the next turn's prompt
     (which repeats it) reuses it as well."""
-    fake = FakeCache()
+    fake = FakeCacheService()
     prefix = prefix_for(model, tiny_dir, fake)
     prompt = prompt_of(19, 12)
     ref = reference(model, prompt, 30)
@@ -639,7 +502,7 @@ def test_an_ended_request_is_committed_while_the_next_step_runs(model, tiny_dir,
     Greedy tokens equal mlx-lm's and every full block of each conversation
     ends up in the cache. Fails if the commit runs before the next forward
     (the previous order: the GPU idled through every commit)."""
-    fake = FakeCache()
+    fake = FakeCacheService()
     prefix = prefix_for(model, tiny_dir, fake)
     prompts = {"a": prompt_of(19, 31), "b": prompt_of(26, 32)}
     answers = {"a": 6, "b": 13}
@@ -687,12 +550,12 @@ def test_a_gpu_decode_worker_commits_on_its_store_thread_then_sends_the_last_tok
     commit ran on the MLX thread or the last token overtook its commit."""
     import threading
 
-    import workers.kv_transfer as kv
+    from workers.kv import arena_io
     from protos.messages import TokenBatch
-    from workers.store_thread import StoreThread
+    from workers.kv.store_thread import StoreThread
 
-    monkeypatch.setattr(kv, "_on_cpu", lambda: False)
-    fake = FakeCache()
+    monkeypatch.setattr(arena_io, "rearrange_on_host", lambda: False)
+    fake = FakeCacheService()
     prefix = prefix_for(model, tiny_dir, fake)
     prompts = {"a": prompt_of(19, 41), "b": prompt_of(26, 42)}
     answers = {"a": 6, "b": 13}
@@ -754,7 +617,7 @@ def test_a_gpu_decode_worker_commits_on_its_store_thread_then_sends_the_last_tok
 
 
 def test_cancel_commits_what_the_kv_holds(model, tiny_dir):
-    fake = FakeCache()
+    fake = FakeCacheService()
     prefix = prefix_for(model, tiny_dir, fake)
     prompt = prompt_of(21, 7)
     res = PrefillEngine(model, 16, prefix=prefix).run(prompt, greedy(40), owner="c")
@@ -792,7 +655,7 @@ def _copy(cache):
 
 
 def test_unavailable_cache_service_does_not_fail_the_request(model, tiny_dir):
-    fake = FakeCache()
+    fake = FakeCacheService()
     prefix = prefix_for(model, tiny_dir, fake)
     fake.fail = True
     prompt = prompt_of(33, 8)
@@ -807,7 +670,7 @@ def test_unavailable_cache_service_does_not_fail_the_request(model, tiny_dir):
 
 
 def test_refused_and_broken_replies_fall_back(model, tiny_dir):
-    fake = FakeCache()
+    fake = FakeCacheService()
     prefix = prefix_for(model, tiny_dir, fake)
     prompt = prompt_of(26, 9)
     want = reference(model, prompt, 6)
@@ -827,7 +690,7 @@ def test_refused_and_broken_replies_fall_back(model, tiny_dir):
 
 def test_embedded_model_hit_matches_cold(embedded_model, embedded_model_dir):
     model, tokenizer = embedded_model
-    fake = FakeCache(64 << 20)
+    fake = FakeCacheService(64 << 20)
     prefix = make_prefix_cache(model, str(embedded_model_dir), 32, fake, fake.buffer)
     assert prefix is not None and prefix.layout.dtype == "float32"
     text = "You are a helpful assistant. Answer briefly and precisely. " * 6
@@ -857,7 +720,7 @@ def _lookup_in_fresh_process(run_dir: str, model_dir: str, prompt: List[int], q)
     the model folder) and asks the service: hash stability across processes."""
     from cache_service.client import CacheClient
     from deploy.settings import Settings
-    from workers.block_hash import BlockHasher, block_extra, model_fingerprint
+    from workers.kv.block_hash import BlockHasher, block_extra, model_fingerprint
 
     hasher = BlockHasher(block_extra(model_fingerprint(model_dir), "float32", BS), BS)
     client = CacheClient(Settings(run_dir=run_dir, cache_dir=None))
@@ -932,9 +795,9 @@ def test_silent_cache_service_times_out_without_failing(model, tiny_dir, tmp_pat
 
 @pytest.fixture(params=["ours", "mlx-lm's"])
 def attention(request, monkeypatch):
-    """This backend's attention of ours (workers/mlx_hooks.py), or mlx-lm's
+    """This backend's attention of ours (workers/kernels/mlx_hooks.py), or mlx-lm's
     own with its mask (what a Mac's GPU runs)."""
-    from workers import mlx_hooks
+    from workers.kernels import mlx_hooks
 
     if request.param != "ours":
         monkeypatch.setenv("TANDEM_MLX_EXP", "1")
@@ -947,15 +810,15 @@ def attention(request, monkeypatch):
 
 
 def test_a_batch_of_prompts_over_cached_prefixes_matches_mlx_lm(model, tiny_dir, attention):
-    """A burst of prompts prefilled in one pass (workers/prefill_batch.py):
+    """A burst of prompts prefilled in one pass (workers/prefill/batch.py):
     cached prefixes of different lengths, new tails of different lengths
     (one of none but its last token, one with no cached prefix at all), each
     row's first token and whole greedy generation equal mlx-lm's alone, and
     the passes run over the batch's padded new tokens only; with our
     attention and with mlx-lm's."""
-    from workers.prefill_batch import batchable, fits, run_batch
+    from workers.prefill.batch import batchable, fits, run_batch
 
-    fake = FakeCache()
+    fake = FakeCacheService()
     counted = Counting(model)
     prefix = prefix_for(counted, tiny_dir, fake)
     system = prompt_of(40, 7)
@@ -999,7 +862,7 @@ def test_a_batch_of_prompts_over_cached_prefixes_matches_mlx_lm(model, tiny_dir,
 def test_what_a_batch_of_prompts_takes(model, tiny_dir):
     """Only text prompts with their new tokens within one chunk, padded
     together, join a batch."""
-    from workers.prefill_batch import batchable, fits
+    from workers.prefill.batch import batchable, fits
 
     engine = PrefillEngine(model, chunk_size=32)
     short, longer, too_long = (engine.start(prompt_of(n, n), greedy()) for n in (9, 16, 33))
@@ -1018,7 +881,7 @@ def test_what_a_batch_of_prompts_takes(model, tiny_dir):
 def test_a_batchs_rows_sample_with_their_own_requests_settings(model, tiny_dir):
     """Each row of a batch samples its first token as it would alone: its
     logprobs, its seeded sampler, its penalties over its own prompt."""
-    from workers.prefill_batch import run_batch
+    from workers.prefill.batch import run_batch
 
     engine = PrefillEngine(model, chunk_size=128)
     base = prompt_of(24, 5)
@@ -1051,32 +914,21 @@ class _Outbox:
         self.sent.append(msg)
 
 
-class _Arenas:
-    def __init__(self, fake):
-        self.fake = fake
-
-    def get(self, name):
-        return type("Attached", (), {"buf": self.fake.buffer(name)})()
-
-
-def _prefill_worker(engine, fake, settings):
-    """A prefill worker's scheduling (workers/runtime.py Worker) over `engine`
-    and the fake cache service, with no sockets: what it sends is recorded."""
+def _prefill_worker(engine, fake, settings, colocated=False, stores=None):
+    """A prefill worker's prefill role (workers/prefill/role.py PrefillRole)
+    over `engine` and the fake cache service, with no sockets: what it sends
+    is recorded."""
     from protos.messages import CacheAllocReply, WorkerHello
     from workers.loop_clock import LoopClock
-    from workers.runtime import Worker
+    from workers.prefill.role import PrefillRole
 
     allocations = iter(range(1000))
     fake.alloc = lambda nbytes, owner, ttl_s: CacheAllocReply(0, True, allocation=next(allocations),
                                                               offset=1 << 24, nbytes=nbytes, arena=fake.arena)
-    w = Worker.__new__(Worker)
-    w.settings = settings
-    w.worker_id, w.hello, w.clock = "prefill-0", WorkerHello("prefill-0", ["prefill"], 1, "ready"), LoopClock("test")
-    w.prefill, w.prefix, w.decode, w.vision, w.stores = engine, engine.prefix, None, None, None
-    w.cache, w.arenas, w.outbox = fake, _Arenas(fake), _Outbox()
-    w.prefill_queue, w.vision_queue, w.reading = deque(), deque(), deque()
-    w.current, w.local_kv, w.held = None, {}, {}
-    return w
+    return PrefillRole(settings, engine, worker_id="prefill-0", prefix=engine.prefix, cache=fake,
+                       arena_buf=fake.buffer, outbox=_Outbox(), clock=LoopClock("test"),
+                       hello=WorkerHello("prefill-0", ["prefill"], 1, "ready"), local_kv={}, colocated=colocated,
+                       stores=stores)
 
 
 def test_a_colocated_prompts_blocks_are_stored_by_the_store_thread(model, tiny_dir):
@@ -1086,22 +938,22 @@ def test_a_colocated_prompts_blocks_are_stored_by_the_store_thread(model, tiny_d
     committed by the store thread, which sends nothing for them."""
     from deploy.settings import Settings
     from protos.messages import PrefillDone, PrefillRequest
-    from workers.store_thread import StoreThread
+    from workers.kv.store_thread import StoreThread
 
-    fake = FakeCache()
+    fake = FakeCacheService()
     prefix = prefix_for(model, tiny_dir, fake)
     engine = PrefillEngine(model, chunk_size=64, prefix=prefix)
-    w = _prefill_worker(engine, fake, Settings(prefill_batch=1))
-    w.decode = object()  # this worker decodes what it prefills
     thread_sends = []
     fake.close = lambda: None  # the thread's client, closed with it
-    w.stores = StoreThread(prefix, fake, thread_sends.append)
+    stores = StoreThread(prefix, fake, thread_sends.append)
+    # colocated: this worker decodes what it prefills
+    w = _prefill_worker(engine, fake, Settings(prefill_batch=1), colocated=True, stores=stores)
     writes = []
     real_write = prefix.write_store
     prefix.write_store = lambda prepared, client=None: writes.append(threading.current_thread().name) or \
         real_write(prepared, client)
     prompt = prompt_of(45, 77)
-    w.prefill_queue.append(PrefillRequest("c", prompt, greedy(4), "prefill-0"))
+    w.queue.append(PrefillRequest("c", prompt, greedy(4), "prefill-0"))
     w.prefill_chunk()
     w.stores.close()
     (done,) = w.outbox.sent
@@ -1114,7 +966,7 @@ def test_a_colocated_prompts_blocks_are_stored_by_the_store_thread(model, tiny_d
 
 
 def test_the_prefill_worker_batches_within_an_eighth_of_the_arena_in_handoffs(model, tiny_dir):
-    """Worker.prefill_batch (workers/runtime.py) over the fake cache service:
+    """PrefillRole.prefill_batch (workers/prefill/role.py) over the fake cache service:
     queued prompts join the current one while their handoffs (what the
     service lacks, their blocks held first) fit an eighth of the arena; the
     first that does not fit runs next with its hold, and counts then; a
@@ -1122,7 +974,7 @@ def test_the_prefill_worker_batches_within_an_eighth_of_the_arena_in_handoffs(mo
     from deploy.settings import Settings
     from protos.messages import PrefillDone, PrefillRequest
 
-    fake = FakeCache()
+    fake = FakeCacheService()
     prefix = prefix_for(model, tiny_dir, fake)
     engine = PrefillEngine(model, chunk_size=64, prefix=prefix)
     system = prompt_of(40, 21)
@@ -1134,20 +986,20 @@ def test_the_prefill_worker_batches_within_an_eighth_of_the_arena_in_handoffs(mo
     w = _prefill_worker(engine, fake, Settings(prefill_batch=8, prefill_chunk=64,
                                                cache_memory_bytes=8 * (2 * handoff + handoff // 2)))
     for i, p in enumerate(prompts):
-        w.prefill_queue.append(PrefillRequest(f"r{i}", p, greedy(4), ""))
+        w.queue.append(PrefillRequest(f"r{i}", p, greedy(4), ""))
 
     def done():
         return {m.request_id: m.first_token for m in w.outbox.sent if isinstance(m, PrefillDone)}
 
     w.prefill_chunk()  # r0 and r1 (two handoffs fit 2.5); r2 does not, and holds its blocks
     assert done() == {"r0": expect[0], "r1": expect[1]} and w.hello.batched_prompts == 2
-    assert w.current[0].request_id == "r2" and set(w.held) == {"r2"} and len(w.prefill_queue) == 2
+    assert w.current[0].request_id == "r2" and set(w.held) == {"r2"} and len(w.queue) == 2
     w.prefill_chunk()  # r2, counted though already held, and r3; r4 does not fit
     assert set(done()) == {"r0", "r1", "r2", "r3"} and w.hello.batched_prompts == 4
     assert w.current[0].request_id == "r4" and set(w.held) == {"r4"}
     assert [done()[f"r{i}"] for i in range(4)] == expect[:4]
     handoffs = [m for m in w.outbox.sent if isinstance(m, KVHandoff)]
-    assert len(handoffs) == 4 and all(h.block_tokens == 40 and h.num_tokens == 50 for h in handoffs)
+    assert len(handoffs) == 4 and all(h.blocks.tokens == 40 and h.num_tokens == 50 for h in handoffs)
     leases = len(fake.leases)  # the four handoffs' and r4's
     w.cancel("r4")
     assert len(fake.leases) == leases - 1 and w.held == {} and w.current is None

@@ -1,8 +1,10 @@
-"""Ragged decode batches (workers/ragged_kv.py): rows keep their own KV, rows
+"""Ragged decode batches (workers/decode/ragged_kv.py): rows keep their own KV, rows
 with a common prompt prefix share one copy of it, and greedy output stays
 token-identical to mlx-lm's generate_step."""
 
 from __future__ import annotations
+
+import copy
 
 import mlx.core as mx
 import numpy as np
@@ -10,13 +12,13 @@ import pytest
 from mlx import nn
 from mlx_lm.models.cache import KVCache
 
-from workers import mlx_hooks, ragged_kv
-from workers.decode import DecodeEngine
-
-try:
-    from tests.test_engines import drive, greedy, model, prompt_of, reference
-except ImportError:  # pragma: no cover
-    from test_engines import drive, greedy, model, prompt_of, reference  # noqa: F401
+from tests.support.pipeline import drive, reference
+from tests.support.tiny_models import greedy, prompt_of
+from workers.decode import ragged_kv
+from workers.decode.engine import DecodeEngine
+from workers.decode.prefix_sharing import PrefixSharing
+from workers.decode.ragged_rows import Pool
+from workers.kernels import mlx_hooks
 
 
 def shared_prompts(n: int, prefix_len: int, seed: int = 0):
@@ -92,7 +94,7 @@ def test_sharing_keeps_every_rows_kv(model):
         lb.update_and_fetch(mx.concatenate([l0.keys[..., :300, :], l1.keys[..., :40, :]], axis=2),
                             mx.concatenate([l0.values[..., :300, :], l1.values[..., :40, :]], axis=2))
     tokens = list(range(300))
-    sharing = ragged_kv.PrefixSharing(min_tokens=256)
+    sharing = PrefixSharing(min_tokens=256)
     ra, rb = ragged_kv.rows_of(a), ragged_kv.rows_of(b)
     assert sharing.admit("a", tokens + [7] * 5, ra) == 0
     assert sharing.admit("b", tokens + [8] * 40, rb) == 300
@@ -155,7 +157,7 @@ def test_rows_without_a_prefix_decode_in_one_pool_and_match_mlx_lm(model):
     for rid, _, prompt, sp in jobs:
         assert outs[rid].tokens == reference(model, prompt, sp.max_tokens).tokens, rid
     assert seen["pooled"] >= 4  # rows really decoded from the pool, several at once
-    assert seen["slots"] == ragged_kv._Pool.SLOTS_STEP  # 8 rows over time, slots reused: never grown
+    assert seen["slots"] == Pool.SLOTS_STEP  # 8 rows over time, slots reused: never grown
 
 
 def test_rows_of_two_prefix_groups_and_an_unshared_row_decode_in_one_pool(model):
@@ -189,7 +191,7 @@ def test_rows_of_two_prefix_groups_and_an_unshared_row_decode_in_one_pool(model)
 def test_a_shared_row_outgrows_the_pool_by_its_own_tokens(model, monkeypatch):
     """The pool holds a row's own tokens: a 300-token shared prefix does not
     keep it out, its own tokens past MAX_TOKENS do."""
-    monkeypatch.setattr(ragged_kv._Pool, "MAX_TOKENS", 20)
+    monkeypatch.setattr(Pool, "MAX_TOKENS", 20)
     prompts = shared_prompts(3, 300)  # own tokens 5, 14 and 23 at the start
     jobs = [(f"r{i}", 0, p, greedy(12)) for i, p in enumerate(prompts)]
     pooled = []
@@ -207,7 +209,7 @@ def test_a_shared_row_outgrows_the_pool_by_its_own_tokens(model, monkeypatch):
 
 
 def test_a_row_that_outgrows_the_pool_leaves_it_and_stays_exact(model, monkeypatch):
-    monkeypatch.setattr(ragged_kv._Pool, "MAX_TOKENS", 24)
+    monkeypatch.setattr(Pool, "MAX_TOKENS", 24)
     jobs = [(f"r{i}", 0, prompt_of(10 + 3 * i, 50 + i), greedy(18)) for i in range(3)]
     own = []
 
@@ -225,8 +227,6 @@ def test_a_row_that_outgrows_the_pool_leaves_it_and_stays_exact(model, monkeypat
 def test_a_split_batch_keeps_every_rows_kv(model):
     """BatchGenerator splits a batch by deep-copying it and filtering both:
     rows that leave a pool take their KV with them."""
-    import copy
-
     caches = [ragged_kv.rows_of(filled(model, 10 + i, i)) for i in range(4)]
     expected = [mx.array(c[0].keys[..., : 10 + i, :]) for i, c in enumerate(caches)]
     batch = type(caches[0][0]).merge([c[0] for c in caches])

@@ -1,5 +1,5 @@
 """The router's OpenAI API, driven by the real `openai` client against a real uvicorn
-server on 127.0.0.1, with a scripted engine (tests/fake_engine.py) behind it."""
+server on 127.0.0.1, with a scripted engine (tests/support/fake_engine.py) behind it."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from router.app import Generation, create_app
 from router.engine_api import EngineError, GenerationRequest
 from router.server import uvicorn_config
 from router.text_stream import TextStream, TokenBytes
-from tests.fake_engine import FakeEngine, build_tokenizer
+from tests.support.fake_engine import FakeEngine, build_tokenizer
 
 MAX_BODY = 64 * 1024
 API_KEY = "sk-tandem-test"
@@ -621,7 +621,7 @@ def real_tokenizer():
     try:
         from mlx_lm.tokenizer_utils import load
 
-        from workers.model_store import resolve_model
+        from workers.models.store import resolve_model
 
         return load(resolve_model(None))
     except Exception as exc:  # no embedded model package here

@@ -2,42 +2,41 @@
 RotatingKVCache between global KVCache layers) and recurrent (Qwen3-Next's
 ArraysCache between attention layers).
 
-- Their state crosses a buffer exactly (workers.kv_transfer.write_cache /
+- Their state crosses a buffer exactly (workers.kv.handoff.write_cache /
   read_cache, and the snapshot format), whatever the cache kind.
 - The split pipeline (prefill -> buffer -> decode batch) gives mlx-lm's own
   greedy tokens.
-- Prefix reuse is by snapshot (workers.prefix_cache.SnapshotCache): stored at
+- Prefix reuse is by snapshot (workers.kv.prefix_cache.SnapshotCache): stored at
   the prompt's last block boundary, reused only on an exact prefix match.
 
-Real MLX on tiny random models; the cache service is FakeCache (in memory)
+Real MLX on tiny random models; the cache service is FakeCacheService (in memory)
 except in the test that spawns the real one.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-from typing import List
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import (ArraysCache, CacheList, KVCache, RotatingKVCache,
                                  make_prompt_cache)
 
 from cache_service.client import CacheClient
 from protos.codec import decode, encode
-from protos.messages import DecodeRequest, KVHandoff, PrefillRequest, SamplingParams
-from tests.test_prefix_worker import Counting, FakeCache
-from tests.tiny_models import load_tiny_model, make_tiny_gemma3, make_tiny_llama, make_tiny_qwen3_next
-from workers.decode import DecodeEngine
-from workers.kv_transfer import (cache_nbytes, capture_snapshot, read_cache, read_snapshot, write_cache, write_kv,
-                                 write_snapshot)
-from workers.prefill_mlx import PrefillEngine
-from workers.prefix_cache import (SNAPSHOT_REACH_TOKENS, PrefixCache, SnapshotCache, make_prefix_cache,
-                                  snapshot_key)
+from protos.messages import DecodeRequest, KVHandoff, PrefillRequest
+from tests.support.cache_fakes import FakeCacheService
+from tests.support.tiny_models import (VOCAB, Counting, greedy, load_tiny_model, make_tiny_gemma3, make_tiny_llama,
+                                       make_tiny_qwen3_next, prompt_of, reference)
+from workers.decode.engine import DecodeEngine
+from workers.kv.cache_state import cache_nbytes
+from workers.kv.handoff import read_cache, write_cache, write_kv
+from workers.kv.snapshot import capture_snapshot, read_snapshot, write_snapshot
+from workers.prefill.engine import PrefillEngine
+from workers.kv.prefix_cache import PrefixCache, make_prefix_cache
+from workers.kv.snapshot_cache import SNAPSHOT_REACH_TOKENS, SnapshotCache, snapshot_key
 
-VOCAB = 512
 BS = 8
 MAKERS = {"gemma3": make_tiny_gemma3, "qwen3_next": make_tiny_qwen3_next}
 
@@ -51,18 +50,6 @@ def model_dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def models(model_dirs):
     return {name: load_tiny_model(d) for name, d in model_dirs.items()}
-
-
-def prompt_of(length: int, seed: int) -> List[int]:
-    return np.random.default_rng(seed).integers(0, VOCAB, length).tolist()
-
-
-def greedy(max_tokens=10) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0)
-
-
-def reference(model, prompt, max_tokens) -> List[int]:
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
 
 
 def live(c):
@@ -260,11 +247,11 @@ def test_split_handoff_and_batched_decode_match_mlx_lm(models, name):
 
 # ----------------------------------------------------------------- snapshots --
 def _prefill(model, prefix, prompt, rid):
-    return PrefillEngine(model, chunk_size=16, prefix=prefix).run(prompt, greedy(), owner=rid)
+    return PrefillEngine(model, chunk_size=16, prefix=prefix).run(prompt, greedy(10), owner=rid)
 
 
 def test_make_prefix_cache_picks_the_kind(models, model_dirs, tmp_path):
-    fake = FakeCache()
+    fake = FakeCacheService()
     for name in MAKERS:
         sc = make_prefix_cache(models[name], str(model_dirs[name]), BS, fake, fake.buffer)
         assert isinstance(sc, SnapshotCache) and sc.kind == "snapshot"
@@ -275,7 +262,7 @@ def test_make_prefix_cache_picks_the_kind(models, model_dirs, tmp_path):
 
 @pytest.mark.parametrize("name", list(MAKERS))
 def test_snapshot_hits_only_on_exact_prefixes(models, model_dirs, name):
-    model, fake = models[name], FakeCache()
+    model, fake = models[name], FakeCacheService()
     counted = Counting(model)
     prefix = make_prefix_cache(counted, str(model_dirs[name]), BS, fake, fake.buffer)
     a = prompt_of(45, 20)  # snapshot point (45-1)//8*8 = 40
@@ -319,7 +306,7 @@ def test_snapshot_hits_only_on_exact_prefixes(models, model_dirs, name):
 
 
 def test_next_turn_reuses_the_previous_prompt_snapshot(models, model_dirs):
-    model, fake = models["gemma3"], FakeCache()
+    model, fake = models["gemma3"], FakeCacheService()
     counted = Counting(model)
     prefix = make_prefix_cache(counted, str(model_dirs["gemma3"]), BS, fake, fake.buffer)
     turn1 = prompt_of(30, 30)  # snapshot at 24
@@ -341,7 +328,7 @@ def test_next_turn_reuses_the_previous_prompt_snapshot(models, model_dirs):
 
 
 def test_broken_snapshot_is_computed_not_failed(models, model_dirs):
-    model, fake = models["qwen3_next"], FakeCache()
+    model, fake = models["qwen3_next"], FakeCacheService()
     prefix = make_prefix_cache(model, str(model_dirs["qwen3_next"]), BS, fake, fake.buffer)
     prompt = prompt_of(27, 40)
     first = _prefill(model, prefix, prompt, "p1").first_token
@@ -353,16 +340,19 @@ def test_broken_snapshot_is_computed_not_failed(models, model_dirs):
 
 
 # ----------------------------------------------------- the real cache service --
-def _worker(worker_id, client, arenas):
-    """The parts of a worker process that hand KV over (no sockets, no model load)."""
-    from workers.runtime import Worker
-
+def _roles(settings, client, arenas, decode_engine):
+    """The roles of two worker processes that hand KV over, a prefill and a
+    decode (no sockets, no model load)."""
+    from workers.decode.role import DecodeRole
     from workers.loop_clock import LoopClock
+    from workers.prefill.role import PrefillRole
 
-    w = Worker.__new__(Worker)
-    w.worker_id, w.cache, w.arenas, w.decode = worker_id, client, arenas, None
-    w.clock = LoopClock(f"worker {worker_id}")
-    return w
+    arena_buf = lambda name: arenas.get(name).buf  # noqa: E731
+    prefill = PrefillRole(settings, None, worker_id="p", prefix=None, cache=client, arena_buf=arena_buf,
+                          outbox=None, clock=LoopClock("worker p"), hello=None, local_kv={})
+    decode = DecodeRole(decode_engine, worker_id="d", prefix=None, cache=client, arena_buf=arena_buf, outbox=None,
+                        clock=LoopClock("worker d"), local_kv={})
+    return prefill, decode
 
 
 def test_real_cache_service_snapshot_and_handoff(models, model_dirs, tmp_path):
@@ -393,15 +383,14 @@ def test_real_cache_service_snapshot_and_handoff(models, model_dirs, tmp_path):
         # The hit's cache goes to decode the way workers hand it over: the
         # prefill worker's hand_off (a real arena reservation), the message
         # on the wire, the decode worker's start_decode (reads, frees).
-        prefill_w, decode_w = _worker("p", client, arenas), _worker("d", client, arenas)
-        decode_w.decode = DecodeEngine(model, max_batch=2)
+        prefill_w, decode_w = _roles(settings, client, arenas, DecodeEngine(model, max_batch=2))
         h = prefill_w.hand_off(PrefillRequest("s2", prompt, greedy(8), decode_worker="d"), res)
         assert h.cache_meta and not h.local and client.stats()["handoffs"] == 1
         decode_w.start_decode(decode(encode(DecodeRequest("s2", prompt, res.first_token, h, greedy(8)))))
         assert client.stats()["handoffs"] == 0  # freed once read
         tokens = [res.first_token]
-        while decode_w.decode.has_work:
-            tokens += [u.token for u in decode_w.decode.step()]
+        while decode_w.engine.has_work:
+            tokens += [u.token for u in decode_w.engine.step()]
         assert tokens == want
     finally:
         client.close()

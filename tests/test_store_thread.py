@@ -1,15 +1,17 @@
-"""workers/store_thread.py: a prefill worker's block stores off the MLX
-thread. Real threads; the prefix cache is a double that records (the arena
-write itself is tested in test_prefix_worker.py, the whole path through the
-real processes in the end-to-end tests, where every split prefill worker on
-this machine uses the store thread)."""
+"""workers/kv/store_thread.py: a prefill worker's block stores off the MLX
+thread. Real threads; the prefix cache is a double that records, the cache
+service tests/support/cache_fakes.py's FakeCacheService. (The arena write
+itself is tested in test_prefix_worker.py, the whole path through the real
+processes in the end-to-end tests, where every split prefill worker on this
+machine uses the store thread.)"""
 
 from __future__ import annotations
 
 import threading
 import time
 
-from workers.store_thread import StoreThread
+from tests.support.cache_fakes import FakeCacheService
+from workers.kv.store_thread import StoreThread
 
 
 class Prefix:
@@ -27,15 +29,8 @@ class Prefix:
         return 1
 
 
-class Client:
-    closed = False
-
-    def close(self):
-        self.closed = True
-
-
 def test_handoffs_leave_in_order_after_their_store_even_when_a_store_fails():
-    prefix, client, sent = Prefix(fail_on={"p2"}), Client(), []
+    prefix, client, sent = Prefix(fail_on={"p2"}), FakeCacheService(), []
     stores = StoreThread(prefix, client, lambda h: sent.append((h, [p for p, _ in prefix.written])))
     for i in range(5):
         stores.submit(f"p{i}", f"h{i}")
@@ -53,7 +48,7 @@ def test_a_handoff_copy_runs_first_and_a_failed_copy_sends_its_failure_instead()
     thread: before the store (which reads it) and before the handoff leaves.
     A copy that fails sends the job's failure message and stores nothing."""
     prefix, order = Prefix(), []
-    stores = StoreThread(prefix, Client(), lambda m: order.append(("sent", m, len(prefix.written))))
+    stores = StoreThread(prefix, FakeCacheService(), lambda m: order.append(("sent", m, len(prefix.written))))
 
     def copy(name, fail=False):
         def run():
@@ -84,7 +79,7 @@ def test_a_failing_send_does_not_stop_the_thread():
             raise OSError("socket closed")
         sent.append(h)
 
-    stores = StoreThread(prefix, Client(), send)
+    stores = StoreThread(prefix, FakeCacheService(), send)
     for h in ("a", "bad", "b"):
         stores.submit(h, h)
     stores.close(timeout_s=10)
@@ -110,7 +105,7 @@ def test_a_send_after_the_socket_loop_stopped_gives_up_and_close_does_not_hang()
         assert pull.poll(2000) and transport.recv(pull).request_id == "r0"
         pull.close()  # the socket loop stops
         time.sleep(0.1)
-        stores = StoreThread(Prefix(), Client(), lambda h: outbox.send(h, wait_s=0.3))
+        stores = StoreThread(Prefix(), FakeCacheService(), lambda h: outbox.send(h, wait_s=0.3))
         stores.submit("p", KVHandoff("r1", 3, 3))
         t0 = time.monotonic()
         stores.close(timeout_s=5)

@@ -11,13 +11,11 @@ from mlx_lm.utils import load_tokenizer
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
-try:  # tests/ as a package or as a plain folder on sys.path (pytest's default)
-    from tests.gguf_fixtures import write_tiny_llama
-except ImportError:
-    from gguf_fixtures import write_tiny_llama
-from workers.gguf_convert import convert_gguf
-from workers.gguf_tokenizer import build_tokenizer
-from workers.model_store import ModelError, embedded_gguf
+from tests.support.gguf_fixtures import write_tiny_llama
+from workers.models.gguf_convert import convert_gguf
+from workers.models.gguf_tokenizer import build_tokenizer
+from deploy.model_folder import ModelError
+from workers.models.store import embedded_gguf
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

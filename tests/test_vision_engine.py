@@ -1,4 +1,4 @@
-"""The vision add-on (workers/vision.py) against mlx-vlm's own generate.
+"""The vision add-on (workers/vision/engine.py) against mlx-vlm's own generate.
 
 For tiny random Qwen2.5-VL and Gemma 3 models: our path (preprocess → encode
 → prompt tokens → input embeddings + rope positions → prefill on mlx-vlm's
@@ -9,107 +9,24 @@ stream_generate for the same folder, image and prompt.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from tests.tiny_vlms import (
-    TINY_GEMMA3,
-    TINY_QWEN_VL,
-    TINY_VLMS,
-    synthetic_image,
-    tiny_vlm,
-)
-
-N_TOKENS = 16
-
-
-@dataclass
-class Setup:
-    like: str
-    folder: object
-    engine: object  # workers.vision.VisionEngine (prefill on shared text weights)
-    text_model: object  # mlx-lm's model of the same folder (decode)
-    vlm: object  # mlx_vlm.load: the reference
-    vlm_processor: object
-
-
-_setups: dict = {}
-
-
-def _setup(tmp_path_factory, like: str) -> Setup:
-    if like not in _setups:
-        from mlx_vlm import load as vlm_load
-
-        from workers.loading import load_model
-        from workers.vision import VisionEngine
-
-        folder = tiny_vlm(tmp_path_factory, like)
-        text_model, _ = load_model(folder)
-        engine = VisionEngine(folder, text_model)
-        vlm, processor = vlm_load(str(folder))
-        _setups[like] = Setup(like, folder, engine, text_model, vlm, processor)
-    return _setups[like]
+from tests.support.decoding import decode_greedy
+from tests.support.tiny_vlms import TINY_GEMMA3, TINY_QWEN_VL, TINY_VLMS, make_tiny_vlm, synthetic_image, tiny_vlm
+from tests.support.vision import (N_TOKENS, Setup, assert_same, our_prefill, ours, reference, user_turn,
+                                  vlm_setup)
 
 
 @pytest.fixture(scope="module", params=TINY_VLMS)
 def setup(request, tmp_path_factory) -> Setup:
-    return _setup(tmp_path_factory, request.param)
+    return vlm_setup(tmp_path_factory, request.param)
 
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory) -> Setup:
-    return _setup(tmp_path_factory, TINY_QWEN_VL)
-
-
-def _user(*parts):
-    content = []
-    for p in parts:
-        content.append({"type": "image"} if p is None else {"type": "text", "text": p})
-    return {"role": "user", "content": content}
-
-
-def _prefill(s: Setup, messages, images):
-    """Our prefill: (token ids, first token, cache, rope delta)."""
-    eng = s.engine
-    if images:
-        batch = eng.preprocess(images)
-        ids = eng.prompt_tokens(messages, batch.tokens_per_image)
-        features = eng.encode(batch)
-    else:
-        batch, features = None, None
-        ids = eng.prompt_tokens(messages, [])
-    embeddings = eng.input_embeddings(ids, features, batch)
-    positions, delta = eng.rope_positions(ids, batch)
-    cache = eng.make_cache()
-    logits = eng.prefill(ids, embeddings, positions, cache)
-    return ids, int(mx.argmax(logits).item()), cache, delta
-
-
-def ours(s: Setup, messages, images, n: int = N_TOKENS, shift: bool = True):
-    from workers.vision import decode_greedy, shift_rope
-
-    _, first, cache, delta = _prefill(s, messages, images)
-    return [first] + decode_greedy(s.text_model, shift_rope(cache, delta if shift else 0), first, n - 1)
-
-
-def reference(s: Setup, messages, images, n: int = N_TOKENS):
-    """mlx-vlm's greedy tokens (it stops early at an EOS)."""
-    from mlx_vlm.generate.dispatch import stream_generate
-
-    last = None
-    for last in stream_generate(s.vlm, s.vlm_processor, s.engine.prompt_text(messages), image=list(images),
-                                max_tokens=n, temperature=0.0):
-        pass
-    return list(last.token_ids)
-
-
-def assert_same(got, want):
-    assert len(want) >= 8, f"mlx-vlm stopped after {len(want)} tokens: pick another prompt"
-    assert len(set(want)) >= 2, f"degenerate reference {want}: the comparison could not fail"
-    assert got[: len(want)] == want
+    return vlm_setup(tmp_path_factory, TINY_QWEN_VL)
 
 
 # ---------------------------------------------------------------- identity
@@ -119,7 +36,7 @@ def test_prompt_tokens_match_mlx_vlm(setup):
     from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
 
     images = [synthetic_image(56, 84, 1)]
-    messages = [_user("Look:", None, "What is in this picture?")]
+    messages = [user_turn("Look:", None, "What is in this picture?")]
     eng = setup.engine
     ids = eng.prompt_tokens(messages, eng.image_tokens([(56, 84)]))
     inputs = prepare_inputs(setup.vlm_processor, images=images, prompts=eng.prompt_text(messages),
@@ -131,23 +48,23 @@ def test_prompt_tokens_match_mlx_vlm(setup):
 
 def test_greedy_matches_mlx_vlm_generate(setup):
     images = [synthetic_image(56, 84, 1)]
-    messages = [_user(None, "What is in this picture?")]
+    messages = [user_turn(None, "What is in this picture?")]
     assert_same(ours(setup, messages, images), reference(setup, messages, images))
 
 
 def test_image_in_the_middle_of_a_conversation(setup):
     images = [synthetic_image(64, 64, 3)]
     messages = [
-        _user("Hello there, can you look at pictures?"),
+        user_turn("Hello there, can you look at pictures?"),
         {"role": "assistant", "content": "Yes, send me one and I will describe it."},
-        _user("Here it is:", None, "What colours do you see?"),
+        user_turn("Here it is:", None, "What colours do you see?"),
     ]
     assert_same(ours(setup, messages, images), reference(setup, messages, images))
 
 
 def test_two_images(qwen):
     images = [synthetic_image(56, 84, 1), synthetic_image(112, 56, 2)]
-    messages = [_user("Compare", None, "with", None, "please.")]
+    messages = [user_turn("Compare", None, "with", None, "please.")]
     batch = qwen.engine.preprocess(images)
     assert batch.tokens_per_image == [6, 8]
     assert_same(ours(qwen, messages, images), reference(qwen, messages, images))
@@ -157,11 +74,12 @@ def test_images_encoded_one_at_a_time(qwen):
     """As the cache service holds them: each image preprocessed and encoded
     on its own, the batches joined for the prompt. (Features differ from a
     two-image encode only by float rounding, ~1e-6.)"""
-    from workers.vision import ImageBatch, decode_greedy, shift_rope
+    from protos.vision_layout import ImageBatch
+    from workers.decode.shifted_rope import shift_rope
 
     eng = qwen.engine
     images = [synthetic_image(56, 84, 1), synthetic_image(112, 56, 2)]
-    messages = [_user("Compare", None, "with", None, "please.")]
+    messages = [user_turn("Compare", None, "with", None, "please.")]
     batches = [eng.preprocess([im]) for im in images]
     features = mx.concatenate([eng.encode(b) for b in batches])
     batch = ImageBatch.join(batches)
@@ -181,11 +99,11 @@ def test_a_prefill_job_runs_in_steps_and_matches_mlx_vlm(setup):
     from protos.messages import SamplingParams
     from router.media import DecodedImage, image_content_hash
     from router.vision_prompt import VisionPrompter
-    from workers.prefill_vlm import VLMPrefillJob
-    from workers.vision import decode_greedy, shift_rope
+    from workers.prefill.vlm import VLMPrefillJob
+    from workers.decode.shifted_rope import shift_rope
 
     pictures = [synthetic_image(56, 84, 1), synthetic_image(64, 56, 2)]
-    messages = [_user("Look at", None, "and then at", None, "and tell me which one is darker, and why.")]
+    messages = [user_turn("Look at", None, "and then at", None, "and tell me which one is darker, and why.")]
     decoded = [DecodedImage(np.asarray(p), p.width, p.height, image_content_hash(np.asarray(p)), "data",
                             f"messages[0].content[{1 + 2 * i}].image_url") for i, p in enumerate(pictures)]
     ids, inputs = VisionPrompter(setup.folder).build(messages, decoded)
@@ -222,7 +140,7 @@ def test_text_only_prompt_matches_mlx_lm(qwen):
     result is mlx-lm's own greedy generation on the text model."""
     from mlx_lm.generate import generate_step
 
-    messages = [_user("Tell me a story about a cat.")]
+    messages = [user_turn("Tell me a story about a cat.")]
     ids = qwen.engine.prompt_tokens(messages, [])
     want = [int(t) for t, _ in generate_step(mx.array(ids), qwen.text_model, max_tokens=N_TOKENS)]
     assert len(set(want)) >= 2
@@ -279,7 +197,7 @@ def test_rope_delta(setup):
     eng = setup.engine
     images = [synthetic_image(56, 84, 1), synthetic_image(112, 56, 2)]
     batch = eng.preprocess(images)
-    ids = eng.prompt_tokens([_user(None, None, "Which is brighter?")], batch.tokens_per_image)
+    ids = eng.prompt_tokens([user_turn(None, None, "Which is brighter?")], batch.tokens_per_image)
     positions, delta = eng.rope_positions(ids, batch)
     if setup.like == TINY_GEMMA3:
         assert positions is None and delta == 0
@@ -297,7 +215,7 @@ def test_decode_without_the_shift_diverges(qwen):
     """The shift is what makes the text model's decode right (so the
     identity tests above could fail)."""
     images = [synthetic_image(112, 112, 4)]  # 16 image tokens, delta -12
-    messages = [_user(None, "Describe it.")]
+    messages = [user_turn(None, "Describe it.")]
     want = reference(qwen, messages, images)
     assert_same(ours(qwen, messages, images), want)
     assert ours(qwen, messages, images, shift=False)[: len(want)] != want
@@ -309,13 +227,13 @@ def test_batched_decode_with_per_row_shifts(qwen):
     by its own delta after the merge."""
     from mlx_lm.models.cache import BatchKVCache
 
-    from workers.vision import shift_batch_rope
+    from workers.decode.shifted_rope import shift_batch_rope
 
-    requests = [([synthetic_image(56, 84, 1)], [_user(None, "What is in this picture?")]),
-                ([synthetic_image(112, 112, 4)], [_user("Please describe", None, "in detail.")])]
+    requests = [([synthetic_image(56, 84, 1)], [user_turn(None, "What is in this picture?")]),
+                ([synthetic_image(112, 112, 4)], [user_turn("Please describe", None, "in detail.")])]
     firsts, caches, deltas, wants = [], [], [], []
     for images, messages in requests:
-        _, first, cache, delta = _prefill(qwen, messages, images)
+        _, first, cache, delta = our_prefill(qwen, messages, images)
         firsts.append(first), caches.append(cache), deltas.append(delta)
         wants.append(reference(qwen, messages, images))
     assert deltas[0] != deltas[1]
@@ -333,16 +251,16 @@ def test_batched_decode_with_per_row_shifts(qwen):
 
 def test_ragged_decode_rows_carry_the_shift(qwen):
     """The decode worker's batch (mlx-lm BatchGenerator over
-    workers/ragged_kv.py rows, each with its own rope_shift)."""
-    ragged_kv = pytest.importorskip("workers.ragged_kv")
+    workers/decode/ragged_kv.py rows, each with its own rope_shift)."""
+    ragged_kv = pytest.importorskip("workers.decode.ragged_kv")
     if not hasattr(ragged_kv, "rows_of"):
-        pytest.skip("workers.ragged_kv has no rows_of")
+        pytest.skip("workers.decode.ragged_kv has no rows_of")
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.sample_utils import make_sampler
 
-    requests = [([synthetic_image(56, 84, 1)], [_user(None, "What is in this picture?")]),
-                ([synthetic_image(112, 112, 4)], [_user("Please describe", None, "in detail.")])]
-    from workers import mlx_hooks
+    requests = [([synthetic_image(56, 84, 1)], [user_turn(None, "What is in this picture?")]),
+                ([synthetic_image(112, 112, 4)], [user_turn("Please describe", None, "in detail.")])]
+    from workers.kernels import mlx_hooks
 
     assert mlx_hooks.install(qwen.text_model)
     gen = BatchGenerator(qwen.text_model, sampler=make_sampler(0.0), completion_batch_size=4,
@@ -350,7 +268,7 @@ def test_ragged_decode_rows_carry_the_shift(qwen):
     try:
         uids, firsts, wants = [], {}, {}
         for images, messages in requests:
-            _, first, cache, delta = _prefill(qwen, messages, images)
+            _, first, cache, delta = our_prefill(qwen, messages, images)
             (uid,) = gen.insert([[first]], max_tokens=[N_TOKENS - 1], caches=[ragged_kv.rows_of(cache, delta)])
             uids.append(uid)
             firsts[uid], wants[uid] = first, reference(qwen, messages, images)
@@ -373,15 +291,15 @@ def test_decode_engine_carries_each_requests_shift(qwen, ragged):
     with different rope deltas and a text one, the second image request
     joining while the others run, each greedy == mlx-vlm generate."""
     from protos.messages import DecodeRequest, KVHandoff, SamplingParams
-    from workers.decode import DecodeEngine
+    from workers.decode.engine import DecodeEngine
 
-    requests = [([synthetic_image(56, 84, 1)], [_user(None, "What is in this picture?")]),
-                ([], [_user("Tell me a story about a river.")]),
-                ([synthetic_image(112, 112, 4)], [_user("Please describe", None, "in detail.")])]
+    requests = [([synthetic_image(56, 84, 1)], [user_turn(None, "What is in this picture?")]),
+                ([], [user_turn("Tell me a story about a river.")]),
+                ([synthetic_image(112, 112, 4)], [user_turn("Please describe", None, "in detail.")])]
     engine = DecodeEngine(qwen.text_model, max_batch=4, ragged=ragged)
     got, wants, deltas = {}, {}, []
     for i, (images, messages) in enumerate(requests):
-        ids, first, cache, delta = _prefill(qwen, messages, images)
+        ids, first, cache, delta = our_prefill(qwen, messages, images)
         deltas.append(delta)
         rid = f"r{i}"
         wants[rid], got[rid] = reference(qwen, messages, images), [first]
@@ -403,8 +321,6 @@ def test_decode_engine_carries_each_requests_shift(qwen, ragged):
 
 
 def test_random_vlm_is_deterministic(tmp_path):
-    from tests.tiny_vlms import make_tiny_vlm
-
     def digest(folder):
         import hashlib
 
@@ -430,7 +346,7 @@ def test_a_vision_worker_reads_only_the_tower_and_projector(like, tmp_path_facto
 
     from mlx.utils import tree_flatten
 
-    from workers.vision import VisionEngine
+    from workers.vision.engine import VisionEngine
 
     folder = tiny_vlm(tmp_path_factory, like)
     gc.collect()
@@ -454,7 +370,8 @@ def test_qwen25_video_matches_mlx_vlm_generate(qwen, with_image):
     is mlx-vlm's token for token, the greedy answer too."""
     from mlx_vlm.generate.dispatch import stream_generate
 
-    from workers.vision import ImageBatch, decode_greedy, shift_rope
+    from protos.vision_layout import ImageBatch
+    from workers.decode.shifted_rope import shift_rope
 
     eng = qwen.engine
     assert eng.native_video

@@ -4,9 +4,9 @@ A conversation resends its picture every turn. Once the picture's KV is in
 the prefix cache, the turn's new tokens are text: the router tokenizes the
 placeholder runs as one token each (router/vision_prompt.py), VLMPrefillJob
 embeds only the text after the cached prefix and takes its M-RoPE positions
-from the rope delta the engine remembers (workers/vision.py), and on a CPU
+from the rope delta the engine remembers (workers/vision/engine.py), and on a CPU
 mlx-vlm's language model attends to the cached picture through
-workers/cpu_attention.py as the text model does. Each test counts the work
+workers/kernels/cpu_attention.py as the text model does. Each test counts the work
 taken another way or skipped; the answers stay mlx-vlm's.
 """
 
@@ -19,8 +19,13 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from tests.test_vision_engine import N_TOKENS, _setup, _user, assert_same, reference
-from tests.tiny_vlms import TINY_GEMMA3, TINY_QWEN3_VL, TINY_QWEN_VL, synthetic_image
+from tests.support import dispatcher
+from tests.support.cache_fakes import FakeEmbeddingStore
+from tests.support.decoding import decode_greedy
+from tests.support.tiny_vlms import TINY_GEMMA3, TINY_QWEN3_VL, TINY_QWEN_VL, synthetic_image
+from tests.support.vision import N_TOKENS, assert_same, our_prefill, ours, reference, user_turn, vlm_setup
+from workers.kv.block_hash import BlockHasher
+from workers.kv.prefix_base import PrefixCacheBase
 
 QWENS = (TINY_QWEN_VL, TINY_QWEN3_VL)
 ANSWER = "It is a picture of coloured squares on a grey ground."
@@ -28,34 +33,33 @@ ANSWER = "It is a picture of coloured squares on a grey ground."
 
 @pytest.fixture(scope="module", params=QWENS)
 def qwen(request, tmp_path_factory):
-    return _setup(tmp_path_factory, request.param)
+    return vlm_setup(tmp_path_factory, request.param)
 
 
 @pytest.fixture(scope="module", params=QWENS + (TINY_GEMMA3,))
 def any_vlm(request, tmp_path_factory):
-    return _setup(tmp_path_factory, request.param)
+    return vlm_setup(tmp_path_factory, request.param)
 
 
-class BlockPrefix:
+class BlockPrefix(PrefixCacheBase):
     """The block prefix cache as VLMPrefillJob uses it (fetch and store by
     image-aware block hashes), in memory: a fetch returns a copy of the
-    longest stored run of blocks."""
+    longest stored run of blocks. The rest of the one prefix-cache
+    interface is PrefixCacheBase's."""
 
     kind = "blocks"
+    reuses_blocks = True
 
     def __init__(self, block_size: int = 16):
-        from workers.block_hash import BlockHasher
-
-        self.block_size = block_size
-        self.hasher = BlockHasher(b"test", block_size)
+        super().__init__(None, None, BlockHasher(b"test", block_size))
         self.stored: list[tuple[list[bytes], list]] = []
 
-    def store(self, tokens, cache, owner="", per_block=None, host=None, later=None) -> int:
+    def store(self, tokens, cache, owner="", per_block=None, host=None, later=None, snapshot=None) -> int:
         hashes = self.hasher.hashes(tokens, per_block=per_block)
         self.stored.append((hashes, cache))
         return len(hashes)
 
-    def fetch(self, tokens, n_blocks, owner="", per_block=None):
+    def fetch(self, tokens, n_blocks, owner="", per_block=None, compute_s_per_token=None):
         want = self.hasher.hashes(tokens, n_blocks, per_block=per_block)
         blocks, cache = 0, None
         for hashes, stored in self.stored:
@@ -80,7 +84,7 @@ def _decoded(pixels: np.ndarray, where: str):
 
 
 def _answer(s, job) -> list[int]:
-    from workers.vision import decode_greedy, shift_rope
+    from workers.decode.shifted_rope import shift_rope
 
     result = job.run()
     delta = result.rope_offset - result.num_tokens
@@ -110,16 +114,14 @@ def test_a_follow_up_turn_embeds_and_positions_only_its_text(qwen, monkeypatch):
     turn 1). The answer is mlx-vlm's for the whole conversation."""
     from protos.messages import SamplingParams
     from router.vision_prompt import VisionPrompter
-    from workers.prefill_vlm import VLMPrefillJob
-
-    from tests.test_vision_qwen3vl import _Store
+    from workers.prefill.vlm import VLMPrefillJob
 
     eng, prompter = qwen.engine, VisionPrompter(qwen.folder)
     picture = synthetic_image(64, 96, 5)
     image = _decoded(np.asarray(picture), "messages[0].content[0].image_url")
-    turn1 = [_user(None, "What is in this picture? Tell me about every colour in it, please.")]
-    turn2 = turn1 + [{"role": "assistant", "content": ANSWER}, _user("And which shape is the largest one?")]
-    prefix, store = BlockPrefix(), _Store()
+    turn1 = [user_turn(None, "What is in this picture? Tell me about every colour in it, please.")]
+    turn2 = turn1 + [{"role": "assistant", "content": ANSWER}, user_turn("And which shape is the largest one?")]
+    prefix, store = BlockPrefix(), FakeEmbeddingStore()
     sampling = SamplingParams(max_tokens=N_TOKENS, temperature=0.0)
 
     ids, inputs = prompter.build(turn1, [image])
@@ -143,7 +145,7 @@ def test_a_follow_up_turn_embeds_and_positions_only_its_text(qwen, monkeypatch):
 def test_without_the_remembered_delta_the_whole_prompt_is_positioned(qwen, monkeypatch):
     """Another process (no turn 1 seen): the positions come from the whole
     prompt, cut at the cached length, and are the same."""
-    from workers.vision import ImageBatch
+    from protos.vision_layout import ImageBatch
 
     eng = qwen.engine
     ids, batch = _prompt(qwen, [synthetic_image(64, 96, 6)], "Tell me more about it")
@@ -163,14 +165,14 @@ def test_without_the_remembered_delta_the_whole_prompt_is_positioned(qwen, monke
 def _prompt(s, pictures, question: str, video=None):
     """(ids, the prompt's ImageBatch by size) for a user turn with pictures
     (and a video) and a question, then an answer and one more question."""
-    from workers.vision import ImageBatch
+    from protos.vision_layout import ImageBatch
 
     eng = s.engine
     parts = [None] * len(pictures) + [question]
-    messages = [_user(*parts)]
+    messages = [user_turn(*parts)]
     if video is not None:
         messages[0]["content"].insert(len(pictures), {"type": "video"})
-    messages += [{"role": "assistant", "content": ANSWER}, _user("And then? Say it in a few more words.")]
+    messages += [{"role": "assistant", "content": ANSWER}, user_turn("And then? Say it in a few more words.")]
     batches = [eng.sized(p.height, p.width) for p in pictures] + ([video] if video is not None else [])
     ids = eng.prompt_tokens(messages, [b.tokens_per_image[0] for b in batches[: len(pictures)]],
                             videos=[video] if video is not None else ())
@@ -218,19 +220,17 @@ def _visual_ids(eng) -> set[int]:
 
 def test_the_vlm_prefill_attends_through_cpu_attention(qwen, monkeypatch):
     """On a CPU, our prefill's attention (mlx-vlm's language model over the
-    text model's cache) takes workers/cpu_attention.py's fast-exp softmax;
+    text model's cache) takes workers/kernels/cpu_attention.py's fast-exp softmax;
     mlx-vlm's own generate, over its own caches, keeps MLX's."""
-    from workers import cpu_attention
-    from workers.loading import on_cpu
-
-    from tests.test_vision_engine import _prefill, ours
+    from workers.kernels import cpu_attention
+    from deploy.backend import on_cpu
 
     if not on_cpu() or os.environ.get("TANDEM_MLX_EXP"):
         pytest.skip("the CPU backend's fast-exp attention")
     pictures = [synthetic_image(64, 96, 3)]
-    messages = [_user(None, "What is in this picture?")]
+    messages = [user_turn(None, "What is in this picture?")]
     calls = _count_calls(monkeypatch, cpu_attention, "attention")
-    _prefill(qwen, messages, pictures)
+    our_prefill(qwen, messages, pictures)
     layers = len(qwen.engine.model.language_model.model.layers)
     assert len(calls) == layers  # the prompt's one chunk, its last token with it
     want = reference(qwen, messages, pictures)
@@ -242,8 +242,6 @@ def test_the_vlm_prefills_head_computes_its_last_position_only(any_vlm, monkeypa
     """The prompt's last token runs in its final chunk, and the language
     model's head (lm_head, or the tied embedding) runs over that one
     position (mlx_hooks.head_at); the answer stays mlx-vlm's."""
-    from tests.test_vision_engine import _prefill, ours
-
     lm = any_vlm.engine.model.language_model
     heads = []
     if "lm_head" in lm:
@@ -254,8 +252,8 @@ def test_the_vlm_prefills_head_computes_its_last_position_only(any_vlm, monkeypa
         as_linear = embed.as_linear
         monkeypatch.setattr(embed, "as_linear", lambda x: heads.append(x.shape[1]) or as_linear(x))
     pictures = [synthetic_image(64, 96, 4)]
-    messages = [_user(None, "What is in this picture?")]
-    ids, _, _, _ = _prefill(any_vlm, messages, pictures)
+    messages = [user_turn(None, "What is in this picture?")]
+    ids, _, _, _ = our_prefill(any_vlm, messages, pictures)
     assert len(ids) > 1 and heads == [1]
     monkeypatch.undo()
     assert_same(ours(any_vlm, messages, pictures), reference(any_vlm, messages, pictures))
@@ -287,7 +285,7 @@ def test_the_router_tokenizes_each_placeholder_run_as_one_token(any_vlm, monkeyp
         parts.append({"type": "video"})
         videos = [eng.sized_video(4, 64, 96, 2.0, [0.0, 0.5, 1.0, 1.5])]
     messages = [{"role": "user", "content": parts + [{"type": "text", "text": "What do you see?"}]},
-                {"role": "assistant", "content": ANSWER}, _user("And then?")]
+                {"role": "assistant", "content": ANSWER}, user_turn("And then?")]
     want = eng.prompt_tokens(messages, [eng.image_tokens([p.shape[:2]])[0] for p in pictures], videos=videos)
 
     texts = []
@@ -315,20 +313,18 @@ def test_prefill_takes_a_stored_picture_by_its_size_alone(qwen):
     from protos.messages import SamplingParams
     from router.dispatcher import _sized_only
     from router.vision_prompt import VisionPrompter
-    from workers.prefill_vlm import VLMPrefillJob
-
-    from tests.test_vision_qwen3vl import _Store
+    from workers.prefill.vlm import VLMPrefillJob
 
     picture = synthetic_image(64, 96, 8)
     image = _decoded(np.asarray(picture), "messages[0].content[0].image_url")
-    messages = [_user(None, "What is in this picture?")]
+    messages = [user_turn(None, "What is in this picture?")]
     ids, inputs = VisionPrompter(qwen.folder).build(messages, [image])
     sized = [_sized_only(im) for im in inputs]
     assert sized[0].pixels.shape == (64, 96, 0) and sized[0].pixels.nbytes == 0
     sampling = SamplingParams(max_tokens=N_TOKENS, temperature=0.0)
     with pytest.raises(CacheUnavailable):
-        VLMPrefillJob(qwen.engine, ids, sized, sampling, embeddings=_Store()).run()
-    store = _Store()
+        VLMPrefillJob(qwen.engine, ids, sized, sampling, embeddings=FakeEmbeddingStore()).run()
+    store = FakeEmbeddingStore()
     VLMPrefillJob(qwen.engine, ids, inputs, sampling, embeddings=store).run()  # encodes and stores
     job = VLMPrefillJob(qwen.engine, ids, sized, sampling, embeddings=store)
     got = _answer(qwen, job)
@@ -347,18 +343,16 @@ def test_the_router_sends_a_stored_picture_by_its_size_and_its_pixels_after_a_mi
     from protos.messages import (ImageInput, KVHandoff, PrefillDone, PrefillRequest, RequestFailed, VisionDone,
                                  VisionRequest)
 
-    from tests.test_dispatcher import request, run, wait_for
-
     pixels = np.zeros((32, 48, 3), np.uint8)
 
     async def body(disp, worker):
         vis, pre = worker("vision-0", ["vision"]), worker("prefill-0", ["prefill", "decode"])
         await vis.beat()
         await pre.beat()
-        await wait_for(lambda: len(disp.workers) == 2)
+        await dispatcher.wait_for(lambda: len(disp.workers) == 2)
 
         def with_image(rid):
-            r = request(rid, n=1)
+            r = dispatcher.request(rid, n=1)
             r.images = [ImageInput("h1", pixels, 0, 1)]
             return r
 
@@ -380,4 +374,4 @@ def test_the_router_sends_a_stored_picture_by_its_size_and_its_pixels_after_a_mi
             assert [e.token async for e in disp.generate(with_image(rid))] == [7]
             await player
 
-    run(body)
+    dispatcher.run(body)

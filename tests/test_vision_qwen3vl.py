@@ -1,6 +1,6 @@
-"""Qwen3-VL (workers/vision.py `_Qwen3VL`) against mlx-vlm's own generate.
+"""Qwen3-VL (workers/vision/adapters.py `Qwen3VL`) against mlx-vlm's own generate.
 
-A tiny random Qwen3-VL (benchmarks/random_vlm.py "tiny-qwen3-vl": interleaved
+A tiny random Qwen3-VL (benchmarks/random_models/vlm.py "tiny-qwen3-vl": interleaved
 M-RoPE, DeepStack from two vision blocks into two of three text layers):
 prefill through mlx-vlm's language model with the DeepStack rows carried
 beside the input embeddings, decode on mlx-lm's qwen3_vl text model with the
@@ -14,17 +14,24 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tests.test_vision_engine import N_TOKENS, _prefill, _setup, _user, assert_same, ours, reference
-from tests.tiny_vlms import TINY_QWEN3_VL, synthetic_image, tiny_vlm
+from tests.support.cache_fakes import FakeEmbeddingStore
+from tests.support.decoding import decode_greedy
+from tests.support.media import make_video
+from tests.support.server import TandemServer
+from tests.support.tiny_vlms import TINY_QWEN3_VL, synthetic_image, tiny_vlm
+from tests.support.vision import N_TOKENS, assert_same, our_prefill, ours, reference, user_turn, vlm_setup
+from tests.support.vision_chat import (ask, client_for, counters, data_url, image_part, refused, template_form,
+                                       text_part)
+from tests.support.vision_chat import reference as text_reference
 
 
 @pytest.fixture(scope="module")
 def q3(tmp_path_factory):
-    return _setup(tmp_path_factory, TINY_QWEN3_VL)
+    return vlm_setup(tmp_path_factory, TINY_QWEN3_VL)
 
 
-ONE = ([synthetic_image(64, 96, 1)], [_user(None, "What is in this picture?")])
-TWO = ([synthetic_image(64, 96, 1), synthetic_image(128, 64, 2)], [_user("Compare", None, "with", None, "please.")])
+ONE = ([synthetic_image(64, 96, 1)], [user_turn(None, "What is in this picture?")])
+TWO = ([synthetic_image(64, 96, 1), synthetic_image(128, 64, 2)], [user_turn("Compare", None, "with", None, "please.")])
 
 
 def _merged(batch):
@@ -53,16 +60,16 @@ def test_greedy_matches_mlx_vlm_generate(q3, case):
     images, messages = {"one image": ONE, "two images": TWO}.get(case, (None, None))
     if case == "mid-conversation":
         images = [synthetic_image(96, 96, 3)]
-        messages = [_user("Hello there, can you look at pictures?"),
+        messages = [user_turn("Hello there, can you look at pictures?"),
                     {"role": "assistant", "content": "Yes, send me one and I will describe it."},
-                    _user("Here it is:", None, "What colours do you see?")]
+                    user_turn("Here it is:", None, "What colours do you see?")]
     assert_same(ours(q3, messages, images), reference(q3, messages, images))
 
 
 def test_text_only_prompt_matches_mlx_lm(q3):
     from mlx_lm.generate import generate_step
 
-    messages = [_user("Tell me a story about a cat.")]
+    messages = [user_turn("Tell me a story about a cat.")]
     ids = q3.engine.prompt_tokens(messages, [])
     want = [int(t) for t, _ in generate_step(mx.array(ids), q3.text_model, max_tokens=N_TOKENS)]
     assert len(set(want)) >= 2
@@ -98,7 +105,8 @@ def test_video_matches_mlx_vlm_generate(q3, with_image):
     token, the greedy answer too. (Through the server: see
     test_a_video_part_through_the_router_prompt_and_prefill and
     test_served_end_to_end.)"""
-    from workers.vision import ImageBatch, decode_greedy, shift_rope
+    from protos.vision_layout import ImageBatch
+    from workers.decode.shifted_rope import shift_rope
 
     eng = q3.engine
     frames = [synthetic_image(64, 96, s) for s in range(4)]
@@ -136,9 +144,8 @@ def test_a_video_part_through_the_router_prompt_and_prefill(q3, tmp_path):
     from protos.messages import SamplingParams
     from router.media import DecodedImage, MediaLimits, decode_video_bytes, image_content_hash
     from router.vision_prompt import VisionPrompter
-    from tests.test_media import make_video
-    from workers.prefill_vlm import VLMPrefillJob
-    from workers.vision import decode_greedy, shift_rope
+    from workers.prefill.vlm import VLMPrefillJob
+    from workers.decode.shifted_rope import shift_rope
 
     eng = q3.engine
     where = "messages[0].content[1].video_url"
@@ -174,7 +181,7 @@ def test_a_video_part_through_the_router_prompt_and_prefill(q3, tmp_path):
                                 max_tokens=N_TOKENS, temperature=0.0):
         pass
     want = list(last.token_ids)
-    store = _Store()
+    store = FakeEmbeddingStore()
     for run in ("encoded", "from the store"):
         job = VLMPrefillJob(eng, ids, inputs, SamplingParams(max_tokens=N_TOKENS, temperature=0.0), embeddings=store)
         result = job.run()
@@ -220,7 +227,7 @@ def test_without_deepstack_the_answer_diverges(q3):
     ids = eng.prompt_tokens(messages, batch.tokens_per_image)
     logits = eng.prefill(ids, eng.input_embeddings(ids, features, batch), eng.rope_positions(ids, batch)[0],
                          eng.make_cache())
-    _, first, _, _ = _prefill(q3, messages, images)
+    _, first, _, _ = our_prefill(q3, messages, images)
     full = eng.prefill(ids, eng.input_embeddings(ids, eng.encode(batch), batch), eng.rope_positions(ids, batch)[0],
                        eng.make_cache())
     assert not mx.allclose(logits, full, atol=1e-3).item()
@@ -230,27 +237,10 @@ def test_without_deepstack_the_answer_diverges(q3):
 # ---------------------------------------------------------------- rope offset
 
 
-class _Store:
-    """The cache service's embedding store as prefill sees it: float32 rows
-    of `feature_dim` columns by content hash (workers/vision_cache.py)."""
-
-    def __init__(self):
-        self.rows, self.gets = {}, []
-
-    def get(self, content_hash, n_tokens, hidden, owner):
-        self.gets.append(hidden)
-        data = self.rows.get(content_hash)
-        return None if data is None else mx.array(data.reshape(n_tokens, hidden))
-
-    def put(self, content_hash, features, owner):
-        self.rows[content_hash] = np.array(features.astype(mx.float32)).reshape(-1)
-        return True
-
-
 def _job(q3, images, messages, store=None):
     from protos.messages import ImageInput, SamplingParams
     from router.vision_prompt import _runs
-    from workers.prefill_vlm import VLMPrefillJob
+    from workers.prefill.vlm import VLMPrefillJob
 
     eng = q3.engine
     ids = eng.prompt_tokens(messages, eng.image_tokens([(im.height, im.width) for im in images]))
@@ -265,11 +255,11 @@ def test_rope_offset_for_decode_after_an_image_prompt(q3):
     max(h, w) - h * w merged patches (negative); decode from that offset is
     mlx-vlm's answer, from n it is not. The second run takes the features
     from the embedding store ((1 + k) * hidden columns), by size alone."""
-    from workers.vision import decode_greedy, shift_rope
+    from workers.decode.shifted_rope import shift_rope
 
     images, messages = TWO
     want = reference(q3, messages, images)
-    store = _Store()
+    store = FakeEmbeddingStore()
     for run in ("encoded", "from the store"):
         ids, result, job = _job(q3, images, messages, store)
         merged = _merged(q3.engine.preprocess(images))
@@ -307,13 +297,13 @@ def test_decode_engine_carries_the_rope_offset(q3, ragged):
     """The decode worker's engine, given the handoff's rope offset: two
     image requests with different deltas and a text one, batched."""
     from protos.messages import DecodeRequest, KVHandoff, SamplingParams
-    from workers.decode import DecodeEngine
+    from workers.decode.engine import DecodeEngine
 
-    requests = [ONE, ([], [_user("Tell me a story about a river.")]), TWO]
+    requests = [ONE, ([], [user_turn("Tell me a story about a river.")]), TWO]
     engine = DecodeEngine(q3.text_model, max_batch=4, ragged=ragged)
     got, wants, deltas = {}, {}, []
     for i, (images, messages) in enumerate(requests):
-        ids, first, cache, delta = _prefill(q3, messages, images)
+        ids, first, cache, delta = our_prefill(q3, messages, images)
         deltas.append(delta)
         rid = f"r{i}"
         wants[rid], got[rid] = reference(q3, messages, images), [first]
@@ -335,7 +325,7 @@ def test_qwen3_vl_2b_shape_has_the_published_parameter_count():
     the table records, the vocabulary padded to the borrowed tokenizer."""
     import copy
 
-    from benchmarks.random_vlm import SHAPES, build_model, count_parameters
+    from benchmarks.random_models.vlm import SHAPES, build_model, count_parameters
 
     config = copy.deepcopy(SHAPES["qwen3-vl-2b"])
     for key in ("init", "image", "video", "dtype", "params"):
@@ -358,10 +348,6 @@ def test_served_end_to_end(request, tmp_path_factory):
     in one message are answered as mlx-vlm answers them."""
     from mlx_vlm.utils import VideoMetadata
 
-    from tests.server_harness import TandemServer
-    from tests.test_e2e_vision import ask, client_for, counters, data_url, image_part, template_form, text_part
-    from tests.test_e2e_vision import reference as text_reference
-
     folder = tiny_vlm(tmp_path_factory, TINY_QWEN3_VL)
     media = tmp_path_factory.mktemp("media")
     srv = TandemServer("--model", str(folder), "--no-disk-cache", "--block-size", "16",
@@ -383,7 +369,6 @@ def test_served_end_to_end(request, tmp_path_factory):
     assert answer == text_reference(folder, template_form(messages), [image]).lstrip(" ")
 
     from router.media import MediaLimits, decode_video_bytes
-    from tests.test_media import make_video
 
     data = make_video(media / "clip.mp4", frames=25, fps=10.0, size=(96, 64))
     video = decode_video_bytes(data, MediaLimits(), "v", 2.0, 4, "file", None)
@@ -412,8 +397,6 @@ def test_served_end_to_end(request, tmp_path_factory):
     assert answer == text_reference(folder, [{"role": "user", "content": [{"type": "image"}, {"type": "video"}, question]}],
                                     [image], video=[frames], video_metadata=meta).lstrip(" ")
 
-    from tests.test_e2e_vision import _refused
-
     make_video(media / "small.mp4", frames=4, size=(24, 24))  # under the video processor's 32 px
     small = {"type": "video_url", "video_url": {"url": f"file://{media}/small.mp4"}}
-    _refused(client, [text_part("Look:"), small], "messages[0].content[1].video_url", "cannot take this video")
+    refused(client, [text_part("Look:"), small], "messages[0].content[1].video_url", "cannot take this video")

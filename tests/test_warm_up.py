@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from workers import warm_up
-from workers.decode import DecodeEngine
+from workers.decode.engine import DecodeEngine
+from workers.prefill import batch as prefill_batch
 
 
 class RecordingPrefix:
@@ -67,8 +68,6 @@ def test_a_failing_warm_up_is_logged_not_raised(embedded_model, caplog):
 def test_a_batching_prefill_worker_warms_up_a_batch_of_two_follow_ups(embedded_model, monkeypatch):
     """Its two rows have cached prefixes and new tails of different lengths,
     so the batch's padded pass and its one token a row both run."""
-    from workers import prefill_batch
-
     model, _ = embedded_model
     batches = []
     real = prefill_batch.run_batch

@@ -30,7 +30,7 @@ class Outbox:
 
     A PUSH over inproc wakes the I/O thread's poller at once, so a decoded token
     waits for no polling interval before it leaves the process. The MLX thread
-    sends most; a prefill worker's store thread (workers/store_thread.py)
+    sends most; a prefill worker's store thread (workers/kv/store_thread.py)
     sends handoffs. One socket behind a lock, not one per thread, so that a
     handoff never overtakes the PrefillDone sent before it.
     """

@@ -7,22 +7,22 @@ fill their caches. A launchd service restarts with nobody watching, and its
 first client should not be the one who pays. So a worker runs a short prompt
 (two chunks: the second over the first's cache, as a follow-up turn does)
 and a few decode steps of it beside a shorter one, with greedy sampling,
-and a prefill worker two follow-ups of it in one batch (workers/prefill_batch.py),
+and a prefill worker two follow-ups of it in one batch (workers/prefill/batch.py),
 before it reports "ready": two rows of different lengths make a padded
 batch, whose steps take the decode attention of a busy server (on CUDA
-workers/cuda_decode_attention.py, whose kernels compile at their first
+workers/kernels/cuda_decode_attention.py, whose kernels compile at their first
 call). Nothing here reads or writes the prefix cache, counts in the
 metrics or in the loop clock: the engines' clocks are not set yet, the
 prefill engine here has no prefix cache, and the decode engine's is
 detached for the duration.
 
-Not done, measured (BENCHMARKS.md, session 12): a sweep of every prompt
+Not done, measured (docs/benchmarks-log.md, session 12): a sweep of every prompt
 size at start-up, to set up per-shape state before the first client. On
 MLX's CUDA backend that state is mostly CUDA graphs, one per new shape in a
 cache of 400; a sweep over every token count to 128 and every 8th to 512,
 over 64 and 1,536 cached tokens (12-32 s at start), filled that cache and
 left a follow-up picture turn as slow as before. Workers now run without
-CUDA graphs instead (workers/loading.py set_cuda_graphs).
+CUDA graphs instead (workers/models/loading.py set_cuda_graphs).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def warm_up(model, decode=None, batch: bool = False) -> float:
     prompts), also two follow-ups of it in one batch. Returns the seconds
     taken. Any failure is logged and swallowed: a worker that cannot warm up
     still serves (the first request then fails or pays, as it would have)."""
-    from workers.prefill_mlx import PrefillEngine
+    from workers.prefill.engine import PrefillEngine
 
     t0 = time.perf_counter()
     greedy = SamplingParams(max_tokens=DECODE_TOKENS + 1, temperature=0.0)
@@ -67,15 +67,15 @@ def warm_up(model, decode=None, batch: bool = False) -> float:
 
 
 def _batch(engine, tokens: list, cache: list, sampling: SamplingParams) -> None:
-    """Two follow-up prompts of `tokens` in one batch (workers/prefill_batch.py),
+    """Two follow-up prompts of `tokens` in one batch (workers/prefill/batch.py),
     over cached prefixes of different lengths (`cache`'s first tokens) and
     with new tails of different lengths: every kernel a batch runs (its
     padded pass, its one token a row over left padding, RoPE at a position
     per row) is set up. On an H100 a new process's first batches took 1-2 s
-    each without it (BENCHMARKS.md, session 17)."""
+    each without it (docs/benchmarks-log.md, session 17)."""
     from mlx_lm.models.cache import KVCache
 
-    from workers.prefill_batch import run_batch
+    from workers.prefill.batch import run_batch
 
     def head(n: int) -> list:
         out = []

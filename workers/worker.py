@@ -1,0 +1,249 @@
+"""A worker process's loop: one or more roles (prefill, decode, vision) over
+one copy of the weights.
+
+The main thread owns every MLX call: it loads the model, then runs the
+schedule below, in which each role (workers/prefill/role.py,
+workers/decode/role.py, workers/vision/role.py) does one unit of MLX work
+at a time. The socket loop thread (workers/socket_loop.py) moves messages
+to and from the router; the process main is workers/main.py.
+
+Scheduling inside the process is simple and bounded: between any two units of
+MLX work (one prefill chunk, one decode step) the inbox is drained, so a
+cancel lands within one step, and with both roles prefill chunks and decode
+steps alternate, so a long prompt never freezes the streams for its whole
+prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+import zmq
+
+from cache_service.arena import ArenaAttachment
+from cache_service.client import CacheClient
+from deploy.backend import on_cpu, on_cuda
+from deploy.model_folder import context_length, is_vlm
+from deploy.settings import Settings
+from protos.messages import Cancel, DecodeRequest, PrefillRequest, VisionRequest
+from workers.decode.engine import DecodeEngine
+from workers.decode.role import DecodeRole
+from workers.kv.prefix_cache import make_prefix_cache
+from workers.kv.store_thread import StoreThread
+from workers.loop_clock import LoopClock
+from workers.models.loading import hot_kv_bytes, load_model, size_buffer_cache
+from workers.prefill.engine import PrefillEngine
+from workers.prefill.role import PrefillRole
+from workers.role import request_failed
+from workers.socket_loop import Outbox, SocketLoop
+from workers.vision.role import VisionRole, load_vision
+from workers.warm_up import warm_up
+
+log = logging.getLogger(__name__)
+
+# Prefix-cache calls get a short deadline of their own: the service answers
+# in microseconds when alive, and a request is better off computing its
+# prompt than waiting the full cache_call_timeout_s for an optimisation.
+PREFIX_CALL_TIMEOUT_S = 1.0
+# The store thread's sends give up after this (the socket loop has stopped;
+# the router's deadline then fails the request) rather than block for ever.
+HANDOFF_SEND_S = 5.0
+
+
+class Worker:
+    """The sockets, the inbox and the schedule of one worker process, over
+    the roles `load` builds for `roles` (names: "prefill", "decode", "vision")."""
+
+    def __init__(self, settings: Settings, roles: list[str], worker_id: str, ctx: zmq.Context, loop: SocketLoop):
+        self.settings = settings
+        self.role_names = roles
+        self.worker_id = worker_id
+        self.ctx = ctx
+        self.loop = loop
+        self.hello = loop.hello
+        self.outbox: Outbox | None = None
+        self.cache: CacheClient | None = None
+        self.prefix_client: CacheClient | None = None
+        self.prefix = None  # workers.kv.prefix_base.PrefixCacheBase; None when caching is off
+        self.stores: StoreThread | None = None  # block stores off the MLX thread
+        self.arenas = ArenaAttachment()  # re-attaches when a restarted cache service has a new arena
+        self.prefill: PrefillRole | None = None
+        self.decode: DecodeRole | None = None
+        self.vision: VisionRole | None = None  # a VLM's; a prefill worker's too (images no vision worker encoded)
+        self.roles: list = []  # the role objects, each cancelled and counted alike
+        self.takes: dict[type, object] = {}  # request type -> the role that takes it
+        self.local_kv: dict[str, list] = {}  # colocated handoffs: the KV never leaves the process
+        self.stopping = False
+        self.clock = LoopClock(f"worker {worker_id}")
+
+    # ------------------------------------------------------------ set-up --
+    def load(self) -> None:
+        t0 = time.perf_counter()
+        names = self.role_names
+        size_buffer_cache(len(self.settings.worker_plan()))
+        self.cache = CacheClient(self.settings)
+        self.prefix_client = self.prefix_cache_client()
+        model = prefill = decode = vision = None
+        if "prefill" in names or "decode" in names:
+            model, _tokenizer = load_model(self.settings.model_dir)
+            self.prefix = self.make_prefix(model)
+        if "prefill" in names:
+            prefill = PrefillEngine(model, chunk_size=self.settings.prefill_chunk, prefix=self.prefix)
+        if ("prefill" in names or "vision" in names) and is_vlm(self.settings.model_dir):
+            vision = load_vision(self.settings.model_dir, model, self.prefix_client, self.arena_buf)
+        if "decode" in names:
+            decode = DecodeEngine(model, max_batch=self.settings.max_batch, prefix=self.prefix)
+        if model is not None and self.settings.warm_up:
+            batch = prefill is not None and self.settings.prefill_batch > 1
+            log.info("worker %s warmed up in %.2fs", self.worker_id, warm_up(model, decode, batch))
+        self.outbox = Outbox(self.ctx)
+        self.start_stores(prefill, decode)
+        self.build_roles(prefill, decode, vision)
+        self.hello.max_context = context_length(self.settings.model_dir)
+        self.hello.state = "ready"
+        log.info("worker %s %s ready in %.1fs (pid %d)", self.worker_id, "+".join(names),
+                 time.perf_counter() - t0, os.getpid())
+
+    def make_prefix(self, model):
+        hot = self.settings.hot_kv_bytes
+        if hot is None:
+            hot = hot_kv_bytes(on_cpu(), mx.device_info(), len(self.settings.worker_plan()))
+        return make_prefix_cache(model, self.settings.model_dir, self.settings.block_size, self.prefix_client,
+                                 self.arena_buf, hot_bytes=hot)
+
+    def start_stores(self, prefill: PrefillEngine | None, decode: DecodeEngine | None) -> None:
+        """The store thread, where it pays. A prefill's stores need the hot
+        tier (without it, the next prompt would miss blocks still being
+        stored); a decode worker's send the last token after the commit, and
+        pay off only on a GPU (a CPU's copies are cheap, and read KV that its
+        batch still writes)."""
+        prefix = self.prefix
+        prefill_stores = prefill is not None and prefix is not None and prefix.hot.enabled
+        decode_stores = decode is not None and prefix is not None and prefix.reuses_blocks and not on_cpu()
+        if not (prefill_stores or decode_stores):
+            return
+        outbox = self.outbox
+        self.stores = StoreThread(prefix, self.prefix_cache_client(), lambda msg: outbox.send(msg, wait_s=HANDOFF_SEND_S))
+        if decode_stores:
+            decode.stores = self.stores
+
+    def build_roles(self, prefill: PrefillEngine | None, decode: DecodeEngine | None, vision) -> None:
+        """The role objects over the loaded engines (`vision`: load_vision's)."""
+        common = dict(worker_id=self.worker_id, outbox=self.outbox, clock=self.clock, fail=self.fail)
+        if vision is not None:
+            self.vision = VisionRole(*vision, **common)
+            if "vision" in self.role_names:
+                self.takes[VisionRequest] = self.vision
+        if decode is not None:
+            # On CUDA a thread copies handoffs out of the arena (workers/decode/role.py).
+            reader = ThreadPoolExecutor(1, thread_name_prefix="handoff-read") if on_cuda() else None
+            self.decode = DecodeRole(decode, prefix=self.prefix, cache=self.cache, arena_buf=self.arena_buf,
+                                     local_kv=self.local_kv, reader=reader, **common)
+            self.takes[DecodeRequest] = self.decode
+        if prefill is not None:
+            self.prefill = PrefillRole(self.settings, prefill, prefix=self.prefix, cache=self.cache,
+                                       arena_buf=self.arena_buf, hello=self.hello, local_kv=self.local_kv,
+                                       colocated=self.decode is not None, stores=self.stores, vision=self.vision,
+                                       **common)
+            self.takes[PrefillRequest] = self.prefill
+        self.roles = [r for r in (self.vision, self.prefill, self.decode) if r is not None]
+
+    def prefix_cache_client(self) -> CacheClient:
+        """A cache client with the prefix cache's short deadline (one per thread)."""
+        return CacheClient(self.settings, timeout_s=min(self.settings.cache_call_timeout_s, PREFIX_CALL_TIMEOUT_S))
+
+    def arena_buf(self, name: str):
+        return self.arenas.get(name).buf
+
+    # ---------------------------------------------------------- main loop --
+    def serve(self) -> None:
+        self.clock = LoopClock(f"worker {self.worker_id}")  # from here: loading is not the loop's time
+        for role in self.roles:
+            role.clock = self.clock
+        for role in (self.decode, self.prefill):
+            if role is not None:
+                role.engine.clock = self.clock
+        while not self.stopping:
+            self.drain_inbox(block=not self.has_work())
+            if self.stopping:
+                break
+            if self.vision is not None and self.vision.has_work():
+                with self.clock.phase("vision"):
+                    self.vision.step()
+            if self.prefill is not None and self.prefill.has_work():
+                with self.clock.phase("prefill"):
+                    self.prefill.step()
+            if self.decode is not None and self.decode.reading:
+                busy = self.decode.engine.has_work or (self.prefill is not None and self.prefill.has_work())
+                self.decode.take_reads(wait=not busy)
+            if self.decode is not None and self.decode.engine.has_work:
+                self.decode.step()
+            if self.stores is not None:
+                self.stores.release_done()  # what its finished jobs read, freed on this (MLX) thread
+            self.update_load()
+            self.clock.maybe_report()
+
+    def has_work(self) -> bool:
+        return any(role.has_work() for role in self.roles)
+
+    def drain_inbox(self, block: bool) -> None:
+        timeout = 0.25 if block else None
+        while True:
+            try:
+                with self.clock.phase("wait"):
+                    msg = self.loop.inbox.get(block=block, timeout=timeout) if block else self.loop.inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if msg is None:  # stop signal from the socket loop or SIGTERM
+                self.stopping = True
+                return
+            # Taking in a handoff (reading its KV from the arena) is timed here.
+            with self.clock.phase(f"handle {type(msg).__name__}"):
+                self.handle(msg)
+
+    def handle(self, msg) -> None:
+        role = self.takes.get(type(msg))
+        if role is not None:
+            role.handle(msg)
+        elif isinstance(msg, Cancel):
+            self.cancel(msg.request_id)
+        else:
+            log.error("worker %s (%s) ignores %s", self.worker_id, "+".join(self.role_names), type(msg).__name__)
+
+    def fail(self, request_id: str, exc: Exception) -> None:
+        """Drop a request that `exc` broke, and tell the router why."""
+        log.error("request %s failed in worker %s", request_id, self.worker_id, exc_info=exc)
+        self.cancel(request_id, save=False)
+        self.outbox.send(request_failed(request_id, exc))
+
+    def cancel(self, request_id: str, save: bool = True) -> None:
+        """Drop a request wherever it is, in every role. A decoding request's
+        KV goes to the prefix cache (unless `save` is False: its batch is suspect)."""
+        for role in self.roles:
+            role.cancel(request_id, save=save)
+
+    def update_load(self) -> None:
+        self.hello.running = sum(role.running for role in self.roles)
+        self.hello.waiting = sum(role.waiting for role in self.roles)
+        self.hello.kv_bytes = self.decode.engine.kv_bytes if self.decode else 0
+        if self.prefix is not None:
+            self.hello.hot_kv_bytes, self.hello.hot_kv_hits = self.prefix.hot.nbytes, self.prefix.hot.hits
+
+    def close(self) -> None:
+        if self.decode:
+            self.decode.close()  # its reader thread
+        if self.stores:
+            self.stores.close()  # its queued handoffs go out first
+        if self.outbox:
+            self.outbox.close()
+        if self.cache:
+            self.cache.close()
+        if self.prefix_client:
+            self.prefix_client.close()
+        self.arenas.close()
