@@ -1,39 +1,28 @@
-"""The cache service process: owns the arena; answers handoff alloc/free,
-the prefix cache's lookup/release/reserve/commit, and stats.
-
-Started by the supervisor with multiprocessing's spawn context:
-`ctx.Process(target=run, args=(settings,))`. It binds a ROUTER at
-ipc_address(run_dir, "cache"); clients connect DEALERs. One thread, one
-socket, no blocking call without a timeout: the loop wakes at least every
-`_TICK_S` to expire reservations and notice SIGTERM/SIGINT.
+"""The cache service: owns the arena; answers handoff alloc/free, the
+prefix cache's lookup/release/reserve/commit, and stats. No socket here:
+cache_service/main.py is the process that feeds it messages, so a test
+drives a CacheService directly.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
 import time
 from typing import Any, Optional
 
-import zmq
 
 from cache_service.allocator import Allocator
-from cache_service.arena import Arena, new_arena_name
+from cache_service.arena import Arena
 from cache_service.block_index import BlockEntry, BlockIndex
 from cache_service.block_store import BlockStore
 from cache_service.disk_tier import DiskTier
-from deploy.logs import setup_logging
-from deploy.settings import Settings
 from protos.messages import (BlockRef, CacheAlloc, CacheAllocReply, CacheFree, CacheReply, CacheStats, KVCommit,
                              KVLookup, KVLookupReply, KVRelease, KVReserve, KVReserveReply)
-from protos.transport import ipc_address, make_socket, recv, send
 
 log = logging.getLogger(__name__)
 
 _TICK_S = 0.25  # longest sleep between expiry checks and stop-flag checks
-_BURST = 1000  # most messages served between two expiry passes
 _FLUSH_S = 1.0  # at stop, how long queued disk writes may take
 
 
@@ -154,106 +143,3 @@ class CacheService:
 
     def close(self) -> None:
         self.blocks.close(_FLUSH_S)
-
-
-def _open_disk_tier(settings: Settings) -> Optional[DiskTier]:
-    """The disk tier of settings.cache_dir; None when off or unusable (the
-    service then runs memory-only rather than not at all)."""
-    if not settings.cache_dir:
-        return None
-    try:
-        return DiskTier(settings.cache_dir, settings.cache_disk_bytes)
-    except OSError as exc:
-        log.error("KV disk tier off: cannot use %s: %s", settings.cache_dir, exc)
-        return None
-
-
-def run(settings: Settings, ready=None) -> None:
-    """Process main. `ready` (a multiprocessing Event, optional) is set once
-    the socket is bound. Returns (exit 0) after SIGTERM/SIGINT."""
-    setup_logging(settings.log_level, "cache")
-    stop = []
-    if threading.current_thread() is threading.main_thread():  # only there can Python take signals
-        handler = lambda signum, frame: stop.append(signum)
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
-
-    name = settings.arena_name
-    if not name:
-        name = new_arena_name()
-        log.warning("no arena_name set; using %s (nobody else can clean it up after a kill)", name)
-    arena = Arena.create(name, settings.cache_memory_bytes)
-    ctx = zmq.Context()
-    sock = service = None
-    try:
-        service = CacheService(arena, settings.cache_memory_bytes, _open_disk_tier(settings))
-        os.makedirs(settings.run_dir, exist_ok=True)
-        sock = make_socket(ctx, zmq.ROUTER)
-        address = ipc_address(settings.run_dir, "cache")
-        sock.bind(address)
-        log.info("serving arena %s (%d bytes of memory) at %s", arena.name, arena.size, address)
-        disk = service.blocks.disk
-        if disk is None:
-            log.info("KV disk tier off")
-        else:
-            st = disk.stats()
-            log.info("KV disk tier %s: %d bytes at most; found %d blocks (%d bytes)",
-                     disk.root, disk.capacity_bytes, st["disk_blocks"], st["disk_bytes"])
-        if ready is not None:
-            ready.set()
-        _serve(sock, service, stop)
-        log.info("stopping on signal %s", stop[0])
-    finally:
-        if sock is not None:
-            sock.close(linger=0)
-        ctx.term()
-        if service is not None:
-            service.close()  # queued disk writes still read the arena
-        arena.close()
-        arena.unlink()
-
-
-def _serve(sock: zmq.Socket, service: CacheService, stop: list) -> None:
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    while not stop:
-        service.tick()
-        # pyzmq retries the poll after a signal handler ran, so a stop can take
-        # up to one wait to be seen; the wait is at most _TICK_S.
-        if not poller.poll(service.wait_s() * 1000):
-            continue
-        # Serve a burst in one go, but bounded so a flood cannot starve expiry.
-        for _ in range(_BURST):
-            if stop:
-                break
-            try:
-                peer, msg = recv(sock, routed=True, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            except zmq.ZMQError:
-                raise  # a broken socket is fatal; the supervisor restarts us
-            except Exception:  # the codec can still trip on hostile input; never die of it
-                log.exception("dropped a message that failed to decode")
-                continue
-            if msg is None:
-                continue  # undecodable; transport.recv logged it
-            _answer(sock, service, peer, msg)
-
-
-_ERROR_REPLY = {CacheAlloc: CacheAllocReply, KVLookup: KVLookupReply, KVReserve: KVReserveReply}
-
-
-def _answer(sock: zmq.Socket, service: CacheService, peer: bytes, msg: Any) -> None:
-    try:
-        reply = service.handle(msg)
-    except Exception:  # a handler bug must cost one call, not the service
-        log.exception("handler failed on %s", type(msg).__name__)
-        reply_type = _ERROR_REPLY.get(type(msg), CacheReply)
-        reply = reply_type(call_id=getattr(msg, "call_id", -1), ok=False, error="internal error in cache service")
-    if reply is None:
-        log.error("ignored unexpected message %s from %r", type(msg).__name__, peer)
-        return
-    try:
-        send(sock, reply, to=peer, flags=zmq.NOBLOCK)
-    except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or its queue full
-        log.warning("could not reply to %r: %s", peer, exc)

@@ -73,10 +73,10 @@ class Supervisor:
         self.settings = replace(self.settings, arena_name=f"tandem-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
     def _plan(self) -> None:
-        self.children.append(Child("cache", "cache_service.service:run", lambda: (self.settings,)))
+        self.children.append(Child("cache", "cache_service.main:run", lambda: (self.settings,)))
         for name, roles in self.settings.worker_plan():
             self._worker(name, roles)
-        self.children.append(Child("router", "router.server:run", lambda: (self.settings,)))
+        self.children.append(Child("router", "router.main:run", lambda: (self.settings,)))
 
     def _worker(self, name: str, roles: list[str]) -> None:
         self.children.append(Child(name, "workers.main:run", lambda: (self.settings, roles, name)))

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from cache_service import service  # noqa: E402
+from cache_service import main as cache_main  # noqa: E402
 from cache_service.arena import Arena, new_arena_name, unlink_arena  # noqa: E402
 from cache_service.client import CacheClient  # noqa: E402
 from deploy.settings import Settings  # noqa: E402
@@ -115,7 +115,7 @@ class Service:
                                  arena_name=new_arena_name("tbench"), cache_memory_bytes=256 << 20)
         ctx = mp.get_context("spawn")
         ready = ctx.Event()
-        self.proc = ctx.Process(target=service.run, args=(self.settings, ready), daemon=True)
+        self.proc = ctx.Process(target=cache_main.run, args=(self.settings, ready), daemon=True)
         self.proc.start()
         if not ready.wait(60):
             raise RuntimeError("cache service did not start")

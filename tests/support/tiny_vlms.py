@@ -24,7 +24,7 @@ import numpy as np
 TINY_QWEN_VL = "tiny-qwen2.5-vl"
 TINY_GEMMA3 = "tiny-gemma3"
 TINY_VLMS = (TINY_QWEN_VL, TINY_GEMMA3)
-# Tested on its own (tests/test_vision_qwen3vl.py): the tests over TINY_VLMS
+# Tested on its own (tests/workers/vision/test_vision_qwen3vl.py): the tests over TINY_VLMS
 # assume 14 px patches.
 TINY_QWEN3_VL = "tiny-qwen3-vl"
 

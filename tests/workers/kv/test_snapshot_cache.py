@@ -356,7 +356,7 @@ def _roles(settings, client, arenas, decode_engine):
 
 
 def test_real_cache_service_snapshot_and_handoff(models, model_dirs, tmp_path):
-    from cache_service import service
+    from cache_service import main as cache_main
     from cache_service.arena import ArenaAttachment, new_arena_name, unlink_arena
     from deploy.settings import Settings
 
@@ -365,7 +365,7 @@ def test_real_cache_service_snapshot_and_handoff(models, model_dirs, tmp_path):
     settings = Settings(run_dir=str(tmp_path), cache_dir=None, arena_name=new_arena_name("tsc"),
                         cache_memory_bytes=32 << 20, block_size=BS, cache_call_timeout_s=5.0)
     ready = ctx.Event()
-    proc = ctx.Process(target=service.run, args=(settings, ready), daemon=True)
+    proc = ctx.Process(target=cache_main.run, args=(settings, ready), daemon=True)
     proc.start()
     arenas = ArenaAttachment()
     client = CacheClient(settings)

@@ -20,7 +20,7 @@ from deploy.settings import Settings
 from protos.messages import SamplingParams
 from router.app import Generation, create_app
 from router.engine_api import EngineError, GenerationRequest
-from router.server import uvicorn_config
+from router.main import uvicorn_config
 from router.text_stream import TextStream, TokenBytes
 from tests.support.fake_engine import FakeEngine, build_tokenizer
 

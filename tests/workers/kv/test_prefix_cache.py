@@ -1,291 +1,29 @@
-"""The worker half of the shared prefix cache: block hashes, the block layout,
-prefill reusing cached blocks, decode committing a finished conversation.
-
-Engines run real MLX on a tiny random llama (and once on the embedded model).
-The cache service is `FakeCacheService` (in memory, tests/support/cache_fakes.py) unless a
-test says otherwise; the real service is used where its client has the calls.
-Greedy output with cache hits must equal mlx-lm's own generation (no cache).
-"""
+"""Prefill reusing cached blocks and decode committing a finished
+conversation (workers/kv/prefix_cache.py), against the fake cache service and
+the real one. Greedy output with cache hits must equal mlx-lm's own
+generation (no cache)."""
 
 from __future__ import annotations
 
-import json
-import logging
 import multiprocessing as mp
-import os
-import subprocess
-import sys
-import threading
 from typing import List
 
 import mlx.core as mx
-import numpy as np
 import pytest
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache
 
 from cache_service.client import CacheClient
 from protos.messages import BlockRef, DecodeRequest, KVHandoff, SamplingParams
 from tests.support.cache_fakes import FakeCacheService
+from tests.support.prefix import filled_kv, prefix_for, run_request
 from tests.support.tiny_models import Counting, greedy, prompt_of, reference
-from workers.kv.block_hash import SEED, BlockHasher, block_extra, model_fingerprint
 from workers.decode.engine import DecodeEngine
-from workers.kv.blocks import KVLayout, block_nbytes, kv_layout, probe_kv_layout, read_blocks, unblockable_reason, write_blocks
+from workers.kv.block_hash import BlockHasher
+from workers.kv.blocks import kv_layout
 from workers.kv.prefix_cache import PrefixCache, make_prefix_cache
 from workers.prefill.engine import PrefillEngine
 
 BS = 8  # small blocks: short prompts span several
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-# ------------------------------------------------------------------ helpers --
-def prefix_for(model, model_dir, client, block_size=BS) -> PrefixCache:
-    prefix = make_prefix_cache(model, str(model_dir), block_size, client, client.buffer)
-    assert prefix is not None
-    return prefix
-
-
-def run_request(model, prefix, prompt, sp, rid="r", chunk=16):
-    """Prefill (reusing/storing blocks) then decode to the end with the same
-    prefix cache. Returns (all tokens, prefill result)."""
-    res = PrefillEngine(model, chunk_size=chunk, prefix=prefix).run(prompt, sp, owner=rid)
-    decode = DecodeEngine(model, max_batch=4, prefix=prefix)
-    decode.add(DecodeRequest(rid, prompt, res.first_token, KVHandoff(rid, res.num_tokens, res.rope_offset), sp),
-               res.cache)
-    tokens = [res.first_token]
-    while decode.has_work:
-        tokens += [u.token for u in decode.step()]
-        decode.commit_finished()
-    return tokens, res
-
-
-# ------------------------------------------------------------- block hashes --
-def test_block_hashes_chain():
-    hasher = BlockHasher(block_extra(b"f" * 32, "float32", 4), 4)
-    toks = list(range(100, 118))  # 4 full blocks + 2 tokens
-    hs = hasher.hashes(toks)
-    assert len(hs) == 4 and all(len(h) == 32 for h in hs) and len(set(hs)) == 4
-    assert hasher.hashes(toks[:16]) == hs  # the partial block never gets a key
-    assert hasher.hashes(toks, 2) == hs[:2]
-    other = toks[:5] + [999] + toks[6:]  # one token changed in block 1
-    ho = hasher.hashes(other)
-    assert ho[0] == hs[0] and all(a != b for a, b in zip(ho[1:], hs[1:]))  # chained
-    # Every extra key matters: weights, dtype, block size.
-    for extra in (block_extra(b"g" * 32, "float32", 4), block_extra(b"f" * 32, "float16", 4),
-                  block_extra(b"f" * 32, "float32", 4, adapter="lora")):
-        assert BlockHasher(extra, 4).hashes(toks)[0] != hs[0]
-    assert BlockHasher(block_extra(b"f" * 32, "float32", 2), 4).hashes(toks)[0] != hs[0]
-    # Per-block extra (image hashes later): changes that block and all after.
-    hi = hasher.hashes(toks, per_block=lambda i: b"img" if i == 2 else b"")
-    assert hi[:2] == hs[:2] and hi[2] != hs[2] and hi[3] != hs[3]
-    with pytest.raises(ValueError):
-        hasher.hashes([-1] * 4)
-    assert SEED != hs[0]
-
-
-def test_tail_keys_name_their_prefix_and_their_length():
-    """A tail block (the tokens after a conversation's last full block) is
-    keyed by its parent block, its exact tokens and the model's extra: never
-    a full block's key; its candidates come longest first, within a block
-    and the given end."""
-    hasher = BlockHasher(block_extra(b"f" * 32, "float32", 4), 4)
-    toks = list(range(100, 111))  # 2 full blocks + 3
-    hs = hasher.hashes(toks)
-    t = hasher.tail_key(hs[-1], toks[8:11])
-    assert len(t) == 32 and t not in hs and t not in hasher.hashes(toks[:8] + toks[8:11] + [5])
-    assert t != hasher.tail_key(hs[-1], toks[8:10]) and t != hasher.tail_key(hs[0], toks[8:11])
-    assert t != BlockHasher(block_extra(b"g" * 32, "float32", 4), 4).tail_key(hs[-1], toks[8:11])
-    assert hasher.tail_keys(toks, hs[-1], 8, 11) == [(k, hasher.tail_key(hs[-1], toks[8:8 + k])) for k in (3, 2, 1)]
-    assert [k for k, _ in hasher.tail_keys(toks, hs[-1], 8, 10)] == [2, 1]
-    assert hasher.tail_keys(toks, hs[-1], 8, 8) == []
-    assert [k for k, _ in hasher.tail_keys(list(range(40)), hs[0], 4, 40)] == [3, 2, 1]  # less than a block
-    for bad in (toks[:4], []):
-        with pytest.raises(ValueError):
-            hasher.tail_key(hs[-1], bad)
-
-
-def test_block_hashes_reuse_a_shared_leading_run_and_stay_exact(monkeypatch):
-    """A prompt is hashed for its lookup, its handoff's lease and its store,
-    and a swarm's prompts share a system prompt: the hasher reuses the keys
-    of the leading run it computed last and hashes only the rest. Every
-    answer equals a fresh hasher's, whatever came before it."""
-    import random
-
-    import workers.kv.block_hash as bh
-
-    extra = block_extra(b"f" * 32, "float32", 4)
-    fresh = lambda toks, n=None, per_block=None: BlockHasher(extra, 4).hashes(toks, n, per_block)  # noqa: E731
-    hasher = BlockHasher(extra, 4)
-    system = list(range(100, 164))  # 16 blocks every prompt starts with
-    img = lambda i: b"img" if i == 3 else b""  # noqa: E731
-    rng = random.Random(0)
-    calls = [(system + [rng.randrange(1000) for _ in range(rng.randrange(0, 30))], rng.choice([None, 5, 40]),
-              rng.choice([None, None, img])) for _ in range(40)]
-    calls += [(system[:30], None, None), (list(range(500, 540)), None, None), (system, None, None)]
-    real_sha = bh.hashlib.sha256
-    counted = []
-
-    def counting_sha(*a):
-        counted.append(1)
-        return real_sha(*a)
-
-    for toks, n, per_block in calls:
-        monkeypatch.setattr(bh.hashlib, "sha256", real_sha)
-        want = fresh(toks, n, per_block)
-        monkeypatch.setattr(bh.hashlib, "sha256", counting_sha)
-        assert hasher.hashes(toks, n, per_block) == want
-    counted.clear()
-    prompt = system + list(range(900, 923))  # 21 full blocks + 3 tokens
-    hasher.hashes(prompt, 20)  # its lookup: (n-1)//bs blocks
-    hasher.hashes(prompt)  # its lease: all full blocks
-    hasher.hashes(prompt)  # its store
-    assert len(counted) == 5  # the 16 system blocks were hashed already; then blocks 16-20, once
-    counted.clear()
-    swarm = [system + [2000 + 40 * a + i for i in range(12 + a)] for a in range(10)]
-    for toks in swarm:
-        hasher.hashes(toks)
-    assert len(counted) == sum(len(t) // 4 - 16 for t in swarm)  # the system prompt's blocks: never again
-
-
-def test_block_hashes_same_in_another_process(tiny_dir):
-    """No per-process salt: a fresh interpreter (other PYTHONHASHSEED) and a
-    restart compute the very same keys and fingerprint."""
-    toks = prompt_of(70, 1)
-    fp = model_fingerprint(tiny_dir)
-    mine = [h.hex() for h in BlockHasher(block_extra(fp, "float32", 16), 16).hashes(toks)]
-    code = ("import json,sys; from workers.kv.block_hash import *; "
-            "a=json.loads(sys.argv[1]); fp=model_fingerprint(a['dir']); "
-            "print(json.dumps([h.hex() for h in BlockHasher(block_extra(fp,'float32',16),16).hashes(a['toks'])]))")
-    env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    env.pop("LD_PRELOAD", None)
-    out = subprocess.run([sys.executable, "-c", code, json.dumps({"dir": str(tiny_dir), "toks": toks})],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=True)
-    assert json.loads(out.stdout) == mine and len(mine) == 4
-
-
-def test_model_fingerprint(tmp_path):
-    a = tmp_path / "a"
-    a.mkdir()
-    (a / "config.json").write_text('{"x": 1}')
-    (a / "model.safetensors").write_bytes(b"\0" * (3 << 20))
-    fp = model_fingerprint(a)
-    assert len(fp) == 32 and model_fingerprint(a) == fp
-    b = tmp_path / "b"  # same files, another folder name (GGUF folders are named by its hash)
-    b.mkdir()
-    for f in a.iterdir():
-        (b / f.name).write_bytes(f.read_bytes())
-    assert model_fingerprint(b) != fp
-    data = bytearray((a / "model.safetensors").read_bytes())
-    data[-10] = 1  # a change in the last MiB
-    (a / "model.safetensors").write_bytes(bytes(data))
-    fp2 = model_fingerprint(a)
-    assert fp2 != fp
-    (a / "config.json").write_text('{"x": 2}')
-    assert model_fingerprint(a) != fp2
-
-
-# ------------------------------------------------------------- block layout --
-def _filled(dtype, tokens, seed, layers=3, heads=2, dk=16, dv=8):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(layers):
-        c = KVCache()
-        for n in (tokens - 5, 5):  # grown through update_and_fetch: strided live part
-            k = mx.array(rng.standard_normal((1, heads, n, dk)).astype(np.float32)).astype(dtype)
-            v = mx.array(rng.standard_normal((1, heads, n, dv)).astype(np.float32)).astype(dtype)
-            c.update_and_fetch(k, v)
-        out.append(c)
-    return out
-
-
-@pytest.fixture(params=["host", "device"])
-def copy_path(request, monkeypatch):
-    """Both ways blocks are rearranged: with numpy on the host (MLX's CPU
-    backend) and with MLX ops (a GPU); they must write the same bytes."""
-    from workers.kv import arena_io
-
-    monkeypatch.setattr(arena_io, "rearrange_on_host", lambda: request.param == "host")
-    return request.param
-
-
-@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-def test_blocks_roundtrip_exact(dtype, copy_path):
-    cache = _filled(dtype, 45, 0)
-    layout = kv_layout(cache, BS)
-    item = {mx.float32: 4, mx.float16: 2, mx.bfloat16: 2}[dtype]
-    assert block_nbytes(layout) == 3 * 2 * (16 + 8) * BS * item
-    assert layout.dtype == str(dtype).split(".")[-1]
-    nb = block_nbytes(layout)
-    buf = bytearray(20 * nb)
-    # Blocks 0..4 land out of order and apart, as an arena hands them out.
-    offsets = [7 * nb, 1 * nb, 12 * nb, 3 * nb, 9 * nb]
-    assert write_blocks(buf, offsets[:2], cache, 0, layout) == 2 * nb
-    write_blocks(buf, offsets[2:], cache, 2, layout)
-    back = read_blocks(buf, offsets[:4], layout)  # the first 4 blocks
-    buf[:] = bytes(len(buf))  # the rebuilt cache owns its memory
-    for a, b in zip(cache, back):
-        assert b.offset == 4 * BS and b.keys.dtype == dtype
-        assert mx.array_equal(a.keys[..., :32, :], b.keys)
-        assert mx.array_equal(a.values[..., :32, :], b.values)
-    with pytest.raises(ValueError, match="tokens"):
-        write_blocks(bytearray(10 * nb), [0, nb, 2 * nb, 3 * nb, 4 * nb, 5 * nb], cache, 0, layout)  # 48 > 45
-    with pytest.raises(ValueError, match="outside"):
-        read_blocks(bytearray(nb), [1], layout)
-    with pytest.raises(ValueError, match="layout"):
-        write_blocks(buf, [0], cache, 0, KVLayout(layout.layers, "float32" if item == 2 else "float16", BS))
-
-
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_both_copy_paths_write_the_same_bytes_and_read_them_back(dtype, monkeypatch):
-    from workers.kv import arena_io, blocks
-
-    cache = _filled(dtype, 40, 3)
-    layout = kv_layout(cache, BS)
-    nb = block_nbytes(layout)
-    written = {}
-    for host in (True, False):
-        monkeypatch.setattr(arena_io, "rearrange_on_host", lambda host=host: host)
-        buf = bytearray(6 * nb)
-        write_blocks(buf, [4 * nb, 0, 2 * nb], cache, 1, layout)  # blocks 1..3, scattered
-        written[host] = bytes(buf)
-    assert written[True] == written[False]
-    for host in (True, False):
-        monkeypatch.setattr(arena_io, "rearrange_on_host", lambda host=host: host)
-        keys, values = blocks.read_blocks_stacked(bytearray(written[not host]), [4 * nb, 0, 2 * nb], layout)
-        assert keys.shape == (3, 2, 3 * BS, 16) and values.shape == (3, 2, 3 * BS, 8)
-        for i, c in enumerate(cache):
-            assert mx.array_equal(keys[i:i + 1], c.keys[..., BS:4 * BS, :])
-            assert mx.array_equal(values[i:i + 1], c.values[..., BS:4 * BS, :])
-
-
-def test_blocks_roundtrip_layers_of_different_shapes(copy_path):
-    cache = _filled(mx.float16, 20, 1, layers=1) + _filled(mx.float16, 20, 2, layers=1, heads=4, dk=8, dv=32)
-    layout = kv_layout(cache, BS)
-    assert len(set(layout.layers)) == 2
-    nb = block_nbytes(layout)
-    buf = bytearray(3 * nb)
-    write_blocks(buf, [2 * nb, 0], cache, 0, layout)
-    back = read_blocks(buf, [2 * nb, 0], layout)
-    for a, b in zip(cache, back):
-        assert b.offset == 16 and b.keys.shape == a.keys[..., :16, :].shape
-        assert mx.array_equal(a.keys[..., :16, :], b.keys) and mx.array_equal(a.values[..., :16, :], b.values)
-
-
-def test_caches_that_cannot_be_blocked(caplog):
-    assert unblockable_reason([KVCache(), KVCache()]) is None
-    assert "sliding window" in unblockable_reason([KVCache(), RotatingKVCache(max_size=8)])
-    assert "recurrent" in unblockable_reason([ArraysCache(2)])
-
-    class SlidingModel:  # what make_prompt_cache sees of a sliding-window model
-        def make_cache(self):
-            return [KVCache(), RotatingKVCache(max_size=64)]
-
-    with pytest.raises(TypeError, match="RotatingKVCache"):
-        probe_kv_layout(SlidingModel(), BS)
-    # Such a model gets snapshots instead (tests/test_snapshot_cache.py); one
-    # that cannot even be probed (this fake has no forward pass) runs uncached.
-    with caplog.at_level(logging.INFO, logger="workers.kv"):
-        assert make_prefix_cache(SlidingModel(), ".", BS, FakeCacheService(), None) is None
-    assert "prefix caching off" in caplog.text and "layer 1 is RotatingKVCache" in caplog.text
 
 
 # ---------------------------------------------------------- prefill and decode --
@@ -321,7 +59,6 @@ def test_cold_partial_and_full_hits_match_mlx_lm(model, tiny_dir):
     assert prefix.stats.failures == 0
 
 
-
 def _assert_reads_back(prefix, tokens, cache, blocks):
     """`prefix` serves the first `blocks` full blocks of `tokens`, equal to `cache`'s KV."""
     got, hit = prefix.fetch(tokens + [0], blocks, "reader")
@@ -336,14 +73,14 @@ def test_new_blocks_are_stored_from_a_host_copy_of_the_tail(dtype, tiny_dir, mod
     already in host memory (on a GPU: no second device-to-host transfer);
     the blocks read back equal the KV, and a tail that starts after the first
     new block leaves the store to the device copy."""
-    from workers.kv import arena_io, blocks, handoff
     import workers.kv.prefix_cache as pc
+    from workers.kv import arena_io, blocks, handoff
     from workers.kv.hot_blocks import tail_of
 
     monkeypatch.setattr(arena_io, "rearrange_on_host", lambda: False)  # the GPU path, where it matters
     device_copies = []
     monkeypatch.setattr(pc, "blocks_for_write", lambda *a: device_copies.append(a) or blocks.blocks_for_write(*a))
-    cache = _filled(dtype, 45, 5)  # 5 full blocks
+    cache = filled_kv(dtype, 45, 5)  # 5 full blocks
     tokens = prompt_of(45, 9)
     layout = kv_layout(cache, BS)
     fake = FakeCacheService()
@@ -376,7 +113,7 @@ def test_a_store_from_host_copies_can_be_written_by_another_thread(tiny_dir, mod
     from workers.kv.hot_blocks import tail_of
 
     monkeypatch.setattr(arena_io, "rearrange_on_host", lambda: False)  # the GPU path: host copies vs device copies
-    cache = _filled(mx.float32, 45, 6)  # 5 full blocks
+    cache = filled_kv(mx.float32, 45, 6)  # 5 full blocks
     tokens = prompt_of(45, 11)
     layout = kv_layout(cache, BS)
     fake = FakeCacheService()
@@ -550,8 +287,8 @@ def test_a_gpu_decode_worker_commits_on_its_store_thread_then_sends_the_last_tok
     commit ran on the MLX thread or the last token overtook its commit."""
     import threading
 
-    from workers.kv import arena_io
     from protos.messages import TokenBatch
+    from workers.kv import arena_io
     from workers.kv.store_thread import StoreThread
 
     monkeypatch.setattr(arena_io, "rearrange_on_host", lambda: False)
@@ -732,7 +469,7 @@ def _lookup_in_fresh_process(run_dir: str, model_dir: str, prompt: List[int], q)
 
 @pytest.mark.skipif(not _real_client_ready(), reason="CacheClient has no prefix-cache calls yet")
 def test_real_cache_service_roundtrip(model, tiny_dir, tmp_path):
-    from cache_service import service
+    from cache_service import main as cache_main
     from cache_service.arena import ArenaAttachment, new_arena_name, unlink_arena
     from deploy.settings import Settings
 
@@ -740,7 +477,7 @@ def test_real_cache_service_roundtrip(model, tiny_dir, tmp_path):
     settings = Settings(run_dir=str(tmp_path), cache_dir=None, arena_name=new_arena_name("tpw"),
                         cache_memory_bytes=64 << 20, block_size=BS, cache_call_timeout_s=5.0)
     ready = ctx.Event()
-    proc = ctx.Process(target=service.run, args=(settings, ready), daemon=True)
+    proc = ctx.Process(target=cache_main.run, args=(settings, ready), daemon=True)
     proc.start()
     arenas = ArenaAttachment()
     client = CacheClient(settings)
@@ -791,215 +528,3 @@ def test_silent_cache_service_times_out_without_failing(model, tiny_dir, tmp_pat
         client.close()
         silent.close(linger=0)
         ctx.term()
-
-
-@pytest.fixture(params=["ours", "mlx-lm's"])
-def attention(request, monkeypatch):
-    """This backend's attention of ours (workers/kernels/mlx_hooks.py), or mlx-lm's
-    own with its mask (what a Mac's GPU runs)."""
-    from workers.kernels import mlx_hooks
-
-    if request.param != "ours":
-        monkeypatch.setenv("TANDEM_MLX_EXP", "1")
-        monkeypatch.setenv("TANDEM_CUDNN_PREFILL", "1")
-        monkeypatch.setenv("TANDEM_MLX_DECODE_ATTENTION", "1")
-    mlx_hooks._set_backend()
-    yield request.param
-    monkeypatch.undo()
-    mlx_hooks._set_backend()
-
-
-def test_a_batch_of_prompts_over_cached_prefixes_matches_mlx_lm(model, tiny_dir, attention):
-    """A burst of prompts prefilled in one pass (workers/prefill/batch.py):
-    cached prefixes of different lengths, new tails of different lengths
-    (one of none but its last token, one with no cached prefix at all), each
-    row's first token and whole greedy generation equal mlx-lm's alone, and
-    the passes run over the batch's padded new tokens only; with our
-    attention and with mlx-lm's."""
-    from workers.prefill.batch import batchable, fits, run_batch
-
-    fake = FakeCacheService()
-    counted = Counting(model)
-    prefix = prefix_for(counted, tiny_dir, fake)
-    system = prompt_of(40, 7)
-    engine = PrefillEngine(counted, chunk_size=128, prefix=prefix)
-    engine.run(system + prompt_of(8, 8), greedy(), owner="warm")  # 6 blocks stored
-    prompts = [system + prompt_of(n, 10 + n) for n in (1, 5, 13, 20)]
-    prompts.append(system + prompt_of(8, 8) + [5])  # all but its last token cached
-    prompts.append(prompt_of(11, 99))  # nothing cached
-    expect = [reference(model, p, 10) for p in prompts]
-
-    jobs = [engine.start(p, greedy(10), owner=f"r{i}") for i, p in enumerate(prompts)]
-    for j in jobs:
-        j.load()
-        assert batchable(j)
-    assert [j.cached_tokens for j in jobs] == [40, 40, 40, 40, 48, 0]
-    for i in range(1, len(jobs)):
-        assert fits(jobs[:i], jobs[i])
-    counted.tokens = 0
-    results = run_batch(jobs)
-    longest = max(len(p) - j.cached_tokens - 1 for p, j in zip(prompts, jobs))
-    assert counted.tokens == len(jobs) * longest + len(jobs)  # one padded pass, then one token a row
-    assert [r.first_token for r in results] == [e[0] for e in expect]
-    assert [r.cached_tokens for r in results] == [40, 40, 40, 40, 48, 0]
-    # Each row's cache is the prompt's whole KV: decoding from it gives mlx-lm's answer.
-    for i, (p, res) in enumerate(zip(prompts, results)):
-        assert res.num_tokens == len(p) and all(c.offset == len(p) for c in res.cache)
-        decode = DecodeEngine(model, max_batch=4)
-        decode.add(DecodeRequest(f"r{i}", p, res.first_token, KVHandoff(f"r{i}", len(p), len(p)), greedy(10)),
-                   res.cache)
-        tokens = [res.first_token]
-        while decode.has_work:
-            tokens += [u.token for u in decode.step()]
-        assert tokens == expect[i], i
-    # Their new blocks store as a lone prompt's do, and serve the next one.
-    stored = sum(j.save_prefix() for j in jobs)
-    assert stored > 0 and prefix.stats.failures == 0
-    tokens, res = run_request(model, prefix, prompts[3], greedy(10), rid="again")
-    assert res.cached_tokens == 56 and tokens == expect[3]
-
-
-def test_what_a_batch_of_prompts_takes(model, tiny_dir):
-    """Only text prompts with their new tokens within one chunk, padded
-    together, join a batch."""
-    from workers.prefill.batch import batchable, fits
-
-    engine = PrefillEngine(model, chunk_size=32)
-    short, longer, too_long = (engine.start(prompt_of(n, n), greedy()) for n in (9, 16, 33))
-    for j in (short, longer, too_long):
-        j.load()
-    assert batchable(short) and batchable(longer) and not batchable(too_long)  # 33 new tokens > 32
-    assert fits([short], longer)  # 2 rows x 16 <= 32
-    assert not fits([short, longer], engine.start(prompt_of(9, 1), greedy()))  # 3 x 16 > 32
-    short.step()
-    assert not batchable(short)  # already computed
-    # What the worker weighs a batch's handoffs by.
-    assert engine.token_nbytes() * 9 == sum(c.keys[..., :9, :].nbytes + c.values[..., :9, :].nbytes
-                                            for c in short.cache)
-
-
-def test_a_batchs_rows_sample_with_their_own_requests_settings(model, tiny_dir):
-    """Each row of a batch samples its first token as it would alone: its
-    logprobs, its seeded sampler, its penalties over its own prompt."""
-    from workers.prefill.batch import run_batch
-
-    engine = PrefillEngine(model, chunk_size=128)
-    base = prompt_of(24, 5)
-    prompts = [base + prompt_of(n, 40 + n) for n in (3, 9, 6)]
-    settings = [SamplingParams(max_tokens=4, temperature=0.0, logprobs=True, top_logprobs=3),
-                SamplingParams(max_tokens=4, temperature=0.9, top_p=0.9, seed=7),
-                SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.5,
-                               logit_bias={int(t): -100.0 for t in prompts[2][-3:]})]
-    alone = [engine.run(p, sp) for p, sp in zip(prompts, settings)]
-    jobs = []
-    for p, sp in zip(prompts, settings):  # the first 20 tokens cached, as a prefix cache would load them
-        head = PrefillEngine(model, chunk_size=128).run(base[:20], greedy()).cache
-        job = engine.start(p, sp)
-        job.load(cached=(head, 20))
-        jobs.append(job)
-    batched = run_batch(jobs)
-    for a, b in zip(alone, batched):
-        assert b.first_token == a.first_token
-    lp_a, lp_b = alone[0].logprob, batched[0].logprob
-    assert lp_b.token == lp_a.token and lp_b.logprob == pytest.approx(lp_a.logprob, abs=1e-4)
-    assert [t for t, _ in lp_b.top] == [t for t, _ in lp_a.top]
-    assert batched[1].logprob is None and batched[2].first_token not in prompts[2][-3:]
-
-
-class _Outbox:
-    def __init__(self):
-        self.sent = []
-
-    def send(self, msg, wait_s=None):
-        self.sent.append(msg)
-
-
-def _prefill_worker(engine, fake, settings, colocated=False, stores=None):
-    """A prefill worker's prefill role (workers/prefill/role.py PrefillRole)
-    over `engine` and the fake cache service, with no sockets: what it sends
-    is recorded."""
-    from protos.messages import CacheAllocReply, WorkerHello
-    from workers.loop_clock import LoopClock
-    from workers.prefill.role import PrefillRole
-
-    allocations = iter(range(1000))
-    fake.alloc = lambda nbytes, owner, ttl_s: CacheAllocReply(0, True, allocation=next(allocations),
-                                                              offset=1 << 24, nbytes=nbytes, arena=fake.arena)
-    return PrefillRole(settings, engine, worker_id="prefill-0", prefix=engine.prefix, cache=fake,
-                       arena_buf=fake.buffer, outbox=_Outbox(), clock=LoopClock("test"),
-                       hello=WorkerHello("prefill-0", ["prefill"], 1, "ready"), local_kv={}, colocated=colocated,
-                       stores=stores)
-
-
-def test_a_colocated_prompts_blocks_are_stored_by_the_store_thread(model, tiny_dir):
-    """With --colocate the prompt's KV stays in the process (no handoff
-    tail in host memory): its new blocks are laid out and evaluated on the
-    MLX thread, which keeps those arrays, and copied into the arena and
-    committed by the store thread, which sends nothing for them."""
-    from deploy.settings import Settings
-    from protos.messages import PrefillDone, PrefillRequest
-    from workers.kv.store_thread import StoreThread
-
-    fake = FakeCacheService()
-    prefix = prefix_for(model, tiny_dir, fake)
-    engine = PrefillEngine(model, chunk_size=64, prefix=prefix)
-    thread_sends = []
-    fake.close = lambda: None  # the thread's client, closed with it
-    stores = StoreThread(prefix, fake, thread_sends.append)
-    # colocated: this worker decodes what it prefills
-    w = _prefill_worker(engine, fake, Settings(prefill_batch=1), colocated=True, stores=stores)
-    writes = []
-    real_write = prefix.write_store
-    prefix.write_store = lambda prepared, client=None: writes.append(threading.current_thread().name) or \
-        real_write(prepared, client)
-    prompt = prompt_of(45, 77)
-    w.queue.append(PrefillRequest("c", prompt, greedy(4), "prefill-0"))
-    w.prefill_chunk()
-    w.stores.close()
-    (done,) = w.outbox.sent
-    assert isinstance(done, PrefillDone) and done.handoff.local and done.first_token == reference(model, prompt, 1)[0]
-    assert "c" in w.local_kv and thread_sends == []
-    assert writes == ["prefix-store"] and len(fake.blocks) == 45 // BS and not fake.reserved
-    assert w.stores.kept  # the device copies the thread read, still the MLX thread's
-    w.stores.release_done()
-    assert not w.stores.kept
-
-
-def test_the_prefill_worker_batches_within_an_eighth_of_the_arena_in_handoffs(model, tiny_dir):
-    """PrefillRole.prefill_batch (workers/prefill/role.py) over the fake cache service:
-    queued prompts join the current one while their handoffs (what the
-    service lacks, their blocks held first) fit an eighth of the arena; the
-    first that does not fit runs next with its hold, and counts then; a
-    cancel gives its hold back. Every first token and handoff is sent."""
-    from deploy.settings import Settings
-    from protos.messages import PrefillDone, PrefillRequest
-
-    fake = FakeCacheService()
-    prefix = prefix_for(model, tiny_dir, fake)
-    engine = PrefillEngine(model, chunk_size=64, prefix=prefix)
-    system = prompt_of(40, 21)
-    engine.run(system + prompt_of(9, 22), greedy(), owner="warm")  # the system prompt's 5 blocks, stored
-    prompts = [system + prompt_of(10, 30 + i) for i in range(5)]  # 40 cached + 10 new: 10 tokens handed off
-    expect = [reference(model, p, 1)[0] for p in prompts]
-    handoff = 10 * engine.token_nbytes()
-
-    w = _prefill_worker(engine, fake, Settings(prefill_batch=8, prefill_chunk=64,
-                                               cache_memory_bytes=8 * (2 * handoff + handoff // 2)))
-    for i, p in enumerate(prompts):
-        w.queue.append(PrefillRequest(f"r{i}", p, greedy(4), ""))
-
-    def done():
-        return {m.request_id: m.first_token for m in w.outbox.sent if isinstance(m, PrefillDone)}
-
-    w.prefill_chunk()  # r0 and r1 (two handoffs fit 2.5); r2 does not, and holds its blocks
-    assert done() == {"r0": expect[0], "r1": expect[1]} and w.hello.batched_prompts == 2
-    assert w.current[0].request_id == "r2" and set(w.held) == {"r2"} and len(w.queue) == 2
-    w.prefill_chunk()  # r2, counted though already held, and r3; r4 does not fit
-    assert set(done()) == {"r0", "r1", "r2", "r3"} and w.hello.batched_prompts == 4
-    assert w.current[0].request_id == "r4" and set(w.held) == {"r4"}
-    assert [done()[f"r{i}"] for i in range(4)] == expect[:4]
-    handoffs = [m for m in w.outbox.sent if isinstance(m, KVHandoff)]
-    assert len(handoffs) == 4 and all(h.blocks.tokens == 40 and h.num_tokens == 50 for h in handoffs)
-    leases = len(fake.leases)  # the four handoffs' and r4's
-    w.cancel("r4")
-    assert len(fake.leases) == leases - 1 and w.held == {} and w.current is None

@@ -266,7 +266,7 @@ def test_a_video_goes_in_as_a_video_or_as_its_frames(vlm_server, media_dir):
     """A video_url part, sampled to frames by the router: Qwen2.5-VL takes it
     as a video (the answer equals mlx-vlm's for that video); Gemma 3, which
     has no video path, gets the frames as images, in order (the answer equals
-    mlx-vlm's for those frames as images). Qwen3-VL: tests/test_vision_qwen3vl.py."""
+    mlx-vlm's for those frames as images). Qwen3-VL: tests/workers/vision/test_vision_qwen3vl.py."""
     from PIL import Image
 
     from router.media import MediaLimits, decode_video_bytes

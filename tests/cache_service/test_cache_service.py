@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import zmq
 
-from cache_service import service
+from cache_service import main as cache_main
 from cache_service.allocator import ALIGNMENT, Allocator
 from cache_service.arena import Arena, ArenaAttachment, new_arena_name, unlink_arena
 from cache_service.client import AsyncCacheClient, CacheClient, CacheUnavailable
@@ -96,7 +96,7 @@ def make_settings():
 
 def start_service(procs, settings):
     ready = SPAWN.Event()
-    p = procs(service.run, settings, ready)
+    p = procs(cache_main.run, settings, ready)
     assert ready.wait(20), "cache service did not start"
     return p
 

@@ -18,7 +18,7 @@ from deploy import blas, generate_cmd
 from workers.models.loading import load_model
 from workers.models.store import embedded_gguf, resolve_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QUESTION = "What is the capital of France? Answer in one sentence."
 
 

@@ -1,7 +1,7 @@
 """workers/kv/store_thread.py: a prefill worker's block stores off the MLX
 thread. Real threads; the prefix cache is a double that records, the cache
 service tests/support/cache_fakes.py's FakeCacheService. (The arena write
-itself is tested in test_prefix_worker.py, the whole path through the real
+itself is tested in tests/workers/kv/test_prefix_cache.py, the whole path through the real
 processes in the end-to-end tests, where every split prefill worker on this
 machine uses the store thread.)"""
 

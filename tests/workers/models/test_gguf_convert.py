@@ -23,7 +23,7 @@ from workers.models.loading import load_model
 from deploy.model_folder import ModelError
 from workers.models.store import embedded_gguf
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 # Every weight kind the converter takes, in one file: 4-bit attention (Q4_0)
 # and MLP (Q4_1), an 8-bit embedding (Q8_0) and a float16 untied lm_head.
