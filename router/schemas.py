@@ -137,6 +137,30 @@ def _number_in(body: dict, name: str, default: float, low: float, high: float, l
 # --------------------------------------------------------------------------- #
 
 
+# The fields each endpoint honours. Anything else is refused by name, never
+# dropped: an agent that sends `tools` or `response_format` and gets a plain
+# answer back has been answered a different question. A field sent as null
+# is taken as not sent (clients echo back whole message objects).
+_SAMPLING_FIELDS = ("model", "n", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "logit_bias", "user", "stop", "stream",
+                    "stream_options", "max_tokens")
+CHAT_FIELDS = frozenset(_SAMPLING_FIELDS + ("messages", "max_completion_tokens", "logprobs", "top_logprobs"))
+COMPLETION_FIELDS = frozenset(_SAMPLING_FIELDS + ("prompt", "logprobs", "echo", "suffix", "best_of"))
+MESSAGE_FIELDS = frozenset(("role", "content", "name"))
+STREAM_OPTION_FIELDS = frozenset(("include_usage",))
+
+
+def _only(obj: dict, honoured: frozenset, path: str = "") -> None:
+    """400 naming the first of `obj`'s fields this endpoint does not honour."""
+    unknown = sorted(k for k, v in obj.items() if k not in honoured and v is not None)
+    if unknown:
+        names = ", ".join(f"'{path}{k}'" for k in unknown)
+        raise ApiError(400, f"Unsupported parameter{'s' if len(unknown) > 1 else ''}: {names}. Tandem does not "
+                       f"honour {'them' if len(unknown) > 1 else 'it'} and will not ignore it silently; "
+                       f"supported here: {', '.join(sorted(honoured))}",
+                       param=path + unknown[0], code="unsupported_parameter")
+
+
 def check_model(body: dict, model_id: str) -> None:
     model = _field(body, "model", "a string", required=True)
     if model not in (model_id, MODEL_ALIAS):
@@ -206,6 +230,7 @@ def _stop(body: dict) -> list[str]:
 def _stream_options(body: dict) -> tuple[bool, bool]:
     stream = _field(body, "stream", "a boolean", False)
     options = _field(body, "stream_options", "an object", {})
+    _only(options, STREAM_OPTION_FIELDS, "stream_options.")
     include_usage = _field(options, "include_usage", "a boolean", False, path="stream_options.")
     return stream, stream and include_usage
 
@@ -248,6 +273,7 @@ def parse_chat(body: dict, tokenizer, model_id: str, max_context: int, vision=No
     videos in part order) when the served model takes images; None refuses
     image parts. `answers` (router.answer_tokens.AnswerTokens): earlier
     answers repeated in the messages go in as the tokens they were generated as."""
+    _only(body, CHAT_FIELDS)
     sampling = _sampling(body, tokenizer)
     logprobs = _field(body, "logprobs", "a boolean", False)
     top_logprobs = _in_range(_field(body, "top_logprobs", "an integer", 0), "top_logprobs", 0, MAX_TOP_LOGPROBS)
@@ -287,6 +313,7 @@ def _messages(body: dict, media: bool = False) -> list[dict]:
     for i, message in enumerate(raw):
         path = f"messages[{i}]."
         _expect(message, "an object", path[:-1])
+        _only(message, MESSAGE_FIELDS, path)
         role = _field(message, "role", "a string", required=True, path=path)
         if role not in CHAT_ROLES:
             raise _invalid(path + "role", f"'{role}' is not one of {', '.join(CHAT_ROLES)}")
@@ -341,6 +368,7 @@ def _text_parts(parts: list, param: str, media=False):
 
 
 def parse_completion(body: dict, tokenizer, model_id: str, max_context: int) -> ParsedRequest:
+    _only(body, COMPLETION_FIELDS)
     sampling = _sampling(body, tokenizer)
     logprobs = _in_range(_field(body, "logprobs", "an integer"), "logprobs", 0, MAX_TOP_LOGPROBS)
     if _field(body, "echo", "a boolean", False):

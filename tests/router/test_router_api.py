@@ -489,6 +489,54 @@ def test_unsupported_content_part_is_400(client):
     assert caught.value.body["param"] == "messages[0].content[0].type"
 
 
+def test_fields_tandem_does_not_honour_are_400_naming_them(client, engine, server):
+    """Nothing a client sends is silently dropped: tools, tool_choice,
+    response_format, a message's tool_calls or tool_call_id, unknown
+    stream_options, a completion's unknown field: each is a 400 naming it,
+    through the openai SDK, and no request reaches the engine."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    cases = [
+        (dict(tools=[tool]), "tools"),
+        (dict(tools=[tool], tool_choice="required"), "tool_choice"),
+        (dict(response_format={"type": "json_object"}), "response_format"),
+        (dict(stream=True, stream_options={"include_usage": True, "include_obfuscation": False}),
+         "stream_options.include_obfuscation"),
+    ]
+    for kwargs, param in cases:
+        with pytest.raises(openai.BadRequestError) as caught:
+            chat(client, **kwargs)
+        assert caught.value.code == "unsupported_parameter"
+        assert caught.value.body["param"] == param and f"'{param}'" in caught.value.message
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tandem-test", messages=history)
+    assert caught.value.body["param"] == "messages[1].tool_calls" and "tool_calls" in caught.value.message
+    del history[1]["tool_calls"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tandem-test", messages=history)
+    assert caught.value.body["param"] == "messages[2].tool_call_id"
+    r = httpx.post(server.url + "/v1/completions", timeout=10,
+                   json={"model": "tandem-test", "prompt": "hi", "guided_json": {"type": "object"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json"
+    assert r.json()["error"]["code"] == "unsupported_parameter"
+    assert not engine.requests
+
+
+def test_a_field_sent_as_null_is_taken_as_not_sent(client, engine):
+    """Clients echo back whole message objects (`refusal`, `tool_calls`,
+    `audio` as null): those are answered as if absent."""
+    reply = client.chat.completions.create(
+        model="tandem-test", tools=None,
+        messages=[{"role": "user", "content": "hi"},
+                  {"role": "assistant", "content": "Hello.", "refusal": None, "tool_calls": None, "audio": None},
+                  {"role": "user", "content": "again"}],
+        extra_body={"response_format": None})
+    assert reply.choices[0].message.content == "Hello world." and len(engine.requests) == 1
+
+
 def test_missing_or_mistyped_fields_are_422(client):
     with pytest.raises(openai.UnprocessableEntityError) as caught:
         client.chat.completions.create(model="tandem-test", messages=None)
