@@ -38,7 +38,7 @@ from router.engine_api import Engine, EngineError, GenerationRequest
 from router.errors import ApiError, exception_handlers
 from router.media import DecodedVideo, MediaLimits, RecentImages
 from router.media_parts import load_media_parts
-from router.schemas import MODEL_ALIAS, ParsedRequest, parse_chat, parse_completion, read_json
+from router.schemas import MODEL_ALIAS, ParsedRequest, check_chat_fields, parse_chat, parse_completion, read_json
 from router.text_stream import TextStream, TokenBytes
 from router.vision_prompt import VisionPrompter
 
@@ -120,7 +120,9 @@ class _Api:
         """Decode the request's images and videos (router/media.py: 400 naming
         the part on any refusal), then template and tokenize in a thread. A
         video stays one video where the model takes video (Qwen-VL), else it
-        becomes its frames, each an image."""
+        becomes its frames, each an image. A field Tandem does not honour is
+        refused before any picture is fetched."""
+        check_chat_fields(body)
         media = await load_media_parts(body["messages"], self.media_limits, self.recent_images)
         native = self.vision.native_video
         items, it = [], iter(media)

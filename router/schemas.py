@@ -150,11 +150,22 @@ MESSAGE_FIELDS = frozenset(("role", "content", "name"))
 STREAM_OPTION_FIELDS = frozenset(("include_usage",))
 
 
+def check_chat_fields(body: dict) -> None:
+    """A chat body's fields and its messages' fields, all honoured; run
+    before anything is done for the request (an image URL fetched)."""
+    _only(body, CHAT_FIELDS)
+    messages = body.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        if isinstance(message, dict):  # other shapes: _messages names them
+            _only(message, MESSAGE_FIELDS, f"messages[{i}].")
+
+
 def _only(obj: dict, honoured: frozenset, path: str = "") -> None:
-    """400 naming the first of `obj`'s fields this endpoint does not honour."""
+    """400 naming `obj`'s fields this endpoint does not honour (the first
+    few: a body is at most max_request_bytes, its error far less)."""
     unknown = sorted(k for k, v in obj.items() if k not in honoured and v is not None)
     if unknown:
-        names = ", ".join(f"'{path}{k}'" for k in unknown)
+        names = ", ".join(f"'{path}{k}'" for k in unknown[:8]) + (", ..." if len(unknown) > 8 else "")
         raise ApiError(400, f"Unsupported parameter{'s' if len(unknown) > 1 else ''}: {names}. Tandem does not "
                        f"honour {'them' if len(unknown) > 1 else 'it'} and will not ignore it silently; "
                        f"supported here: {', '.join(sorted(honoured))}",
@@ -273,7 +284,7 @@ def parse_chat(body: dict, tokenizer, model_id: str, max_context: int, vision=No
     videos in part order) when the served model takes images; None refuses
     image parts. `answers` (router.answer_tokens.AnswerTokens): earlier
     answers repeated in the messages go in as the tokens they were generated as."""
-    _only(body, CHAT_FIELDS)
+    check_chat_fields(body)
     sampling = _sampling(body, tokenizer)
     logprobs = _field(body, "logprobs", "a boolean", False)
     top_logprobs = _in_range(_field(body, "top_logprobs", "an integer", 0), "top_logprobs", 0, MAX_TOP_LOGPROBS)
@@ -313,7 +324,6 @@ def _messages(body: dict, media: bool = False) -> list[dict]:
     for i, message in enumerate(raw):
         path = f"messages[{i}]."
         _expect(message, "an object", path[:-1])
-        _only(message, MESSAGE_FIELDS, path)
         role = _field(message, "role", "a string", required=True, path=path)
         if role not in CHAT_ROLES:
             raise _invalid(path + "role", f"'{role}' is not one of {', '.join(CHAT_ROLES)}")

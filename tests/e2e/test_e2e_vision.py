@@ -9,6 +9,7 @@ import threading
 import time
 
 import numpy as np
+import openai
 import pytest
 
 from tests.support.media import make_video
@@ -19,10 +20,13 @@ from tests.support.vision_chat import (ask, client_for, counters, data_url, imag
 
 
 class _Files(http.server.SimpleHTTPRequestHandler):
+    requested: list = []  # every path asked for, in order
+
     def log_message(self, *args):
         pass
 
     def do_GET(self):
+        self.requested.append(self.path)
         if self.path.startswith("/slow"):
             time.sleep(3)  # past the server's 1 s limit; then hang up
             self.close_connection = True
@@ -202,6 +206,11 @@ def test_bad_media_is_a_400_naming_the_part(vlm_server, media_dir, http_base, tm
     refused(client, [good, image_part(f"file://{tmp_path}/outside.png")], "messages[0].content[1].image_url", "")
     refused(client, [image_part(f"{http_base}/slow/same.png")], "messages[0].content[0].image_url",
              "longer than")
+    # A field Tandem does not honour is refused before any picture is fetched.
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="default", response_format={"type": "json_object"}, messages=[
+            {"role": "user", "content": [image_part(f"{http_base}/never.png"), text_part("JSON?")]}])
+    assert err.value.body["param"] == "response_format" and "/never.png" not in _Files.requested
     # Still serving.
     answer, _ = ask(client, [{"role": "user", "content": [good, text_part("Fine?")]}])
     assert answer
