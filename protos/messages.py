@@ -38,6 +38,9 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     stop_token_ids: list = field(default_factory=list)  # end of sequence ids
+    # An llguidance grammar (protos/grammar.py) every generated token must
+    # follow, the first one included; "" when the output is free.
+    grammar: str = ""
 
 
 @dataclass

@@ -33,6 +33,7 @@ import numpy as np
 from router.text_stream import TokenBytes
 
 MIN_CHARS = 16  # shorter answers: little to gain, more chances to match the wrong text
+CALLS_KEPT = 4096  # answers that made tool calls, by their call ids
 
 
 class AnswerTokens:
@@ -43,6 +44,10 @@ class AnswerTokens:
         self.max_tokens = max_tokens
         self._by_text: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self._tokens = 0
+        # An answer that made tool calls comes back as calls with ids, not
+        # as its text: the text the model wrote, by the calls' ids, renders
+        # them back as written (router/tools.py render_default).
+        self._by_calls: OrderedDict[tuple, str] = OrderedDict()
         self.spliced_tokens = 0  # answer tokens put back in prompts, for tests and logs
 
     @staticmethod
@@ -69,6 +74,15 @@ class AnswerTokens:
             _, dropped = self._by_text.popitem(last=False)
             self._tokens -= len(dropped)
 
+    def remember_calls(self, call_ids: Sequence[str], text: str) -> None:
+        self._by_calls[tuple(call_ids)] = text
+        while len(self._by_calls) > CALLS_KEPT:
+            self._by_calls.popitem(last=False)
+
+    def written_calls(self, call_ids: Sequence[str]) -> str | None:
+        """The text of the answer that made exactly these calls, if recent."""
+        return self._by_calls.get(tuple(call_ids))
+
     def get(self, text: str) -> np.ndarray | None:
         key = self._key(text)
         tokens = self._by_text.get(key)
@@ -76,7 +90,7 @@ class AnswerTokens:
             self._by_text.move_to_end(key)
         return tokens
 
-    def splice(self, tokenizer, messages: list[dict]) -> list[int] | None:
+    def splice(self, tokenizer, messages: list[dict], **template_kwargs) -> list[int] | None:
         """The chat template's prompt for `messages` with every remembered
         assistant answer in its generated tokens; None when there is none or
         the text around them does not tokenize back to itself (the caller
@@ -86,7 +100,7 @@ class AnswerTokens:
                       and len(m["content"]) >= MIN_CHARS and (ids := self.get(m["content"])) is not None}
         if not remembered:
             return None
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
         # Where each message's content sits in the rendered text: the template
         # renders them in order, so each is searched after the one before; a
         # message it transformed (not found verbatim) ends the search.

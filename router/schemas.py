@@ -19,7 +19,10 @@ import jinja2
 from starlette.requests import Request
 
 from protos.messages import SamplingParams
+from router.chat_output import OutputShape
 from router.errors import ApiError
+from router.structured import build_grammar, response_schema
+from router.tools import ToolFormat, message_tool_calls, parse_tools, template_tools, with_tools
 
 MODEL_ALIAS = "default"  # always accepted as the served model's name
 DEFAULT_MAX_TOKENS = 4096  # when the client sets no limit: the remaining context, at most this
@@ -37,6 +40,7 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     images: list = field(default_factory=list)  # protos.messages.ImageInput, prompt order
+    output: OutputShape | None = None  # a chat answer's reasoning and tool calls, when it may have them
 
 
 # --------------------------------------------------------------------------- #
@@ -144,9 +148,10 @@ def _number_in(body: dict, name: str, default: float, low: float, high: float, l
 _SAMPLING_FIELDS = ("model", "n", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "logit_bias", "user", "stop", "stream",
                     "stream_options", "max_tokens")
-CHAT_FIELDS = frozenset(_SAMPLING_FIELDS + ("messages", "max_completion_tokens", "logprobs", "top_logprobs"))
+CHAT_FIELDS = frozenset(_SAMPLING_FIELDS + ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                                             "tool_choice", "parallel_tool_calls", "response_format"))
 COMPLETION_FIELDS = frozenset(_SAMPLING_FIELDS + ("prompt", "logprobs", "echo", "suffix", "best_of"))
-MESSAGE_FIELDS = frozenset(("role", "content", "name"))
+MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"))
 STREAM_OPTION_FIELDS = frozenset(("include_usage",))
 
 
@@ -293,24 +298,33 @@ def parse_chat(body: dict, tokenizer, model_id: str, max_context: int, vision=No
     stop = _stop(body)
     stream, include_usage = _stream_options(body)
     messages = _messages(body, media=vision is not None)
+    tools = parse_tools(body)
+    schema = response_schema(body)
     check_model(body, model_id)
 
+    fmt = ToolFormat.of(tokenizer)
+    shown = tools if tools is not None and tools.choice != "none" else None
+    sampling.grammar = build_grammar(schema, shown, fmt, tokenizer)
+    messages, template_kwargs = with_tools(messages, shown, fmt, answers)
     images = []
     try:
         if vision is not None and any(isinstance(m["content"], list) for m in messages):
-            tokens, images = vision[0].build(messages, vision[1])
+            tokens, images = vision[0].build(messages, vision[1], **template_kwargs)
         else:
-            tokens = answers.splice(tokenizer, messages) if answers is not None else None
+            tokens = answers.splice(tokenizer, messages, **template_kwargs) if answers is not None else None
             if tokens is None:
-                tokens = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
-    except (jinja2.TemplateError, ValueError) as exc:  # templates raise on e.g. misordered roles
+                tokens = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                            **template_kwargs))
+    except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:  # templates raise on e.g. misordered roles
         raise _invalid("messages", f"the model's chat template rejected them: {exc}")
     _require_tokens(tokens, "messages")
     sampling.max_tokens = _resolve_max_tokens(
         body, ("max_completion_tokens", "max_tokens"), "messages", len(tokens), max_context
     )
     sampling.logprobs, sampling.top_logprobs = logprobs, top_logprobs
-    return ParsedRequest("chat", tokens, sampling, stop, stream, include_usage, images)
+    output = OutputShape.of(tokenizer, tokens, fmt if shown is not None else None,
+                            template_tools(shown) if shown is not None else [])
+    return ParsedRequest("chat", tokens, sampling, stop, stream, include_usage, images, output)
 
 
 def _messages(body: dict, media: bool = False) -> list[dict]:
@@ -335,8 +349,25 @@ def _messages(body: dict, media: bool = False) -> list[dict]:
         name = _field(message, "name", "a string", path=path)
         if name is not None:
             normalized["name"] = name
+        _tool_fields(message, role, path, normalized)
         messages.append(normalized)
     return messages
+
+
+def _tool_fields(message: dict, role: str, path: str, normalized: dict) -> None:
+    """An assistant's calls, a tool result's call id, an assistant's
+    reasoning (templates of reasoning models render it), each only where
+    it belongs."""
+    for key, owner in (("tool_calls", "assistant"), ("tool_call_id", "tool"), ("reasoning_content", "assistant")):
+        if message.get(key) is not None and role != owner:
+            raise _invalid(path + key, f"only '{owner}' messages carry it")
+    if message.get("tool_calls") is not None:
+        normalized["tool_calls"] = message_tool_calls(message, path)
+    if role == "tool":
+        normalized["tool_call_id"] = _field(message, "tool_call_id", "a string", required=True, path=path)
+    reasoning = _field(message, "reasoning_content", "a string", path=path)
+    if reasoning is not None:
+        normalized["reasoning_content"] = reasoning
 
 
 def _text_parts(parts: list, param: str, media=False):

@@ -64,7 +64,7 @@ class VisionPrompter:
     def tokens_for(self, height: int, width: int) -> int:
         return self.layout.tokens_for_size(self.processor, int(height), int(width))
 
-    def build(self, messages: list[dict], media: list) -> tuple[list[int], list[ImageInput]]:
+    def build(self, messages: list[dict], media: list, **template_kwargs) -> tuple[list[int], list[ImageInput]]:
         """(prompt token ids, one ImageInput per image or video, in prompt
         order) for `messages` whose content lists hold {"type": "image"} and
         {"type": "video"} parts, one per entry of `media` (router.media's
@@ -76,7 +76,7 @@ class VisionPrompter:
         videos = [m for m in media if isinstance(m, DecodedVideo)]
         counts = [self.tokens_for(im.height, im.width) for im in images]
         grids = [self._video(v) for v in videos]
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
         text = self.layout.expand_videos(self.processor, text, grids)
         text = self.layout.expand(self.processor, text, counts)
         ids = self._tokenize(text, should_add_special_tokens(self.model_type, self.processor))

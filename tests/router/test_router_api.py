@@ -7,22 +7,21 @@ import asyncio
 import http.client
 import json
 import socket
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from deploy.settings import Settings
 from protos.messages import SamplingParams
-from router.app import Generation, create_app
+from router.app import create_app
+from router.generation import Generation
 from router.engine_api import EngineError, GenerationRequest
-from router.main import uvicorn_config
 from router.text_stream import TextStream, TokenBytes
 from tests.support.fake_engine import FakeEngine, build_tokenizer
+from tests.support.router_server import ServerThread, wait_for
 
 MAX_BODY = 64 * 1024
 API_KEY = "sk-tandem-test"
@@ -31,37 +30,6 @@ API_KEY = "sk-tandem-test"
 # --------------------------------------------------------------------------- #
 # Fixtures
 # --------------------------------------------------------------------------- #
-
-
-class ServerThread:
-    """uvicorn, configured as the router process configures it, serving `app`
-    on a free port of 127.0.0.1, in a thread."""
-
-    def __init__(self, app, settings: Settings):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn_config(app, settings))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> "ServerThread":
-        self.thread.start()
-        wait_for(lambda: self.server.started, 15, "uvicorn did not start")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()
-
-
-def wait_for(condition, timeout_s: float, message: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(message)
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
@@ -389,7 +357,7 @@ def test_models_health_metrics(client, server, engine):
 def test_work_that_loses_its_cancel_after_a_disconnect_is_cancelled_again():
     """uvicorn drops what is sent after a disconnect, so work whose cancel was
     swallowed would run on unseen; it is cancelled again until it ends."""
-    from router.app import run_until_disconnect
+    from router.http_stream import run_until_disconnect
 
     cancels = []
 
@@ -490,34 +458,30 @@ def test_unsupported_content_part_is_400(client):
 
 
 def test_fields_tandem_does_not_honour_are_400_naming_them(client, engine, server):
-    """Nothing a client sends is silently dropped: tools, tool_choice,
-    response_format, a message's tool_calls or tool_call_id, unknown
-    stream_options, a completion's unknown field: each is a 400 naming it,
-    through the openai SDK, and no request reaches the engine."""
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    """Nothing a client sends is silently dropped: the legacy `functions`,
+    a peer's extension (`guided_json`), unknown stream_options, a message's
+    unknown field, a tool call id on a user message, a completion's unknown
+    field: each is a 400 naming it, through the openai SDK, and no request
+    reaches the engine."""
     cases = [
-        (dict(tools=[tool]), "tools"),
-        (dict(tools=[tool], tool_choice="required"), "tool_choice"),
-        (dict(response_format={"type": "json_object"}), "response_format"),
+        (dict(extra_body={"functions": [{"name": "f"}]}), "functions", "unsupported_parameter"),
+        (dict(extra_body={"guided_json": {"type": "object"}}), "guided_json", "unsupported_parameter"),
         (dict(stream=True, stream_options={"include_usage": True, "include_obfuscation": False}),
-         "stream_options.include_obfuscation"),
+         "stream_options.include_obfuscation", "unsupported_parameter"),
+        (dict(response_format={"type": "json_object", "strict": True}), "response_format.strict",
+         "unsupported_parameter"),
     ]
-    for kwargs, param in cases:
+    for kwargs, param, code in cases:
         with pytest.raises(openai.BadRequestError) as caught:
             chat(client, **kwargs)
-        assert caught.value.code == "unsupported_parameter"
+        assert caught.value.code == code
         assert caught.value.body["param"] == param and f"'{param}'" in caught.value.message
-    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
-    history = [{"role": "user", "content": "weather?"},
-               {"role": "assistant", "content": None, "tool_calls": [call]},
-               {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model="tandem-test", messages=history)
-    assert caught.value.body["param"] == "messages[1].tool_calls" and "tool_calls" in caught.value.message
-    del history[1]["tool_calls"]
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model="tandem-test", messages=history)
-    assert caught.value.body["param"] == "messages[2].tool_call_id"
+    for message, param in [({"role": "user", "content": "hi", "tool_call_id": "call_1"}, "messages[0].tool_call_id"),
+                           ({"role": "user", "content": "hi", "audio": {"id": "a"}}, "messages[0].audio"),
+                           ({"role": "tool", "content": "sunny"}, "messages[0].tool_call_id")]:
+        with pytest.raises((openai.BadRequestError, openai.UnprocessableEntityError)) as caught:
+            client.chat.completions.create(model="tandem-test", messages=[message])
+        assert caught.value.body["param"] == param
     r = httpx.post(server.url + "/v1/completions", timeout=10,
                    json={"model": "tandem-test", "prompt": "hi", "guided_json": {"type": "object"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json"
