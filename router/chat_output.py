@@ -116,6 +116,11 @@ class _Call:
             out.append(ToolCallDelta(self.index, self.id, self.name))
         if self.args_from >= 0:
             args = self.body[self.args_from:]
+            if self.sent == 0:  # whitespace before the arguments is layout: never a fragment
+                if not args.strip():
+                    return out
+                self.args_from += len(args) - len(args.lstrip())
+                args = args.lstrip()
             end = self.scan.feed(args, self.sent)
             if end > self.sent:
                 out.append(ToolCallDelta(self.index, arguments=args[self.sent:end]))

@@ -1,8 +1,9 @@
-"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, and under
+/v1/messages in Anthropic's: {"type": "error", "error": {"type", "message"}}.
 
-Every error the API returns goes through `error_body`, so clients (the openai package
-among them) read the same shape for a bad parameter, a full queue, an unknown route or
-a bug. Tracebacks stay in the server log, never in a response.
+Every error the API returns goes through `ApiError.body` (or `anthropic_body`), so clients
+(the openai and anthropic packages among them) read the same shape for a bad parameter, a
+full queue, an unknown route or a bug. Tracebacks stay in the server log, never in a response.
 """
 
 from __future__ import annotations
@@ -14,6 +15,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from router.engine_api import EngineError
+
+ANTHROPIC_PATH = "/v1/messages"
+# Anthropic's error types by status; any other 4xx is an invalid request, 5xx an api_error.
+ANTHROPIC_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                         413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+                         504: "timeout_error", 529: "overloaded_error"}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether `path` is Anthropic's Messages API (its errors in Anthropic's shape)."""
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
 def error_type(status: int) -> str:
@@ -64,29 +76,43 @@ class ApiError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
+    def anthropic_body(self) -> dict:
+        kind = ANTHROPIC_ERROR_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    @property
+    def anthropic_status(self) -> int:
+        return 400 if self.status == 422 else self.status  # Anthropic: a missing or mistyped field is a 400
+
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        if anthropic:
+            return JSONResponse(self.anthropic_body(), status_code=self.anthropic_status, headers=self.headers)
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _anthropic(request: Request) -> bool:
+    return is_anthropic_path(request.url.path)
 
 
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return exc.response()
+    return exc.response(_anthropic(request))
 
 
 async def _engine_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, EngineError)
-    return ApiError.from_engine(exc).response()
+    return ApiError.from_engine(exc).response(_anthropic(request))
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     # Starlette's own 404 (unknown route) and 405 (wrong method).
     assert isinstance(exc, HTTPException)
-    return ApiError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+    return ApiError(exc.status_code, str(exc.detail), headers=exc.headers).response(_anthropic(request))
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     # Starlette re-raises after this, so uvicorn logs the traceback; the client gets none.
-    return ApiError(500, "Internal server error").response()
+    return ApiError(500, "Internal server error").response(_anthropic(request))
 
 
 def exception_handlers() -> dict:

@@ -29,6 +29,7 @@ class TextStream:
         self._stops = [s for s in stop if s]
         self._held = ""  # decoded text not yet released: it may begin a stop string
         self.stopped = False  # a stop string matched; nothing more will be released
+        self.stop_sequence: str | None = None  # the stop string that matched
 
     def add(self, token: int) -> str:
         """Feed one token; return the text that is now safe to send (may be "")."""
@@ -61,8 +62,11 @@ class TextStream:
         return text[: len(text) - hold]
 
     def _first_stop(self, text: str) -> int | None:
-        found = [i for i in (text.find(s) for s in self._stops) if i >= 0]
-        return min(found) if found else None
+        found = [(i, s) for i, s in ((text.find(s), s) for s in self._stops) if i >= 0]
+        if not found:
+            return None
+        at, self.stop_sequence = min(found, key=lambda f: f[0])
+        return at
 
     def _partial_stop_len(self, text: str) -> int:
         """Length of the longest tail of `text` that is a proper prefix of a stop string."""
