@@ -305,6 +305,8 @@ def parse_chat(body: dict, tokenizer, model_id: str, max_context: int, vision=No
     fmt = ToolFormat.of(tokenizer)
     shown = tools if tools is not None and tools.choice != "none" else None
     sampling.grammar = build_grammar(schema, shown, fmt, tokenizer)
+    if shown is not None and shown.choice == "auto" and not shown.parallel:
+        stop = stop + [fmt.end]  # parallel_tool_calls false, unforced: the answer ends with its first call
     messages, template_kwargs = with_tools(messages, shown, fmt, answers)
     images = []
     try:

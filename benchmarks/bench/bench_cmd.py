@@ -9,10 +9,13 @@
     tandem bench --systems tandem,mlx_lm --interference
     # a VLM: multi-turn about one picture, videos cold vs cached (vllm-mlx starts with --mllm)
     tandem bench --systems tandem,mlx_vlm,vllm-mlx --workload vision --model DIR --image-size 1024
+    # agents in tool loops over one system prompt and tool set: turns/s, calls that validate
+    tandem bench --systems tandem,mlx_lm --workload agents --agents 8 --turns 4
 
 Workloads (--workload, comma-separated, or `all` for the text ones): sweep,
 interference, prefix, swarm (see benchmarks/bench/workloads.py), vision (a
-VLM only, see benchmarks/bench/vision_workload.py). Output: a progress line
+VLM only, see benchmarks/bench/vision_workload.py), agents (tool calls, see
+benchmarks/bench/agents_workload.py). Output: a progress line
 on stderr while it runs, tables on stdout at the end, --json for machines
 (fields in benchmarks/bench/report.py), --plot for a PNG.
 """
@@ -31,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.bench import bandwidth, vision_workload
+from benchmarks.bench import agents_workload, bandwidth, vision_workload
 from benchmarks.bench import report as report_mod
 from benchmarks.bench import workloads as wl
 from benchmarks.bench.memory import ProcessTreeMemory
@@ -41,7 +44,7 @@ from deploy.model_folder import is_vlm
 from workers.models.store import models_dir, resolve_model
 
 TEXT_WORKLOADS = ("sweep", "interference", "prefix", "swarm")
-WORKLOADS = (*TEXT_WORKLOADS, "vision")
+WORKLOADS = (*TEXT_WORKLOADS, "vision", "agents")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -113,10 +116,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--long-prompt-words", type=int, default=d.long_prompt_words, help="interference: long prompt size")
     w.add_argument("--long-prompts", type=int, default=d.long_prompts, help="interference: at most this many")
     w.add_argument("--system-prompt-words", type=int, default=d.system_prompt_words,
-                   help="prefix and swarm: shared system prompt size")
+                   help="prefix, swarm and agents: shared system prompt size")
     w.add_argument("--prefix-repeats", type=int, default=d.prefix_repeats)
-    w.add_argument("--agents", type=int, default=d.agents, help="swarm: concurrent agents")
-    w.add_argument("--turns", type=int, default=d.turns, help="swarm: turns per agent")
+    w.add_argument("--agents", type=int, default=d.agents, help="swarm and agents: concurrent agents")
+    w.add_argument("--turns", type=int, default=d.turns,
+                   help="swarm and agents: turns per agent (agents: the last one answers, the others call a tool)")
     w.add_argument("--image-size", type=int, default=d.image_size, help="vision: the picture's side, pixels")
     w.add_argument("--video-frames", type=_frame_list, default=d.video_frames,
                    help="vision: frame counts of the videos (1 fps), or none (default: 4,8,16,32)")
@@ -276,6 +280,8 @@ async def _measure(target: wl.Target, cfg: wl.WorkloadConfig, workloads, ready_d
             out["swarm"] = await wl.swarm(target, cfg, metrics_url)
         elif name == "vision":
             out["vision"] = await vision_workload.vision(target, cfg, metrics_url)
+        elif name == "agents":
+            out["agents"] = await agents_workload.agents(target, cfg, metrics_url)
     return out, warmup_failed
 
 

@@ -43,7 +43,13 @@ JSON (--json PATH), schema "tandem-bench/1":
                        "video": [{"frames", "cold_ttft_s", "cached_ttft_s", "cold_prompt_tokens",
                                   "cached_cached_tokens", "cold_over_cached", "errors", "first_error",
                                   "repeats": [{"cold", "cached"}], ...}],
-                       "vision_cache": null | {"queries", "hits"}  (Tandem's /metrics, whole workload)}
+                       "vision_cache": null | {"queries", "hits"}  (Tandem's /metrics, whole workload)},
+            "agents": {"agents", "turns", "tools", "wall_s", "turns_ok", "turns_failed", "turns_not_sent",
+                       "rejected_429", "turns_s", "prompt_tokens", "cached_tokens", "computed_prompt_tokens",
+                       "computed_source", "metrics_computed_prompt_tokens" (Tandem), "calls_expected"
+                       (answered "required" steps), "calls_parsed", "calls_valid", "calls_returned",
+                       "parsed_share", "valid_share", "final_answers", "final_calls", "call_problems": [...],
+                       "output_tokens", "latency_p50_s", "latency_p99_s", "first_error", "per_turn": [...]}
           }}],
       "ratios": [{"tandem": "tandem", "peer": "mlx_lm", ...metric: tandem value / peer value}]
       (swarm: also per served turn, when the two served different numbers of turns)
@@ -130,6 +136,11 @@ def ratios(systems: list[dict]) -> list[dict]:
                     row["swarm_wall_per_turn"] = _ratio(_per_turn(ts, "wall_s"), _per_turn(ps, "wall_s"))
                     row["swarm_computed_per_turn"] = _ratio(_per_turn(ts, "computed_prompt_tokens"),
                                                             _per_turn(ps, "computed_prompt_tokens"))
+            if "agents" in tr and "agents" in pr:
+                ta, pa = tr["agents"], pr["agents"]
+                row["agents_turns_s"] = _ratio(ta["turns_s"], pa["turns_s"])
+                row["agents_computed_prompt_tokens"] = _ratio(ta["computed_prompt_tokens"],
+                                                              pa["computed_prompt_tokens"])
             if t.get("memory") and p.get("memory"):
                 key = "peak_total_pss_bytes" if t["memory"].get("peak_total_pss_bytes") and \
                     p["memory"].get("peak_total_pss_bytes") else "peak_total_rss_bytes"
@@ -172,6 +183,7 @@ def render(report: dict) -> str:
     parts += _interference_table(systems)
     parts += _prefix_table(systems)
     parts += _swarm_table(systems)
+    parts += _agents_table(systems)
     parts += _vision_tables(systems)
     parts += _single_stream_table(systems)
     parts += _memory_table(systems)
@@ -246,6 +258,32 @@ def _swarm_table(systems: list[dict]) -> list[str]:
          "TTFT p99"], rows)]
 
 
+def _agents_table(systems: list[dict]) -> list[str]:
+    rows, notes = [], []
+    for s in systems:
+        a = s.get("results", {}).get("agents")
+        if not a:
+            continue
+        computed = a["computed_prompt_tokens"]
+        share = "-" if a["valid_share"] is None else f"{a['valid_share'] * 100:.0f}%"
+        rows.append([s["name"], f"{a['agents']}x{a['turns']}", _f(a["turns_s"], "{:.2f}"), a["turns_ok"],
+                     a["turns_failed"], a["rejected_429"], a["prompt_tokens"],
+                     _f(a["cached_tokens"], "{:.0f}", "not reported"),
+                     "not reported" if computed is None else f"{computed:.0f} ({a['computed_source']})",
+                     f"{a['calls_expected']} / {a['calls_parsed']} / {a['calls_valid']} ({share})",
+                     a["final_answers"], a["output_tokens"], _f(a["wall_s"], "{:.1f}")])
+        if a.get("first_error"):
+            notes.append(f"  {s['name']}: first error {a['first_error']}"[:300])
+        notes += [f"  {s['name']}: {p}"[:200] for p in a.get("call_problems", [])[:3]]
+    if not rows:
+        return []
+    return ["Agents: tool loops over one shared system prompt and tool set (calls: required steps answered "
+            "/ with parsed calls / schema-valid)\n" + _table(
+                ["system", "agents", "turns/s", "ok", "failed", "429", "prompt tok", "cached tok",
+                 "computed prompt tok", "calls exp / parsed / valid", "answers", "out tok", "wall s"], rows)
+            + ("\n" + "\n".join(notes) if notes else "")]
+
+
 def _single_stream_table(systems: list[dict]) -> list[str]:
     rows = []
     for s in systems:
@@ -285,6 +323,8 @@ _RATIO_LABELS = (("interference_loud_itl_p99", "interference loud ITL p99"),
                  ("swarm_computed_prompt_tokens", "swarm computed prompt tokens"),
                  ("swarm_wall_per_turn", "swarm wall time per served turn"),
                  ("swarm_computed_per_turn", "swarm computed tokens per served turn"),
+                 ("agents_turns_s", "agents turns/s"),
+                 ("agents_computed_prompt_tokens", "agents computed prompt tokens"),
                  ("memory_peak_total", "peak memory"))
 
 

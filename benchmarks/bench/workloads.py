@@ -4,6 +4,8 @@
 - interference: decode streams' inter-token latency, quiet vs while long prompts arrive.
 - prefix: one long system prompt, cold then warm time to first token.
 - swarm: agents sharing a system prompt, each with its own growing history.
+- agents: tool loops over one shared system prompt and tool set
+  (benchmarks/bench/agents_workload.py).
 - vision: a conversation about one picture, and videos cold vs cached
   (benchmarks/bench/vision_workload.py; needs a VLM).
 
@@ -320,21 +322,30 @@ async def swarm(target: Target, cfg: WorkloadConfig, metrics_url: str | None = N
     progress.close()
     after = await scrape_prompt_counters(metrics_url)
     ok = [r for r in results if r.ok]
-    prompt_tokens = sum(r.prompt_tokens or 0 for r in ok)
-    reported = [r for r in ok if r.cached_tokens is not None]
-    out = {
+    return {
         "agents": cfg.agents, "turns": cfg.turns, "wall_s": wall,
         "turns_ok": len(ok), "turns_failed": len(results) - len(ok), "rejected_429": rejected,
         "first_error": next((f"{r.status}: {r.error}" for r in results if not r.ok), None),
-        "prompt_tokens": prompt_tokens,
         "output_tokens": sum(r.output_tokens for r in ok),
         "ttft_p50_s": percentile([r.ttft for r in ok if r.ttft is not None], 50),
         "ttft_p99_s": percentile([r.ttft for r in ok if r.ttft is not None], 99),
-        # From usage: prompt tokens minus those the server says it reused.
+        **prompt_token_counts(ok, before, after),
+        "per_turn": sorted(per_turn, key=lambda row: (row["agent"], row["turn"])),
+    }
+
+
+def prompt_token_counts(ok: list[RequestResult], before: tuple[float, float] | None,
+                        after: tuple[float, float] | None) -> dict:
+    """Prompt, cached and computed prompt tokens of the successful requests
+    (from usage: prompt tokens minus those the server says it reused), and
+    the server's own count from two /metrics scrapes where it has them."""
+    prompt_tokens = sum(r.prompt_tokens or 0 for r in ok)
+    reported = [r for r in ok if r.cached_tokens is not None]
+    out = {
+        "prompt_tokens": prompt_tokens,
         "cached_tokens": sum(r.cached_tokens for r in reported) if reported else None,
         "computed_prompt_tokens": prompt_tokens - sum(r.cached_tokens for r in reported) if reported else None,
         "computed_source": "usage.cached_tokens" if reported else "not reported",
-        "per_turn": sorted(per_turn, key=lambda row: (row["agent"], row["turn"])),
     }
     if before and after:
         # The server's own count, which also sees requests that failed midway.

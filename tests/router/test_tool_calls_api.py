@@ -113,6 +113,13 @@ def test_parallel_calls_get_their_own_index_and_id(client, engine):
     assert len({c.id for c in calls}) == 2
 
 
+def test_parallel_calls_off_ends_the_answer_after_its_first_call(client, engine):
+    engine.say(CALL + "\n" + CALL.replace("Paris", "Lyon"))
+    choice = ask(client, tools=[WEATHER], parallel_tool_calls=False).choices[0]
+    assert [json.loads(c.function.arguments)["city"] for c in choice.message.tool_calls] == ["Paris"]
+    assert choice.finish_reason == "tool_calls" and engine.cancelled == [engine.requests[-1].request_id]
+
+
 def test_text_without_a_call_is_content(client, engine):
     engine.say("It is sunny in Paris.")
     choice = ask(client, tools=[WEATHER]).choices[0]
