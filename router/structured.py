@@ -21,7 +21,7 @@ from functools import lru_cache
 
 from protos.grammar import grammar_error, ll_tokenizer
 from router.errors import ApiError
-from router.tools import ToolFormat, ToolRequest, call_grammar_lark
+from router.tools import ToolFormat, ToolRequest, call_grammar_lark, laid_out
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 JSON_SCHEMA_FIELDS = frozenset(("name", "schema", "strict", "description"))
@@ -73,11 +73,11 @@ def build_grammar(schema: dict | None, tools: ToolRequest | None, fmt: ToolForma
     if forced:
         grammar, param = llguidance.LLMatcher.grammar_from_lark("start: calls\n" + call_grammar_lark(tools, fmt)), "tools"
     elif schema is not None and tools is not None and tools.choice == "auto" and fmt.json:
-        lark = f"start: answer | calls\nanswer: %json {json.dumps(schema)}\n" + call_grammar_lark(
+        lark = f"start: answer | calls\nanswer: %json {json.dumps(laid_out(schema))}\n" + call_grammar_lark(
             ToolRequest(tools.functions, "required", tools.parallel), fmt)
         grammar, param = llguidance.LLMatcher.grammar_from_lark(lark), "response_format"
     elif schema is not None:
-        grammar, param = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema)), "response_format"
+        grammar, param = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(laid_out(schema))), "response_format"
     else:
         return ""
     problem = _check(grammar, tokenizer)

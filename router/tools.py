@@ -39,6 +39,18 @@ For each function call, return a json object with function name and arguments wi
 </tool_call>"""
 
 
+# JSON under a grammar is laid out as json.dumps lays it out (", " and ": ",
+# no other whitespace): a weak model cannot pad it with whitespace to its
+# token limit, and an earlier call rendered back into a prompt is the text
+# the model wrote. A schema's own "x-guidance" settings win.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def laid_out(schema: dict) -> dict:
+    """`schema` with Tandem's JSON layout for llguidance."""
+    return {**schema, "x-guidance": {**JSON_LAYOUT, **(schema.get("x-guidance") or {})}}
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     """How the served model writes a tool call: the markers around one call,
@@ -203,8 +215,15 @@ def render_default(messages: list[dict], tools: ToolRequest | None, fmt: ToolFor
                                 for c in calls)
             m = {"role": m["role"], "content": (m.get("content") or "") + ("\n" if m.get("content") else "") + written}
         elif m["role"] == "tool":
-            m = {"role": "tool", "content": m.get("content", "")}
+            # Results go back in a user turn, each in <tool_response> tags (the
+            # Hermes/Qwen convention the calls follow); a call's results, one turn.
+            response = f"<tool_response>\n{m.get('content', '')}\n</tool_response>"
+            if out and out[-1].get("_results"):
+                out[-1]["content"] += "\n" + response
+                continue
+            m = {"role": "user", "content": response, "_results": True}
         out.append(m)
+    out = [{k: v for k, v in m.items() if k != "_results"} for m in out]
     if tools is None:
         return out
     listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in template_tools(tools))
@@ -248,7 +267,7 @@ def call_grammar_lark(tools: ToolRequest, fmt: ToolFormat) -> str:
     for i, name in enumerate(names):
         schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": tools.schema_of(name)},
                   "required": ["name", "arguments"], "additionalProperties": False}
-        bodies.append(f"call_{i}: {json.dumps(fmt.start + chr(10))} %json {json.dumps(schema)} "
+        bodies.append(f"call_{i}: {json.dumps(fmt.start + chr(10))} %json {json.dumps(laid_out(schema))} "
                       f"{json.dumps(chr(10) + fmt.end)}")
     one = " | ".join(f"call_{i}" for i in range(len(names)))
     rules = [f"call: {one}"] + bodies

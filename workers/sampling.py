@@ -127,7 +127,8 @@ def token_logprob(
 
     `logprobs` is the (vocab,) or (1, vocab) vector mlx-lm yields (after the
     logits processors, before temperature and filters: the same vector
-    mlx_lm.generate reports). top is [[id, logprob], ...], best first.
+    mlx_lm.generate reports; under a grammar, the masked distribution's).
+    top is [[id, logprob], ...], best first.
     Only call it for requests that asked: it forces a sync and a partition.
     """
     row = logprobs.reshape(-1)
@@ -139,7 +140,9 @@ def token_logprob(
     idx = mx.argpartition(-row, kth=top_n - 1)[:top_n]
     vals = row[idx]
     mx.eval(chosen, idx, vals)
-    pairs = sorted(zip(idx.tolist(), vals.tolist()), key=lambda p: -p[1])
+    # Tokens a grammar's mask ruled out (-inf) are no alternatives: left out.
+    pairs = sorted(((i, v) for i, v in zip(idx.tolist(), vals.tolist()) if v != float("-inf")),
+                   key=lambda p: -p[1])
     return TokenLogprob(
         token=int(token),
         logprob=chosen.item(),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -33,6 +34,7 @@ from deploy.settings import Settings
 from protos.messages import Cancel, DecodeRequest, PrefillRequest, VisionRequest
 from workers.decode.engine import DecodeEngine
 from workers.decode.role import DecodeRole
+from workers.grammar import Grammars, logits_width
 from workers.kv.prefix_cache import make_prefix_cache
 from workers.kv.store_thread import StoreThread
 from workers.loop_clock import LoopClock
@@ -88,16 +90,21 @@ class Worker:
         size_buffer_cache(len(self.settings.worker_plan()))
         self.cache = CacheClient(self.settings)
         self.prefix_client = self.prefix_cache_client()
-        model = prefill = decode = vision = None
+        model = prefill = decode = vision = grammars = None
         if "prefill" in names or "decode" in names:
-            model, _tokenizer = load_model(self.settings.model_dir)
+            model, tokenizer = load_model(self.settings.model_dir)
             self.prefix = self.make_prefix(model)
+            # Requests with a grammar (workers/grammar.py); llguidance's view of
+            # the tokenizer is built beside the warm-up (no MLX in it).
+            grammars = Grammars(tokenizer, logits_width(model))
+            threading.Thread(target=grammars.prepare, name="grammar-tokenizer", daemon=True).start()
         if "prefill" in names:
-            prefill = PrefillEngine(model, chunk_size=self.settings.prefill_chunk, prefix=self.prefix)
+            prefill = PrefillEngine(model, chunk_size=self.settings.prefill_chunk, prefix=self.prefix,
+                                    grammars=grammars)
         if ("prefill" in names or "vision" in names) and is_vlm(self.settings.model_dir):
             vision = load_vision(self.settings.model_dir, model, self.prefix_client, self.arena_buf)
         if "decode" in names:
-            decode = DecodeEngine(model, max_batch=self.settings.max_batch, prefix=self.prefix)
+            decode = DecodeEngine(model, max_batch=self.settings.max_batch, prefix=self.prefix, grammars=grammars)
         if model is not None and self.settings.warm_up:
             batch = prefill is not None and self.settings.prefill_batch > 1
             log.info("worker %s warmed up in %.2fs", self.worker_id, warm_up(model, decode, batch))

@@ -232,8 +232,9 @@ def test_history_with_tool_use_and_tool_result_renders_into_the_prompt(client, e
     prompt = prompt_text(engine, tokenizer)
     assert ('<|im_start|>assistant\nLet me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
             '{"city": "Paris"}}\n</tool_call>\n<tool_call>') in prompt
-    assert "<|im_start|>tool\nsunny, 21C<|im_end|>" in prompt
-    assert "<|im_start|>tool\nError: no such city<|im_end|>" in prompt
+    # Both results in one user turn, each in <tool_response> tags (router/tools.py's default rendering).
+    assert ("<|im_start|>user\n<tool_response>\nsunny, 21C\n</tool_response>\n"
+            "<tool_response>\nError: no such city\n</tool_response><|im_end|>") in prompt
     assert prompt.endswith("<|im_start|>user\nAnd tomorrow?<|im_end|>\n<|im_start|>assistant\n")
 
 

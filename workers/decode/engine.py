@@ -62,6 +62,15 @@ cache is a snapshot cache, and decode commits nothing to it: the state at the
 end of an answer sits at no block boundary, and neither a window nor a
 recurrent state can be rolled back to one. The next turn still reuses the
 previous turn's prompt snapshot (that prompt is a prefix of the next one).
+
+Constrained requests (a grammar in their SamplingParams; `grammars`, a
+workers.grammar.Grammars) decode in the same batch as free ones: each gets a
+matcher at `add`, and a step of a batch holding any masks those rows'
+logits (workers/kernels/generation_batch.py). The grammar's end-of-sequence
+ids end such a request (once the grammar is complete they are all it
+allows). A token a matcher refuses fails that request alone: it is dropped
+from the batch, its token unreported, and `take_failures` hands it to the
+role.
 """
 
 from __future__ import annotations
@@ -82,6 +91,7 @@ from protos.messages import DecodeRequest, TokenBatch, TokenUpdate
 from workers.decode import ragged_kv
 from workers.decode.prefix_sharing import PrefixSharing
 from workers.decode.shifted_rope import ShiftedKVCache
+from workers.grammar import ConstrainedRows, GrammarError, matcher_for
 from workers.kernels import mlx_hooks
 from workers.kernels.generation_batch import DecodeBatch, JoiningRows
 from workers.loop_clock import part
@@ -110,14 +120,16 @@ class _Queued:
     request: DecodeRequest
     cache: list
     stop_ids: List[int]
+    matcher: object = None  # an llguidance matcher when the request follows a grammar
 
 
 class DecodeEngine:
     """Decode up to `max_batch` requests together, one token each per step()."""
 
     def __init__(self, model, max_batch: int = 32, eos_token_ids: Iterable[int] = (), prefix=None,
-                 ragged: bool | None = None):
+                 ragged: bool | None = None, grammars=None):
         self.model = model
+        self.grammars = grammars  # workers.grammar.Grammars, or None: no grammar can be followed
         self.max_batch = max_batch
         # On the CPU backend rows keep their own KV (workers/decode/ragged_kv.py):
         # joining and leaving the batch copy nothing, and a shared prompt
@@ -142,6 +154,8 @@ class DecodeEngine:
         # the worker's loop frees them (StoreThread.release_done).
         self.stores = None
         self._batch = DecodeBatch.empty(model, GREEDY_SAMPLER)
+        self._batch.constrained = ConstrainedRows()
+        self._failures: List[Tuple[str, Exception]] = []  # (request id, why): dropped, for the role to fail
         self._next_uid = 0
         self._queue: deque[_Queued] = deque()  # admitted later, at a step boundary
         self._live: Dict[int, _Live] = {}  # batch uid -> request
@@ -191,7 +205,11 @@ class DecodeEngine:
         if rid in self:
             raise ValueError(f"request {rid!r} is already decoding")
         sp = request.sampling
-        stop_ids = sorted(set(int(t) for t in sp.stop_token_ids) | set(self.eos_token_ids))
+        matcher = matcher_for(self.grammars, sp)  # GrammarError fails the request here
+        stop_ids = set(int(t) for t in sp.stop_token_ids) | set(self.eos_token_ids)
+        if matcher is not None:
+            stop_ids |= set(self.grammars.eos_ids)
+        stop_ids = sorted(stop_ids)
         if request.first_token in stop_ids:
             raise ValueError(f"request {rid!r}: first token is a stop token; "
                              "the caller must finish it (never send it to decode)")
@@ -204,7 +222,7 @@ class DecodeEngine:
         # (ShiftedKVCache), carry it.
         shift = request.handoff.rope_offset - request.handoff.num_tokens
         cache = ragged_kv.rows_of(cache, shift) if self.ragged else ShiftedKVCache.of(cache, shift)
-        self._queue.append(_Queued(request, cache, stop_ids))
+        self._queue.append(_Queued(request, cache, stop_ids, matcher))
 
     def cancel(self, request_id: str, save: bool = True) -> bool:
         """Drop a request now (queued or running); frees its KV. False if unknown.
@@ -249,6 +267,7 @@ class DecodeEngine:
                     responses = self._batch.next()
             finally:
                 self._batch.on_queued = None
+        self._drop_failed()
         updates = []
         for r in responses:
             live = self._live.get(r.uid)
@@ -271,6 +290,27 @@ class DecodeEngine:
                     continue  # returned once its blocks are written
             updates.append(update)
         return updates + self._take_committed()
+
+    def _drop_failed(self) -> None:
+        """Drop the rows whose matcher refused their token (their responses
+        are then skipped: the token is not the grammar's)."""
+        for uid, why in self._batch.constrained.take_failed().items():
+            live = self._live.get(uid)
+            if live is None:
+                continue
+            if uid in self._batch.uids:
+                self.cancel(live.request_id, save=False)
+            else:  # it finished in the same step
+                del self._live[uid]
+                del self._uid_of[live.request_id]
+                if self.sharing is not None:
+                    self.sharing.leave(live.request_id)
+            self._failures.append((live.request_id, GrammarError(why)))
+
+    def take_failures(self) -> List[Tuple[str, Exception]]:
+        """Requests dropped by the last steps, with why: the role fails them."""
+        failures, self._failures = self._failures, []
+        return failures
 
     def commit_finished(self) -> int:
         """Write and commit the blocks prepared for requests that ended (their
@@ -368,6 +408,8 @@ class DecodeEngine:
             processors.append(procs)
         for uid, q in zip(uids, joining):
             req, sp = q.request, q.request.sampling
+            if q.matcher is not None:
+                self._batch.constrained.add(uid, q.matcher)
             # Blocks are keyed by tokens here; a prompt with images needs its
             # images' hashes in the keys too, so its KV is not committed (yet).
             cacheable = len(req.prompt_tokens) == req.handoff.num_tokens and not req.media

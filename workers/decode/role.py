@@ -141,3 +141,5 @@ class DecodeRole(Role):
         self.clock.count("tokens", len(updates))
         if updates:
             self.outbox.send(TokenBatch(updates))
+        for request_id, exc in self.engine.take_failures():  # a token its grammar refused: that request alone
+            self.fail(request_id, exc)

@@ -3,15 +3,27 @@
 Both classes override GenerationBatch's private `_step` (and `_Joining`
 sets its `_next_logprobs`): that reach into mlx-lm's internals is why they
 live here, with the other hooks, rather than beside the engine.
+
+A batch with constrained rows (workers/grammar.py) steps through
+`_MaskedForward`: GenerationBatch._step builds a step's forward pass from
+the previous step's tokens before they are known on the host, and samples
+from `self.model(...)`'s logits. The wrapper queues the forward pass and
+waits for those tokens (in whichever order keeps the device busy: see
+_MaskedForward), lets the matchers consume them and fill their masks while
+the forward pass runs, and hands the masked logits back to _step
+(processors, sampler and the next step as before). A batch without
+constrained rows runs mlx-lm's _step untouched.
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+import time
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 
+from workers.grammar import ConstrainedRows, apply_masks
 from workers.kernels.slot_batch_cache import SlotBatchKVCache, share_row_state, swap_remove_order
 from workers.loop_clock import part
 
@@ -31,6 +43,9 @@ class DecodeBatch(GenerationBatch):
     barrier: List[mx.array] = []
     on_queued: Optional[Callable[[], object]] = None
     clock = None  # the worker's LoopClock: parts of a step, timed
+    constrained: Optional[ConstrainedRows] = None  # the rows' matchers (set by the engine)
+    tokens_first = False  # a constrained step's order (_MaskedForward)
+    mask_width = 0  # the logits' width, known after the first constrained step
 
     def _step(self):
         if self.barrier:
@@ -38,16 +53,29 @@ class DecodeBatch(GenerationBatch):
                 mx.eval(self.barrier)  # the step in flight and the copies behind it
             self.barrier = []
         with part(self.clock, "queue+tokens"):
-            out = super()._step()
+            if self.constrained and self.constrained.rows(self.uids):
+                out = self._masked_step()
+            else:
+                out = super()._step()
         if self.on_queued is not None:
             self.on_queued()
         return out
+
+    def _masked_step(self):
+        model = self.model
+        self.model = _MaskedForward(model, self)
+        try:
+            return super()._step()
+        finally:
+            self.model = model
 
     def filter(self, keep: List[int]):
         for c in self.prompt_cache:
             if isinstance(c, SlotBatchKVCache):
                 c.defer_moves = True
         super().filter(swap_remove_order(keep, len(self.uids)))
+        if self.constrained is not None:
+            self.constrained.keep(self.uids)
         for c in self.prompt_cache:
             if getattr(c, "moved", None):
                 self.barrier = self.barrier + c.moved
@@ -57,6 +85,59 @@ class DecodeBatch(GenerationBatch):
     def extend(self, batch):
         super().extend(batch)
         share_row_state(self.prompt_cache)
+
+
+# A step whose previous tokens were on the host within this long after its
+# forward pass was queued did not keep the device busy: the host is the
+# bottleneck (a small model on a GPU).
+HOST_BOUND_WAIT_S = 1e-3
+
+
+class _MaskedForward:
+    """The model as a constrained batch's _step calls it: the forward pass
+    of `inputs` (the step's tokens, [batch, 1]), masked for each row's grammar.
+
+    Two orders, chosen from the last step. Device-bound (the CPU backend, a
+    large model): queue the forward pass, then wait for the tokens and step
+    the matchers while it runs. Host-bound (the tokens are there as soon as
+    asked; queueing the pass is the host's longest work): take the tokens
+    first, and let the helper thread step the matchers while this thread
+    queues the pass. Waiting first costs the device that wait, so it is
+    kept only while the wait is shorter than the matchers' work."""
+
+    def __init__(self, model, batch: "DecodeBatch"):
+        self.model = model
+        self.batch = batch
+
+    def __call__(self, inputs: mx.array, cache=None):
+        batch = self.batch
+        rows, clock = batch.constrained, batch.clock
+        if batch.tokens_first and batch.mask_width:
+            waited, tokens = _tokens(inputs, clock)
+            pending = rows.start_masks(batch.uids, tokens, batch.mask_width)
+            logits = self.model(inputs, cache=cache)
+            mx.async_eval(logits)
+            with part(clock, "grammar masks"):
+                bitmask = pending.result()
+            batch.tokens_first = waited < rows.fill_s
+        else:
+            logits = self.model(inputs, cache=cache)
+            mx.async_eval(logits)  # computed while the host steps the matchers
+            waited, tokens = _tokens(inputs, clock)
+            with part(clock, "grammar masks"):
+                bitmask = rows.masks(batch.uids, tokens, logits.shape[-1])
+            batch.tokens_first = waited < HOST_BOUND_WAIT_S
+        batch.mask_width = logits.shape[-1]
+        return logits if bitmask is None else apply_masks(logits, bitmask)
+
+
+def _tokens(inputs: mx.array, clock) -> Tuple[float, List[int]]:
+    """(seconds waited, the step's input tokens on the host): the step
+    before ends here, as GenerationBatch._step would wait for it."""
+    t0 = time.perf_counter()
+    with part(clock, "grammar wait"):
+        tokens = inputs.reshape(-1).tolist()
+    return time.perf_counter() - t0, tokens
 
 
 class JoiningRows(GenerationBatch):

@@ -64,7 +64,8 @@ def fits(jobs: Sequence[PrefillJob], job: PrefillJob) -> bool:
 
 
 def run_batch(jobs: Sequence[PrefillJob]) -> List[PrefillResult]:
-    """Prefill `jobs` (batchable, same engine) together; their results, in order."""
+    """Prefill `jobs` (batchable, same engine) together; their results, in
+    order (a row whose first token its grammar refused: that GrammarError)."""
     engine = jobs[0].engine
     model, clock = engine.model, engine.clock
     tic = time.perf_counter()
@@ -84,11 +85,15 @@ def run_batch(jobs: Sequence[PrefillJob]) -> List[PrefillResult]:
                 c.finalize()
             starts = cache[0].left_padding.tolist()  # every layer's padding is the same
             rows = [[_row(c, i, start) for c in cache] for i, start in enumerate(starts)]
-            firsts = sample_firsts([(logits[i:i + 1], j.prompt, j.sampling) for i, j in enumerate(jobs)],
+            firsts = sample_firsts([(logits[i:i + 1], j.prompt, j.sampling, j.matcher) for i, j in enumerate(jobs)],
                                    [c for row in rows for c in row])
     ms = (time.perf_counter() - tic) * 1000.0
     results = []
-    for job, row, (first, lp) in zip(jobs, rows, firsts):
+    for job, row, first in zip(jobs, rows, firsts):
+        if isinstance(first, Exception):
+            results.append(first)
+            continue
+        first, lp = first
         job.processed = job.total
         job.cache = row
         job.parts.update(parts)

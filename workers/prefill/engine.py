@@ -33,6 +33,11 @@ of the prompt, if any; the chunks then stop at the prompt's snapshot point
 b (its last block boundary <= n-1), where the state is copied to host memory,
 and `save_prefix` stores that copy. The copy costs one memcpy of the state
 before the first token; storing it waits until after PrefillDone.
+
+A request with a grammar (workers/grammar.py; the engine's `grammars`) gets
+its matcher when its job starts (a grammar that does not compile fails the
+request there), and its first token is sampled under the matcher's first
+mask, filled while the final chunk computes.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from protos.messages import SamplingParams, TokenLogprob
+from workers.grammar import GrammarError, apply_masks, consume, fill_masks, matcher_for
 from workers.kernels import mlx_hooks
 from workers.loop_clock import part
 from workers.kv.prefix_base import RecentMin
@@ -72,6 +78,7 @@ class PrefillJob:
             raise ValueError("empty prompt")
         self.engine = engine
         self.sampling = sampling
+        self.matcher = matcher_for(engine.grammars, sampling)  # None: free output
         self.owner = owner  # request id: names leases and reservations in the cache service
         self.tokens = [int(t) for t in prompt_tokens]
         self.prompt = mx.array(self.tokens, dtype=mx.int32)
@@ -166,7 +173,7 @@ class PrefillJob:
     def _finish(self) -> PrefillResult:
         """The final chunk, the last token with it, and the first token."""
         logits = mlx_hooks.logits_at(self.engine.model, self.prompt[None, self.processed:], self.cache)
-        first, lp = sample_first(logits, self.prompt, self.sampling, self.cache)
+        first, lp = sample_first(logits, self.prompt, self.sampling, self.cache, self.matcher)
         return PrefillResult(
             first_token=first,
             logprob=lp,
@@ -178,18 +185,32 @@ class PrefillJob:
         )
 
 
-def sample_first(logits: mx.array, prompt: mx.array, sampling: SamplingParams, cache: list):
+def sample_first(logits: mx.array, prompt: mx.array, sampling: SamplingParams, cache: list, matcher=None):
     """The first token from the prompt's last logits [1, vocab], sampled as
-    decode samples (the request's processors over the whole prompt, its
-    sampler), evaluated with `cache`: (token id, TokenLogprob or None)."""
-    return sample_firsts([(logits, prompt, sampling)], cache)[0]
+    decode samples (under `matcher`'s mask when the request has a grammar,
+    then the request's processors over the whole prompt, its sampler),
+    evaluated with `cache`: (token id, TokenLogprob or None). Raises
+    GrammarError if the matcher refuses the token."""
+    first = sample_firsts([(logits, prompt, sampling, matcher)], cache)[0]
+    if isinstance(first, GrammarError):
+        raise first
+    return first
 
 
 def sample_firsts(rows, cache) -> list:
     """sample_first for several prompts, [(logits [1, vocab], prompt,
-    sampling), ...], evaluated together with `cache` (one wait, not one a row)."""
+    sampling, matcher or None), ...], evaluated together with `cache` (one
+    wait, not one a row). A row's entry is (token id, TokenLogprob or None),
+    or the GrammarError that fails that row alone."""
+    constrained = [(m, i) for i, (_, _, _, m) in enumerate(rows) if m is not None]
+    bitmask = None
+    if constrained:
+        mx.async_eval([r[0] for r in rows])  # the final chunk computes while the masks fill
+        bitmask = fill_masks(constrained, len(rows), rows[0][0].shape[-1])
     drawn = []
-    for logits, prompt, sampling in rows:
+    for i, (logits, prompt, sampling, matcher) in enumerate(rows):
+        if matcher is not None:
+            logits = apply_masks(logits, bitmask[i:i + 1])
         sampler, processors = build_sampling(sampling, draws_done=0)
         for proc in processors:
             logits = proc(prompt, logits)
@@ -197,8 +218,12 @@ def sample_firsts(rows, cache) -> list:
         drawn.append((sampler(logprobs), logprobs))
     mx.eval(drawn, [c.state for c in cache])
     out = []
-    for (token, logprobs), (_, _, sampling) in zip(drawn, rows):
+    for (token, logprobs), (_, _, sampling, matcher) in zip(drawn, rows):
         first = int(token.item())
+        refused = consume(matcher, first) if matcher is not None else None
+        if refused is not None:
+            out.append(GrammarError(f"first token {first} does not follow the grammar: {refused}"))
+            continue
         lp = token_logprob(logprobs, first, sampling.top_logprobs) if wants_logprobs(sampling) else None
         out.append((first, lp))
     return out
@@ -208,10 +233,11 @@ class PrefillEngine:
     """Prefills prompts with `model` in chunks of `chunk_size` tokens, reusing
     and filling `prefix` (a workers.kv.prefix_cache.PrefixCache) when given."""
 
-    def __init__(self, model, chunk_size: int = 512, prefix=None):
+    def __init__(self, model, chunk_size: int = 512, prefix=None, grammars=None):
         if chunk_size < 1:
             raise ValueError("chunk_size must be >= 1")
         self.model = model
+        self.grammars = grammars  # workers.grammar.Grammars, or None: no grammar can be followed
         self.chunk_size = chunk_size
         self.prefix = prefix
         # Seconds per prompt token, recent chunks of at least MIN_TIMED_CHUNK

@@ -104,7 +104,7 @@ class PrefillRole(Role):
             raise ValueError("this model does not take images")
         job = VLMPrefillJob(self.vision.engine, req.prompt_tokens, req.images, req.sampling,
                             chunk_size=self.settings.prefill_chunk, owner=req.request_id, prefix=self.prefix,
-                            embeddings=self.vision.embeddings)
+                            embeddings=self.vision.embeddings, grammars=self.engine.grammars)
         job.clock = self.clock
         return job
 
@@ -157,6 +157,9 @@ class PrefillRole(Role):
         self.clock.count("batched prompts", len(rows))
         self.hello.batched_prompts += len(rows)
         for (r, j), result in zip(rows, results):
+            if isinstance(result, Exception):  # its grammar refused its first token: that row alone
+                self.fail(r.request_id, result)
+                continue
             self.guarded(r.request_id, self.finish_prefill, r, j, result)
 
     def handoff_bytes(self, req: PrefillRequest, job) -> int:

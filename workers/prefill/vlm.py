@@ -24,8 +24,8 @@ window models such as Gemma 3 a snapshot), then computes only the rest:
   prompt (positions depend on every earlier image's grid) and sliced at the
   cached length.
 
-The first token is sampled exactly as workers/prefill_mlx.PrefillJob does
-(same processors over the whole prompt, same sampler).
+The first token is sampled exactly as workers/prefill/engine.py's PrefillJob
+does (same grammar mask, processors over the whole prompt, sampler).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from mlx_lm.generate import generation_stream
 from cache_service.client import CacheUnavailable
 from protos.messages import ImageInput, SamplingParams
 from protos.vision_layout import ImageBatch
+from workers.grammar import matcher_for
 from workers.kernels import mlx_hooks
 from workers.kv.block_hash import image_block_extra
 from workers.loop_clock import part
@@ -51,13 +52,14 @@ class VLMPrefillJob:
 
     def __init__(self, engine, prompt_tokens: Sequence[int], images: Sequence[ImageInput],
                  sampling: SamplingParams, chunk_size: int = 512, owner: str = "", prefix=None,
-                 embeddings=None):
+                 embeddings=None, grammars=None):
         if not prompt_tokens:
             raise ValueError("empty prompt")
         self.engine = engine  # workers.vision.engine.VisionEngine with the text model
         self.tokens = [int(t) for t in prompt_tokens]
         self.images = list(images)
         self.sampling = sampling
+        self.matcher = matcher_for(grammars, sampling)  # None: free output (grammars: workers.grammar.Grammars)
         self.chunk_size = chunk_size
         self.owner = owner
         self.prefix = prefix  # workers.kv.prefix_cache.PrefixCache / SnapshotCache, or None
@@ -153,7 +155,8 @@ class VLMPrefillJob:
             else:
                 with mlx_hooks.head_at(eng.model.language_model, [end - start - 1]):
                     logits = eng.prefill_chunk(*self._inputs(start, end), self._cache).logits[:, -1]
-                first, lp = sample_first(logits, mx.array(self.tokens, dtype=mx.int32), self.sampling, self._cache)
+                first, lp = sample_first(logits, mx.array(self.tokens, dtype=mx.int32), self.sampling, self._cache,
+                                         self.matcher)
         self._done = end
         if end == self._snapshot_at:
             self.snapshot = self.prefix.capture(self._cache, end)

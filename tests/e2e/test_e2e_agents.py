@@ -1,0 +1,184 @@
+"""Agents against a real `tandem serve` on the embedded model (router, prefill
+and decode workers, cache service): forced tool calls and JSON answers decoded
+under their grammars in the continuous batch, schema-valid however the small
+model would have answered; free requests untouched beside them; and a tool
+loop run by an agent framework (the OpenAI Agents SDK, from the package index)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import json
+
+import agents
+import jsonschema
+import openai
+import pytest
+
+from tests.support.server import module_server
+
+WEATHER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                  "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 40},
+                                 "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                                 "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast for a city",
+                                            "parameters": WEATHER_SCHEMA}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                   "required": ["city"], "additionalProperties": False}}}
+ANSWER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "country", "population"],
+                 "properties": {"city": {"type": "string", "maxLength": 40},
+                                "country": {"type": "string", "maxLength": 40},
+                                "population": {"type": "integer", "minimum": 0},
+                                "rivers": {"type": "array", "items": {"type": "string", "maxLength": 30},
+                                           "maxItems": 3}}}
+ASK = [{"role": "user", "content": "What is the weather like in Paris this week?"}]
+
+
+@pytest.fixture(scope="module")
+def server(request, tmp_path_factory, embedded_model_dir):
+    return module_server(request, tmp_path_factory, "--prefill-chunk", "64")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=180, max_retries=0)
+
+
+def valid_call(call, schemas: dict) -> dict:
+    assert call.type == "function" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, schemas[call.function.name])
+    return arguments
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_named_tool_returns_a_schema_valid_call(client, temperature):
+    reply = client.chat.completions.create(
+        model="default", messages=ASK, tools=[WEATHER, TIME], temperature=temperature, seed=7, max_tokens=120,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, parallel_tool_calls=False)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    valid_call(call, {"get_weather": WEATHER_SCHEMA})
+
+
+def test_a_required_call_streams_as_deltas_that_make_a_valid_call(client):
+    stream = client.chat.completions.create(
+        model="default", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False,
+        temperature=0, max_tokens=120, stream=True)
+    name, fragments, content, finish = None, [], "", None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for d in delta.tool_calls or []:
+            name = d.function.name if d.id is not None else name
+            fragments.append(d.function.arguments or "")
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and not content.strip()
+    assert name in ("get_weather", "get_time") and len([f for f in fragments if f]) > 1
+    jsonschema.validate(json.loads("".join(fragments)), {"get_weather": WEATHER_SCHEMA,
+                                                          "get_time": TIME["function"]["parameters"]}[name])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_json_schema_answer_validates(client, stream):
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": ANSWER_SCHEMA, "strict": True}}
+    messages = [{"role": "user", "content": "Describe Paris as JSON."}]
+    kwargs = dict(model="default", messages=messages, response_format=fmt, temperature=0, max_tokens=200)
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs))
+    else:
+        reply = client.chat.completions.create(**kwargs)
+        assert reply.choices[0].finish_reason == "stop"
+        text = reply.choices[0].message.content
+    jsonschema.validate(json.loads(text), ANSWER_SCHEMA)
+
+
+def test_free_requests_decode_the_same_beside_constrained_ones(client):
+    """Constrained rows share the batch; a free greedy request's answer is the
+    one it gets alone."""
+    free = [{"role": "user", "content": f"Name {n} animals that live in the sea."} for n in ("two", "three")]
+
+    def ask_free(m):
+        return client.chat.completions.create(model="default", messages=[m], temperature=0,
+                                              max_tokens=40).choices[0].message.content
+
+    def ask_forced(i):
+        return client.chat.completions.create(
+            model="default", messages=ASK, tools=[WEATHER], tool_choice="required", temperature=1.0, seed=i,
+            max_tokens=120).choices[0].message.tool_calls
+
+    alone = [ask_free(m) for m in free]
+    with cf.ThreadPoolExecutor(6) as pool:
+        forced = [pool.submit(ask_forced, i) for i in range(4)]
+        together = [pool.submit(ask_free, m) for m in free]
+        assert [f.result() for f in together] == alone
+        for f in forced:
+            for call in f.result():
+                valid_call(call, {"get_weather": WEATHER_SCHEMA})
+
+
+def test_an_agent_framework_runs_tool_loops_to_final_answers(server):
+    """The OpenAI Agents SDK over chat completions, two loops:
+    - a forced first call (tool_choice names the tool; the SDK resets it to
+      auto after a call), its result, then the model's own final answer;
+    - call -> result -> next call -> result, each turn forced to some call
+      (`required`), until the agent's tool-use policy takes the results as
+      its final output.
+    Every call the SDK gets parses and fits its function's schema (the SDK
+    checks them with pydantic), because Tandem decodes forced calls under
+    their grammars; the results reach the model under the calls' ids."""
+    calls: list[tuple[str, str]] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Weather forecast for a city."""
+        calls.append(("get_weather", city))
+        return f"Sunny and 21 C in {city}."
+
+    @agents.function_tool
+    def get_time(city: str) -> str:
+        """The local time in a city."""
+        calls.append(("get_time", city))
+        return f"It is 14:05 in {city}."
+
+    def two_results(context, results) -> agents.ToolsToFinalOutputResult:
+        done = len(calls) >= 2  # the agent's policy: two results make the answer
+        return agents.ToolsToFinalOutputResult(is_final_output=done,
+                                               final_output=" ".join(r.output for r in results) if done else None)
+
+    client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=180, max_retries=0)
+    model = agents.OpenAIChatCompletionsModel(model="default", openai_client=client)
+    settings = dict(temperature=0, max_tokens=120, parallel_tool_calls=False)
+    question = "What is the weather in Paris, and what time is it there?"
+    answer_after_one = agents.Agent(
+        name="forecaster", instructions="Call get_weather, then answer the user in one sentence.",
+        tools=[get_weather, get_time], model=model,
+        model_settings=agents.ModelSettings(tool_choice="get_weather", **settings))
+    two_calls = agents.Agent(
+        name="planner", instructions="Call get_weather, then call get_time.", tools=[get_weather, get_time],
+        model=model, reset_tool_choice=False, tool_use_behavior=two_results,
+        model_settings=agents.ModelSettings(tool_choice="required", **settings))
+    agents.set_tracing_disabled(True)
+
+    async def run_both():
+        out = []
+        for agent in (answer_after_one, two_calls):
+            calls.clear()
+            out.append((await agents.Runner.run(agent, question, max_turns=6), list(calls)))
+        return out
+
+    (result, first_calls), (second, second_calls) = asyncio.run(run_both())
+    assert first_calls == [("get_weather", "Paris")]
+    kinds = [type(item).__name__ for item in result.new_items]
+    assert kinds == ["ToolCallItem", "ToolCallOutputItem", "MessageOutputItem"]
+    assert isinstance(result.final_output, str) and result.final_output.strip()
+
+    assert len(second_calls) == 2 and all(city for _, city in second_calls)
+    kinds = [type(item).__name__ for item in second.new_items]
+    assert kinds == ["ToolCallItem", "ToolCallOutputItem"] * 2
+    assert len(second.raw_responses) == 2  # two model turns, the second after the first's result
+    assert "Sunny" in second.final_output or "14:05" in second.final_output
