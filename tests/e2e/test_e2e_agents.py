@@ -11,6 +11,7 @@ import concurrent.futures as cf
 import json
 
 import agents
+import anthropic
 import jsonschema
 import openai
 import pytest
@@ -182,3 +183,42 @@ def test_an_agent_framework_runs_tool_loops_to_final_answers(server):
     assert kinds == ["ToolCallItem", "ToolCallOutputItem"] * 2
     assert len(second.raw_responses) == 2  # two model turns, the second after the first's result
     assert "Sunny" in second.final_output or "14:05" in second.final_output
+
+
+def test_anthropic_sdk_tool_use_is_schema_valid(server):
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", timeout=180, max_retries=0)
+    tools = [{"name": "get_weather", "description": "Weather forecast for a city", "input_schema": WEATHER_SCHEMA}]
+    message = client.messages.create(model="default", max_tokens=32000, tools=tools,
+                                     tool_choice={"type": "tool", "name": "get_weather"},
+                                     messages=[{"role": "user", "content": "Weather in Paris this week?"}])
+    assert message.stop_reason == "tool_use"
+    uses = [b for b in message.content if b.type == "tool_use"]
+    assert uses and all(u.name == "get_weather" for u in uses)
+    for use in uses:
+        jsonschema.validate(use.input, WEATHER_SCHEMA)
+    with client.messages.stream(model="default", max_tokens=200, tools=tools,
+                                tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                messages=[{"role": "user", "content": "Weather in Lyon?"}]) as stream:
+        final = stream.get_final_message()
+    [use] = [b for b in final.content if b.type == "tool_use"]
+    jsonschema.validate(use.input, WEATHER_SCHEMA)
+
+
+def test_responses_sdk_calls_and_previous_response_id_reuses_the_cached_conversation(client):
+    tools = [{"type": "function", "name": "get_weather", "description": "Weather forecast for a city",
+              "parameters": WEATHER_SCHEMA}]
+    first = client.responses.create(model="default", input="What is the weather like in Paris?", tools=tools,
+                                    tool_choice="required", parallel_tool_calls=False, temperature=0,
+                                    max_output_tokens=120)
+    [call] = [item for item in first.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), WEATHER_SCHEMA)
+    second = client.responses.create(
+        model="default", previous_response_id=first.id, tools=tools, temperature=0, max_output_tokens=30,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C."}])
+    assert second.status in ("completed", "incomplete")
+    # The second turn's prompt is the first prompt and the call as generated,
+    # then the result: everything but the result and the few tokens after the
+    # last full prefix-cache block comes from the cache.
+    computed = second.usage.input_tokens - second.usage.input_tokens_details.cached_tokens
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert computed < 64, second.usage
