@@ -208,3 +208,30 @@ def test_a_call_with_unparseable_arguments_is_returned_as_text(client, engine):
     choice = ask(client, tools=[WEATHER]).choices[0]
     assert not choice.message.tool_calls and "Paris" in choice.message.content
     assert choice.finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory):
+    """A reasoning model's tokenizer (its template opens <think>) behind its own server."""
+    tok = build_tokenizer(Path(tmp_path_factory.mktemp("thinking")), thinking=True)
+    engine = FakeEngine(tok, max_context=8192)
+    settings = Settings(model_id=engine.model_id, request_timeout_s=30)
+    with ServerThread(create_app(engine, tok, settings), settings) as server:
+        yield engine, openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=10)
+
+
+def test_a_reasoning_models_thinking_is_reasoning_content(thinking):
+    engine, client = thinking
+    engine.reset()
+    engine.say("The user wants Paris.</think>\n\nThe capital is Paris.")
+    message = ask(client).choices[0].message
+    assert message.content == "The capital is Paris."
+    assert message.model_extra["reasoning_content"] == "The user wants Paris."
+    engine.say("Paris it is.</think>\n\n" + CALL)
+    reasoning, content, calls = "", "", []
+    for chunk in ask(client, tools=[WEATHER], stream=True):
+        delta = chunk.choices[0].delta
+        reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+    assert reasoning == "Paris it is." and content == "" and calls[0].function.name == "get_weather"

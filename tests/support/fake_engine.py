@@ -28,7 +28,14 @@ CORPUS = [
 ] * 5
 
 
-def build_tokenizer(folder: Path) -> TokenizerWrapper:
+# A reasoning model's template (Qwen3's way): the answer opens with its
+# thinking, which the prompt has already begun.
+CHATML_THINKING = CHATML.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}")
+
+
+def build_tokenizer(folder: Path, thinking: bool = False) -> TokenizerWrapper:
+    """With `thinking`: <think> and </think> are special tokens, and the
+    template opens the answer's thinking."""
     folder.mkdir(parents=True, exist_ok=True)
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -37,13 +44,14 @@ def build_tokenizer(folder: Path) -> TokenizerWrapper:
         CORPUS,
         trainers.BpeTrainer(
             vocab_size=400,
-            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (["<think>", "</think>"] if thinking else []),
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         ),
     )
     bpe.save(str(folder / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": CHATML}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+              "chat_template": CHATML_THINKING if thinking else CHATML}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return load_tokenizer(folder)
 
