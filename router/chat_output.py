@@ -174,6 +174,7 @@ class ChatOutput:
         self.held = ""
         self.calls: list[ToolCall] = []
         self._call: _Call | None = None
+        self._started = 0  # calls begun: the next one's index (one that will not parse keeps its own)
         self._content_started = False
         self._whitespace = ""  # content of only whitespace: sent once something follows it
         self.unparsed = ""  # calls that would not parse, as written: content in a full response
@@ -235,7 +236,8 @@ class ChatOutput:
         if self.mode == "call":
             self._end_call(out)
         elif mode == "call":
-            self._call = _Call(len(self.calls) + (1 if self._call else 0))
+            self._call = _Call(self._started)
+            self._started += 1
         self.mode = mode
 
     def _emit(self, out: Split, text: str) -> None:
@@ -283,7 +285,8 @@ class ChatOutput:
             name, arguments = one.get("name"), one.get("arguments", {})
             if not isinstance(arguments, str):
                 arguments = json.dumps(arguments, ensure_ascii=False)
-            index = len(self.calls)
+            index = call.index if i == 0 else self._started
+            self._started += i > 0
             call_id = call.id if i == 0 else new_call_id()
             out.calls.append(ToolCallDelta(index, call_id, name))
             out.calls.append(ToolCallDelta(index, arguments=arguments))

@@ -52,3 +52,12 @@ def test_a_call_cut_off_by_the_end_of_sequence_still_counts_when_its_arguments_a
     assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [("f", {"a": 1})]
     out, content, _, _ = run(shape, '<tool_call>\n{"name": "f", "argu')
     assert not out.calls and out.unparsed.startswith("<tool_call>")
+
+
+def test_a_call_that_does_not_parse_keeps_its_index_and_the_next_gets_its_own():
+    shape = OutputShape(tools=ToolFormat.of(object()), functions=[])
+    text = ('<tool_call>\n{"name": "f", "arguments": {"a": }}\n</tool_call>\n'
+            '<tool_call>\n{"name": "g", "arguments": {"b": 2}}\n</tool_call>')
+    out, _, _, deltas = run(shape, text)
+    assert [(d.index, d.name) for d in deltas if d.id] == [(0, "f"), (1, "g")]
+    assert [c.name for c in out.calls] == ["g"] and out.unparsed.startswith("<tool_call>")
