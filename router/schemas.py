@@ -156,9 +156,12 @@ STREAM_OPTION_FIELDS = frozenset(("include_usage",))
 
 
 def check_chat_fields(body: dict) -> None:
-    """A chat body's fields and its messages' fields, all honoured; run
-    before anything is done for the request (an image URL fetched)."""
+    """A chat body's fields and its messages' fields, all honoured, and its
+    tools and response format well formed; run before anything is done for
+    the request (an image URL fetched)."""
     _only(body, CHAT_FIELDS)
+    parse_tools(body)
+    response_schema(body)
     messages = body.get("messages")
     for i, message in enumerate(messages if isinstance(messages, list) else []):
         if isinstance(message, dict):  # other shapes: _messages names them

@@ -109,8 +109,8 @@ def test_free_requests_decode_the_same_beside_constrained_ones(client):
 
     def ask_forced(i):
         return client.chat.completions.create(
-            model="default", messages=ASK, tools=[WEATHER], tool_choice="required", temperature=1.0, seed=i,
-            max_tokens=120).choices[0].message.tool_calls
+            model="default", messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+            temperature=1.0, seed=i, max_tokens=120).choices[0].message.tool_calls
 
     alone = [ask_free(m) for m in free]
     with cf.ThreadPoolExecutor(6) as pool:
@@ -189,13 +189,13 @@ def test_anthropic_sdk_tool_use_is_schema_valid(server):
     client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", timeout=180, max_retries=0)
     tools = [{"name": "get_weather", "description": "Weather forecast for a city", "input_schema": WEATHER_SCHEMA}]
     message = client.messages.create(model="default", max_tokens=32000, tools=tools,
-                                     tool_choice={"type": "tool", "name": "get_weather"},
+                                     tool_choice={"type": "tool", "name": "get_weather",
+                                                  "disable_parallel_tool_use": True},
                                      messages=[{"role": "user", "content": "Weather in Paris this week?"}])
     assert message.stop_reason == "tool_use"
-    uses = [b for b in message.content if b.type == "tool_use"]
-    assert uses and all(u.name == "get_weather" for u in uses)
-    for use in uses:
-        jsonschema.validate(use.input, WEATHER_SCHEMA)
+    [use] = [b for b in message.content if b.type == "tool_use"]
+    assert use.name == "get_weather"
+    jsonschema.validate(use.input, WEATHER_SCHEMA)
     with client.messages.stream(model="default", max_tokens=200, tools=tools,
                                 tool_choice={"type": "any", "disable_parallel_tool_use": True},
                                 messages=[{"role": "user", "content": "Weather in Lyon?"}]) as stream:

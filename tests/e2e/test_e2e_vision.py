@@ -206,11 +206,14 @@ def test_bad_media_is_a_400_naming_the_part(vlm_server, media_dir, http_base, tm
     refused(client, [good, image_part(f"file://{tmp_path}/outside.png")], "messages[0].content[1].image_url", "")
     refused(client, [image_part(f"{http_base}/slow/same.png")], "messages[0].content[0].image_url",
              "longer than")
-    # A field Tandem does not honour is refused before any picture is fetched.
-    with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="default", response_format={"type": "json_object"}, messages=[
-            {"role": "user", "content": [image_part(f"{http_base}/never.png"), text_part("JSON?")]}])
-    assert err.value.body["param"] == "response_format" and "/never.png" not in _Files.requested
+    # A field Tandem does not honour, or a malformed one, is refused before any picture is fetched.
+    for kwargs, param in [(dict(extra_body={"guided_json": {"type": "object"}}), "guided_json"),
+                          (dict(response_format={"type": "xml"}), "response_format.type"),
+                          (dict(tool_choice="required"), "tool_choice")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="default", **kwargs, messages=[
+                {"role": "user", "content": [image_part(f"{http_base}/never.png"), text_part("JSON?")]}])
+        assert err.value.body["param"] == param and "/never.png" not in _Files.requested
     # Still serving.
     answer, _ = ask(client, [{"role": "user", "content": [good, text_part("Fine?")]}])
     assert answer
