@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from router.errors import ApiError
+from router.errors import ApiError, invalid
 from router.schemas import MAX_STOP_STRINGS
 from router.tools import check_function
 
@@ -59,7 +59,7 @@ def chat_body(body: dict, count_only: bool = False) -> dict:
                            code="missing_required_parameter")
         temperature = body.get("temperature")
         if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and not 0 <= temperature <= 1:
-            raise _bad("temperature", f"expected a value in [0, 1], but got {temperature}")
+            raise invalid("temperature", f"expected a value in [0, 1], but got {temperature}")
         for name in ("max_tokens", "temperature", "top_p", "top_k", "stream"):
             if body.get(name) is not None:
                 out[name] = body[name]
@@ -77,13 +77,9 @@ def chat_body(body: dict, count_only: bool = False) -> dict:
 # --------------------------------------------------------------------------- #
 
 
-def _bad(param: str, message: str) -> ApiError:
-    return ApiError(400, f"Invalid '{param}': {message}", param=param, code="invalid_value")
-
-
 def _expect(value: Any, kind: type | tuple, what: str, param: str) -> Any:
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise _bad(param, f"expected {what}")
+        raise invalid(param, f"expected {what}")
     return value
 
 
@@ -104,7 +100,7 @@ def _cache_control(block: dict, path: str) -> None:
         _expect(control, dict, "an object", path + "cache_control")
         _only(control, frozenset(("type", "ttl")), path + "cache_control.")
         if control.get("type") != "ephemeral":
-            raise _bad(path + "cache_control.type", "expected 'ephemeral'")
+            raise invalid(path + "cache_control.type", "expected 'ephemeral'")
 
 
 def _stop_sequences(stops: Any) -> list[str]:
@@ -112,10 +108,10 @@ def _stop_sequences(stops: Any) -> list[str]:
         return []
     _expect(stops, list, "an array of strings", "stop_sequences")
     if len(stops) > MAX_STOP_STRINGS:
-        raise _bad("stop_sequences", f"at most {MAX_STOP_STRINGS} stop sequences, but got {len(stops)}")
+        raise invalid("stop_sequences", f"at most {MAX_STOP_STRINGS} stop sequences, but got {len(stops)}")
     for i, stop in enumerate(stops):
         if not _expect(stop, str, "a string", f"stop_sequences[{i}]"):
-            raise _bad(f"stop_sequences[{i}]", "stop sequences must not be empty")
+            raise invalid(f"stop_sequences[{i}]", "stop sequences must not be empty")
     return list(stops)
 
 
@@ -148,14 +144,14 @@ def _messages(body: dict) -> list[dict]:
         raise ApiError(400, "Missing required parameter: 'messages'", param="messages",
                        code="missing_required_parameter")
     if not _expect(raw, list, "an array", "messages"):
-        raise _bad("messages", "must contain at least one message")
+        raise invalid("messages", "must contain at least one message")
     out = []
     for i, message in enumerate(raw):
         path = f"messages[{i}]"
         _only(_expect(message, dict, "an object", path), MESSAGE_FIELDS, path + ".")
         role = message.get("role")
         if role not in BLOCKS_OF_ROLE:
-            raise _bad(path + ".role", f"expected 'user' or 'assistant', but got {role!r}")
+            raise invalid(path + ".role", f"expected 'user' or 'assistant', but got {role!r}")
         content = message.get("content")
         if isinstance(content, str):
             content = [{"type": "text", "text": content}]
@@ -164,7 +160,7 @@ def _messages(body: dict) -> list[dict]:
     if raw[-1].get("role") == "assistant":
         # Anthropic continues a final assistant turn ("prefill"); the chat
         # template here opens a new one, which would answer something else.
-        raise _bad(f"messages[{len(raw) - 1}].role", "a final assistant message (prefill) is not supported: "
+        raise invalid(f"messages[{len(raw) - 1}].role", "a final assistant message (prefill) is not supported: "
                    "end with a user message")
     return out
 
@@ -183,7 +179,7 @@ def _block_type(block: Any, path: str, allowed: tuple[str, ...]) -> str:
 def _text(block: Any, path: str, allowed: tuple[str, ...]) -> str:
     _block_type(block, path, allowed)
     if block.get("citations"):
-        raise _bad(path + ".citations", "citations are not supported")
+        raise invalid(path + ".citations", "citations are not supported")
     return _expect(block.get("text"), str, "a string", path + ".text")
 
 
@@ -216,14 +212,14 @@ def _image(block: dict, path: str) -> dict:
         _only(source, frozenset(("type", "media_type", "data")), path + ".source.")
         media_type = source.get("media_type")
         if media_type not in IMAGE_MEDIA_TYPES:
-            raise _bad(path + ".source.media_type", f"expected one of {', '.join(IMAGE_MEDIA_TYPES)}")
+            raise invalid(path + ".source.media_type", f"expected one of {', '.join(IMAGE_MEDIA_TYPES)}")
         data = _expect(source.get("data"), str, "a base64 string", path + ".source.data")
         return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
     if kind == "url":
         _only(source, frozenset(("type", "url")), path + ".source.")
         url = _expect(source.get("url"), str, "a string", path + ".source.url")
         return {"type": "image_url", "image_url": {"url": url}}
-    raise _bad(path + ".source.type", f"expected 'base64' or 'url', but got {kind!r}")
+    raise invalid(path + ".source.type", f"expected 'base64' or 'url', but got {kind!r}")
 
 
 def _tool_result(block: dict, path: str) -> dict:
@@ -296,10 +292,10 @@ def _tool_choice(choice: Any) -> tuple[Any, bool | None]:
         openai_choice: Any = {"type": "function", "function": {"name": name}}
     elif kind in TOOL_CHOICE_TYPES:
         if choice.get("name") is not None:
-            raise _bad("tool_choice.name", "only tool_choice of type 'tool' names a tool")
+            raise invalid("tool_choice.name", "only tool_choice of type 'tool' names a tool")
         openai_choice = TOOL_CHOICE_TYPES[kind]
     else:
-        raise _bad("tool_choice.type", f"expected 'auto', 'any', 'tool' or 'none', but got {kind!r}")
+        raise invalid("tool_choice.type", f"expected 'auto', 'any', 'tool' or 'none', but got {kind!r}")
     disable = choice.get("disable_parallel_tool_use")
     if disable is None:
         return openai_choice, None

@@ -94,6 +94,11 @@ def _anthropic(request: Request) -> bool:
     return is_anthropic_path(request.url.path)
 
 
+def invalid(param: str, message: str, status: int = 400, code: str = "invalid_value") -> ApiError:
+    """The error for a field whose value (400) or type (422, "invalid_type") is wrong, naming it."""
+    return ApiError(status, f"Invalid '{param}': {message}", param=param, code=code)
+
+
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
     return exc.response(_anthropic(request))

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.errors import ApiError
+from router.errors import ApiError, invalid
 
 RESPONSE_FIELDS = frozenset((
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "max_output_tokens",
@@ -57,12 +57,8 @@ MAX_STORED_RESPONSES = 4096
 MAX_STORED_TOKENS = 16_000_000
 
 
-def _bad(param: str, message: str, status: int = 400, code: str = "invalid_value") -> ApiError:
-    return ApiError(status, f"Invalid '{param}': {message}", param=param, code=code)
-
-
 def _wrong_type(param: str, expected: str) -> ApiError:
-    return _bad(param, f"expected {expected}", 422, "invalid_type")
+    return invalid(param, f"expected {expected}", 422, "invalid_type")
 
 
 def _unsupported(param: str, message: str) -> ApiError:
@@ -257,7 +253,7 @@ class _InputReader:
             _only(item, ITEM_FIELDS[kind], path + ".")
             getattr(self, "_read_" + kind)(item, path)
         if self._reasoning is not None:
-            raise _bad("input", "a reasoning item must come before the assistant message or function call it led to")
+            raise invalid("input", "a reasoning item must come before the assistant message or function call it led to")
 
     def _add(self, message: dict, path: str) -> dict:
         if message["role"] == "assistant" and self._reasoning is not None:
@@ -270,7 +266,7 @@ class _InputReader:
     def _read_message(self, item: dict, path: str) -> None:
         role = _string(item, "role", path + ".", required=True)
         if role not in INPUT_ROLES:
-            raise _bad(path + ".role", f"'{role}' is not one of {', '.join(INPUT_ROLES)}")
+            raise invalid(path + ".role", f"'{role}' is not one of {', '.join(INPUT_ROLES)}")
         content = item.get("content")
         if isinstance(content, list):
             content = self._parts(content, path + ".content")
@@ -309,7 +305,7 @@ class _InputReader:
         try:
             json.loads(arguments)
         except ValueError as exc:
-            raise _bad(path + ".arguments", f"not valid JSON: {exc}")
+            raise invalid(path + ".arguments", f"not valid JSON: {exc}")
         call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
         answer = self._answer if self._reasoning is None else None
         if answer is None:
@@ -393,7 +389,7 @@ def _text(body: dict) -> dict | None:
         _only(fmt, frozenset(("type",)), "text.format.")
         return {"type": kind}
     if kind != "json_schema":
-        raise _bad("text.format.type", f"expected one of text, json_object, json_schema, but got {kind!r}")
+        raise invalid("text.format.type", f"expected one of text, json_object, json_schema, but got {kind!r}")
     return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
 
 
@@ -405,5 +401,5 @@ def _metadata(body: dict) -> dict:
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise _wrong_type("metadata", "an object of strings")
     if len(metadata) > MAX_METADATA_KEYS:
-        raise _bad("metadata", f"at most {MAX_METADATA_KEYS} keys, but got {len(metadata)}")
+        raise invalid("metadata", f"at most {MAX_METADATA_KEYS} keys, but got {len(metadata)}")
     return metadata

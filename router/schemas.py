@@ -20,7 +20,7 @@ from starlette.requests import Request
 
 from protos.messages import SamplingParams
 from router.chat_output import OutputShape
-from router.errors import ApiError
+from router.errors import ApiError, invalid
 from router.structured import build_grammar, response_schema
 from router.tools import ToolFormat, message_tool_calls, parse_tools, template_tools, with_tools
 
@@ -118,8 +118,6 @@ def _expect(value: Any, expected: str, param: str) -> Any:
     return value
 
 
-def _invalid(param: str, message: str) -> ApiError:
-    return ApiError(400, f"Invalid '{param}': {message}", param=param, code="invalid_value")
 
 
 def _in_range(value: Any, param: str, low: float, high: float, low_open: bool = False) -> Any:
@@ -128,7 +126,7 @@ def _in_range(value: Any, param: str, low: float, high: float, low_open: bool = 
     below = value <= low if low_open else value < low
     if below or value > high or (isinstance(value, float) and math.isnan(value)):
         bracket = "(" if low_open else "["
-        raise _invalid(param, f"expected a value in {bracket}{low:g}, {high:g}], but got {value}")
+        raise invalid(param, f"expected a value in {bracket}{low:g}, {high:g}], but got {value}")
     return value
 
 
@@ -197,16 +195,16 @@ def _sampling(body: dict, tokenizer) -> SamplingParams:
     if n > 1:
         raise ApiError(400, "n > 1 is not supported", param="n", code="unsupported_value")
     if n < 1:
-        raise _invalid("n", f"expected a value >= 1, but got {n}")
+        raise invalid("n", f"expected a value >= 1, but got {n}")
     top_k = _field(body, "top_k", "an integer", 0)
     if top_k < -1:
-        raise _invalid("top_k", f"expected a value >= 0 (or -1 for off), but got {top_k}")
+        raise invalid("top_k", f"expected a value >= 0 (or -1 for off), but got {top_k}")
     repetition_penalty = _field(body, "repetition_penalty", "a number", 1.0)
     if not repetition_penalty > 0:
-        raise _invalid("repetition_penalty", f"expected a value > 0, but got {repetition_penalty}")
+        raise invalid("repetition_penalty", f"expected a value > 0, but got {repetition_penalty}")
     seed = _field(body, "seed", "an integer")
     if seed is not None and not -(2**63) <= seed < 2**64:
-        raise _invalid("seed", "expected a 64-bit integer")
+        raise invalid("seed", "expected a 64-bit integer")
     _field(body, "user", "a string")  # accepted, ignored
     return SamplingParams(
         temperature=_number_in(body, "temperature", 1.0, 0, 2),
@@ -228,7 +226,7 @@ def _logit_bias(body: dict, vocab_size: int) -> dict:
     for key, value in raw.items():
         param = f"logit_bias.{key}"
         if not (key.isdigit() and int(key) < vocab_size):
-            raise _invalid("logit_bias", f"'{key}' is not a token id of this model (0 to {vocab_size - 1})")
+            raise invalid("logit_bias", f"'{key}' is not a token id of this model (0 to {vocab_size - 1})")
         bias[str(int(key))] = float(_in_range(_expect(value, "a number", param), param, -100, 100))
     return bias
 
@@ -239,10 +237,10 @@ def _stop(body: dict) -> list[str]:
         return []
     stops = [stop] if isinstance(_expect(stop, "a string or an array", "stop"), str) else stop
     if len(stops) > MAX_STOP_STRINGS:
-        raise _invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings, but got {len(stops)}")
+        raise invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings, but got {len(stops)}")
     for i, s in enumerate(stops):
         if not _expect(s, "a string", f"stop[{i}]"):
-            raise _invalid(f"stop[{i}]", "stop strings must not be empty")
+            raise invalid(f"stop[{i}]", "stop strings must not be empty")
     return list(stops)
 
 
@@ -260,7 +258,7 @@ def _resolve_max_tokens(body: dict, names: tuple[str, ...], prompt_param: str, p
     param = next((n for n in names if body.get(n) is not None), names[0])
     requested = _field(body, param, "an integer")
     if requested is not None and requested < 1:
-        raise _invalid(param, f"expected a value >= 1, but got {requested}")
+        raise invalid(param, f"expected a value >= 1, but got {requested}")
     if requested is None and prompt_len < max_context:
         return min(DEFAULT_MAX_TOKENS, max_context - prompt_len)
     budget = requested or 1  # no limit given: the prompt must still leave room for one token
@@ -278,7 +276,7 @@ def _resolve_max_tokens(body: dict, names: tuple[str, ...], prompt_param: str, p
 
 def _require_tokens(tokens: list[int], param: str) -> list[int]:
     if not tokens:
-        raise _invalid(param, "the prompt is empty after tokenization")
+        raise invalid(param, "the prompt is empty after tokenization")
     return tokens
 
 
@@ -297,7 +295,7 @@ def parse_chat(body: dict, tokenizer, model_id: str, max_context: int, vision=No
     logprobs = _field(body, "logprobs", "a boolean", False)
     top_logprobs = _in_range(_field(body, "top_logprobs", "an integer", 0), "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top_logprobs and not logprobs:
-        raise _invalid("top_logprobs", "requires 'logprobs' to be true")
+        raise invalid("top_logprobs", "requires 'logprobs' to be true")
     stop = _stop(body)
     stream, include_usage = _stream_options(body)
     messages = _messages(body, media=vision is not None)
@@ -321,7 +319,7 @@ def parse_chat(body: dict, tokenizer, model_id: str, max_context: int, vision=No
                 tokens = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                             **template_kwargs))
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:  # templates raise on e.g. misordered roles
-        raise _invalid("messages", f"the model's chat template rejected them: {exc}")
+        raise invalid("messages", f"the model's chat template rejected them: {exc}")
     _require_tokens(tokens, "messages")
     sampling.max_tokens = _resolve_max_tokens(
         body, ("max_completion_tokens", "max_tokens"), "messages", len(tokens), max_context
@@ -338,14 +336,14 @@ def _messages(body: dict, media: bool = False) -> list[dict]:
     {"type": "text"}, {"type": "image"} and {"type": "video"} parts: see _text_parts)."""
     raw = _field(body, "messages", "an array", required=True)
     if not raw:
-        raise _invalid("messages", "must contain at least one message")
+        raise invalid("messages", "must contain at least one message")
     messages = []
     for i, message in enumerate(raw):
         path = f"messages[{i}]."
         _expect(message, "an object", path[:-1])
         role = _field(message, "role", "a string", required=True, path=path)
         if role not in CHAT_ROLES:
-            raise _invalid(path + "role", f"'{role}' is not one of {', '.join(CHAT_ROLES)}")
+            raise invalid(path + "role", f"'{role}' is not one of {', '.join(CHAT_ROLES)}")
         # An assistant turn that only called tools has no content.
         content = _field(message, "content", "a string or an array", "", required=role != "assistant", path=path)
         if isinstance(content, list):
@@ -365,7 +363,7 @@ def _tool_fields(message: dict, role: str, path: str, normalized: dict) -> None:
     it belongs."""
     for key, owner in (("tool_calls", "assistant"), ("tool_call_id", "tool"), ("reasoning_content", "assistant")):
         if message.get(key) is not None and role != owner:
-            raise _invalid(path + key, f"only '{owner}' messages carry it")
+            raise invalid(path + key, f"only '{owner}' messages carry it")
     if message.get("tool_calls") is not None:
         normalized["tool_calls"] = message_tool_calls(message, path)
     if role == "tool":
@@ -448,5 +446,5 @@ def _prompt_tokens(prompt: str | list, tokenizer) -> list[int]:
     for i, token in enumerate(prompt):
         _expect(token, "an integer", f"prompt[{i}]")
         if not 0 <= token < vocab_size:
-            raise _invalid(f"prompt[{i}]", f"{token} is not a token id of this model (0 to {vocab_size - 1})")
+            raise invalid(f"prompt[{i}]", f"{token} is not a token id of this model (0 to {vocab_size - 1})")
     return list(prompt)

@@ -20,15 +20,11 @@ import json
 from functools import lru_cache
 
 from protos.grammar import grammar_error, ll_tokenizer
-from router.errors import ApiError
+from router.errors import ApiError, invalid
 from router.tools import ToolFormat, ToolRequest, call_grammar_lark, laid_out
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 JSON_SCHEMA_FIELDS = frozenset(("name", "schema", "strict", "description"))
-
-
-def _bad(param: str, message: str, status: int = 400, code: str = "invalid_value") -> ApiError:
-    return ApiError(status, f"Invalid '{param}': {message}", param=param, code=code)
 
 
 def response_schema(body: dict) -> dict | None:
@@ -37,10 +33,10 @@ def response_schema(body: dict) -> dict | None:
     if rf is None:
         return None
     if not isinstance(rf, dict):
-        raise _bad("response_format", "expected an object", 422, "invalid_type")
+        raise invalid("response_format", "expected an object", 422, "invalid_type")
     kind = rf.get("type")
     if kind not in RESPONSE_FORMAT_TYPES:
-        raise _bad("response_format.type", f"expected one of {', '.join(RESPONSE_FORMAT_TYPES)}, but got {kind!r}")
+        raise invalid("response_format.type", f"expected one of {', '.join(RESPONSE_FORMAT_TYPES)}, but got {kind!r}")
     unknown = sorted(k for k, v in rf.items() if k not in ("type", "json_schema") and v is not None)
     if unknown:
         raise ApiError(400, f"Unsupported parameter 'response_format.{unknown[0]}'",
@@ -51,16 +47,16 @@ def response_schema(body: dict) -> dict | None:
         return {"type": "object"}
     spec = rf.get("json_schema")
     if not isinstance(spec, dict):
-        raise _bad("response_format.json_schema", "expected an object with 'name' and 'schema'", 422, "invalid_type")
+        raise invalid("response_format.json_schema", "expected an object with 'name' and 'schema'", 422, "invalid_type")
     unknown = sorted(k for k, v in spec.items() if k not in JSON_SCHEMA_FIELDS and v is not None)
     if unknown:
         raise ApiError(400, f"Unsupported parameter 'response_format.json_schema.{unknown[0]}'",
                        param=f"response_format.json_schema.{unknown[0]}", code="unsupported_parameter")
     if not isinstance(spec.get("name"), str) or not spec["name"]:
-        raise _bad("response_format.json_schema.name", "expected a non-empty string", 422, "invalid_type")
+        raise invalid("response_format.json_schema.name", "expected a non-empty string", 422, "invalid_type")
     schema = spec.get("schema", {"type": "object"})
     if not isinstance(schema, dict):
-        raise _bad("response_format.json_schema.schema", "expected a JSON schema object", 422, "invalid_type")
+        raise invalid("response_format.json_schema.schema", "expected a JSON schema object", 422, "invalid_type")
     return schema
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from mlx_lm.tool_parsers import json_tools
 
-from router.errors import ApiError
+from router.errors import ApiError, invalid
 
 MAX_TOOLS = 128
 TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
@@ -104,10 +104,6 @@ def new_call_id() -> str:
 # --------------------------------------------------------------------------- #
 
 
-def _bad(param: str, message: str, status: int = 400, code: str = "invalid_value") -> ApiError:
-    return ApiError(status, f"Invalid '{param}': {message}", param=param, code=code)
-
-
 def parse_tools(body: dict) -> ToolRequest | None:
     """The body's tools, or None when it sends none (or tool_choice "none"
     with none). 400/422 naming the field on anything malformed."""
@@ -115,26 +111,26 @@ def parse_tools(body: dict) -> ToolRequest | None:
     choice = body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise _bad("parallel_tool_calls", "expected a boolean", 422, "invalid_type")
+        raise invalid("parallel_tool_calls", "expected a boolean", 422, "invalid_type")
     if tools is None:
         if choice not in (None, "none"):
-            raise _bad("tool_choice", "requires 'tools'")
+            raise invalid("tool_choice", "requires 'tools'")
         return None
     if not isinstance(tools, list):
-        raise _bad("tools", "expected an array", 422, "invalid_type")
+        raise invalid("tools", "expected an array", 422, "invalid_type")
     if len(tools) > MAX_TOOLS:
-        raise _bad("tools", f"at most {MAX_TOOLS} tools, but got {len(tools)}")
+        raise invalid("tools", f"at most {MAX_TOOLS} tools, but got {len(tools)}")
     functions = [_function(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
     names = [f["name"] for f in functions]
     for i, name in enumerate(names):
         if name in names[:i]:
-            raise _bad(f"tools[{i}].function.name", f"'{name}' is defined twice")
+            raise invalid(f"tools[{i}].function.name", f"'{name}' is defined twice")
     return ToolRequest(functions, _choice(choice, names), True if parallel is None else parallel)
 
 
 def _function(tool: Any, path: str) -> dict:
     if not isinstance(tool, dict):
-        raise _bad(path, "expected an object", 422, "invalid_type")
+        raise invalid(path, "expected an object", 422, "invalid_type")
     if tool.get("type", "function") != "function":
         raise ApiError(400, f"Unsupported tool type '{tool.get('type')}' in '{path}': only 'function' tools",
                        param=path + ".type", code="unsupported_value")
@@ -144,7 +140,7 @@ def _function(tool: Any, path: str) -> dict:
                        code="unsupported_parameter")
     fn = tool.get("function")
     if not isinstance(fn, dict):
-        raise _bad(path + ".function", "expected an object", 422, "invalid_type")
+        raise invalid(path + ".function", "expected an object", 422, "invalid_type")
     return check_function(fn, path + ".function")
 
 
@@ -159,19 +155,19 @@ def check_function(fn: dict, path: str, schema_key: str = "parameters") -> dict:
                        code="unsupported_parameter")
     name = fn.get("name")
     if not isinstance(name, str) or not name:
-        raise _bad(path + ".name", "expected a non-empty string", 422, "invalid_type")
+        raise invalid(path + ".name", "expected a non-empty string", 422, "invalid_type")
     if len(name) > 64 or not set(name) <= TOOL_NAME_CHARS:
-        raise _bad(path + ".name", "at most 64 characters of a-z, A-Z, 0-9, '_', '-' and '.'")
+        raise invalid(path + ".name", "at most 64 characters of a-z, A-Z, 0-9, '_', '-' and '.'")
     out = {"name": name}
     description = fn.get("description")
     if description is not None:
         if not isinstance(description, str):
-            raise _bad(path + ".description", "expected a string", 422, "invalid_type")
+            raise invalid(path + ".description", "expected a string", 422, "invalid_type")
         out["description"] = description
     schema = fn.get(schema_key)
     if schema is not None:
         if not isinstance(schema, dict):
-            raise _bad(f"{path}.{schema_key}", "expected a JSON schema object", 422, "invalid_type")
+            raise invalid(f"{path}.{schema_key}", "expected a JSON schema object", 422, "invalid_type")
         out["parameters"] = schema
     return out
 
@@ -181,14 +177,14 @@ def _choice(choice: Any, names: list[str]) -> str:
         return "auto"
     if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
-            raise _bad("tool_choice", f"expected 'none', 'auto', 'required' or a function, but got '{choice}'")
+            raise invalid("tool_choice", f"expected 'none', 'auto', 'required' or a function, but got '{choice}'")
         return choice
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(choice.get("function"), dict):
-        raise _bad("tool_choice", "expected 'none', 'auto', 'required' or "
+        raise invalid("tool_choice", "expected 'none', 'auto', 'required' or "
                    "{\"type\": \"function\", \"function\": {\"name\": ...}}")
     name = choice["function"].get("name")
     if name not in names:
-        raise _bad("tool_choice.function.name", f"'{name}' is not one of the tools: {', '.join(names)}")
+        raise invalid("tool_choice.function.name", f"'{name}' is not one of the tools: {', '.join(names)}")
     return name
 
 
@@ -285,25 +281,25 @@ def message_tool_calls(message: dict, path: str) -> list[dict]:
     arguments parsed from their JSON text (templates render a mapping)."""
     calls = message.get("tool_calls")
     if not isinstance(calls, list):
-        raise _bad(path + "tool_calls", "expected an array", 422, "invalid_type")
+        raise invalid(path + "tool_calls", "expected an array", 422, "invalid_type")
     out = []
     for j, call in enumerate(calls):
         at = f"{path}tool_calls[{j}]"
         if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-            raise _bad(at, "expected {\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}",
+            raise invalid(at, "expected {\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}",
                        422, "invalid_type")
         fn = call["function"]
         name, arguments = fn.get("name"), fn.get("arguments", "{}")
         if not isinstance(name, str) or not name:
-            raise _bad(at + ".function.name", "expected a non-empty string", 422, "invalid_type")
+            raise invalid(at + ".function.name", "expected a non-empty string", 422, "invalid_type")
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
             except ValueError as exc:
-                raise _bad(at + ".function.arguments", f"not valid JSON: {exc}")
+                raise invalid(at + ".function.arguments", f"not valid JSON: {exc}")
         call_id = call.get("id")
         if call_id is not None and not isinstance(call_id, str):
-            raise _bad(at + ".id", "expected a string", 422, "invalid_type")
+            raise invalid(at + ".id", "expected a string", 422, "invalid_type")
         out.append({"id": call_id or new_call_id(), "type": "function",
                     "function": {"name": name, "arguments": arguments}})
     return out
