@@ -54,10 +54,10 @@ def valid_call(call, schemas: dict) -> dict:
     return arguments
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_named_tool_returns_a_schema_valid_call(client, temperature):
+def test_a_named_tool_returns_a_schema_valid_call(client):
+    # Sampled (the streamed test below is greedy): any draw is a valid call.
     reply = client.chat.completions.create(
-        model="default", messages=ASK, tools=[WEATHER, TIME], temperature=temperature, seed=7, max_tokens=120,
+        model="default", messages=ASK, tools=[WEATHER, TIME], temperature=1.0, seed=7, max_tokens=120,
         tool_choice={"type": "function", "function": {"name": "get_weather"}}, parallel_tool_calls=False)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls", choice
@@ -84,18 +84,13 @@ def test_a_required_call_streams_as_deltas_that_make_a_valid_call(client):
                                                           "get_time": TIME["function"]["parameters"]}[name])
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_json_schema_answer_validates(client, stream):
+def test_a_json_schema_answer_validates(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": ANSWER_SCHEMA, "strict": True}}
     messages = [{"role": "user", "content": "Describe Paris as JSON."}]
-    kwargs = dict(model="default", messages=messages, response_format=fmt, temperature=0, max_tokens=200)
-    if stream:
-        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs))
-    else:
-        reply = client.chat.completions.create(**kwargs)
-        assert reply.choices[0].finish_reason == "stop"
-        text = reply.choices[0].message.content
-    jsonschema.validate(json.loads(text), ANSWER_SCHEMA)
+    reply = client.chat.completions.create(model="default", messages=messages, response_format=fmt, temperature=0,
+                                           max_tokens=200)
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].message.content), ANSWER_SCHEMA)
 
 
 def test_free_requests_decode_the_same_beside_constrained_ones(client):
@@ -196,12 +191,6 @@ def test_anthropic_sdk_tool_use_is_schema_valid(server):
     [use] = [b for b in message.content if b.type == "tool_use"]
     assert use.name == "get_weather"
     jsonschema.validate(use.input, WEATHER_SCHEMA)
-    with client.messages.stream(model="default", max_tokens=200, tools=tools,
-                                tool_choice={"type": "any", "disable_parallel_tool_use": True},
-                                messages=[{"role": "user", "content": "Weather in Lyon?"}]) as stream:
-        final = stream.get_final_message()
-    [use] = [b for b in final.content if b.type == "tool_use"]
-    jsonschema.validate(use.input, WEATHER_SCHEMA)
 
 
 def test_responses_sdk_calls_and_previous_response_id_reuses_the_cached_conversation(client):
@@ -213,7 +202,7 @@ def test_responses_sdk_calls_and_previous_response_id_reuses_the_cached_conversa
     [call] = [item for item in first.output if item.type == "function_call"]
     jsonschema.validate(json.loads(call.arguments), WEATHER_SCHEMA)
     second = client.responses.create(
-        model="default", previous_response_id=first.id, tools=tools, temperature=0, max_output_tokens=30,
+        model="default", previous_response_id=first.id, tools=tools, temperature=0, max_output_tokens=8,
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C."}])
     assert second.status in ("completed", "incomplete")
     # The second turn's prompt is the first prompt and the call as generated,
