@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from router.errors import ApiError, invalid
+from router.errors import ApiError, invalid, only
 from router.schemas import MAX_STOP_STRINGS
 from router.tools import check_function
 
@@ -51,7 +51,7 @@ def chat_body(body: dict, count_only: bool = False) -> dict:
     """The OpenAI chat body equivalent to Anthropic Messages `body`;
     `count_only`: a count_tokens body (no max_tokens, no sampling)."""
     honoured = COUNT_TOKENS_FIELDS if count_only else MESSAGES_FIELDS
-    _only(body, honoured)
+    only(body, honoured)
     out: dict[str, Any] = {"model": body.get("model"), "messages": _system(body.get("system")) + _messages(body)}
     if not count_only:
         if body.get("max_tokens") is None:
@@ -83,22 +83,12 @@ def _expect(value: Any, kind: type | tuple, what: str, param: str) -> Any:
     return value
 
 
-def _only(obj: dict, honoured: frozenset, path: str = "") -> None:
-    unknown = sorted(k for k, v in obj.items() if k not in honoured and v is not None)
-    if unknown:
-        names = ", ".join(f"'{path}{k}'" for k in unknown[:8]) + (", ..." if len(unknown) > 8 else "")
-        raise ApiError(400, f"Unsupported parameter{'s' if len(unknown) > 1 else ''}: {names}. Tandem does not "
-                       f"honour {'them' if len(unknown) > 1 else 'it'} and will not ignore it silently; "
-                       f"supported here: {', '.join(sorted(honoured))}",
-                       param=path + unknown[0], code="unsupported_parameter")
-
-
 def _cache_control(block: dict, path: str) -> None:
     """Accepted and always honoured: the prefix cache keeps every prompt."""
     control = block.get("cache_control")
     if control is not None:
         _expect(control, dict, "an object", path + "cache_control")
-        _only(control, frozenset(("type", "ttl")), path + "cache_control.")
+        only(control, frozenset(("type", "ttl")), path + "cache_control.")
         if control.get("type") != "ephemeral":
             raise invalid(path + "cache_control.type", "expected 'ephemeral'")
 
@@ -118,7 +108,7 @@ def _stop_sequences(stops: Any) -> list[str]:
 def _metadata(metadata: Any) -> None:
     """Accepted: `user_id`, which, as OpenAI's `user`, changes nothing."""
     if metadata is not None:
-        _only(_expect(metadata, dict, "an object", "metadata"), frozenset(("user_id",)), "metadata.")
+        only(_expect(metadata, dict, "an object", "metadata"), frozenset(("user_id",)), "metadata.")
         if metadata.get("user_id") is not None:
             _expect(metadata["user_id"], str, "a string", "metadata.user_id")
 
@@ -148,7 +138,7 @@ def _messages(body: dict) -> list[dict]:
     out = []
     for i, message in enumerate(raw):
         path = f"messages[{i}]"
-        _only(_expect(message, dict, "an object", path), MESSAGE_FIELDS, path + ".")
+        only(_expect(message, dict, "an object", path), MESSAGE_FIELDS, path + ".")
         role = message.get("role")
         if role not in BLOCKS_OF_ROLE:
             raise invalid(path + ".role", f"expected 'user' or 'assistant', but got {role!r}")
@@ -171,7 +161,7 @@ def _block_type(block: Any, path: str, allowed: tuple[str, ...]) -> str:
     if kind not in allowed:
         raise ApiError(400, f"Unsupported content block type {kind!r} in '{path}': here Tandem takes "
                        f"{', '.join(allowed)}", param=path + ".type", code="unsupported_value")
-    _only(block, BLOCK_FIELDS[kind], path + ".")
+    only(block, BLOCK_FIELDS[kind], path + ".")
     _cache_control(block, path + ".")
     return kind
 
@@ -209,14 +199,14 @@ def _image(block: dict, path: str) -> dict:
     source = _expect(block.get("source"), dict, "an object", path + ".source")
     kind = source.get("type")
     if kind == "base64":
-        _only(source, frozenset(("type", "media_type", "data")), path + ".source.")
+        only(source, frozenset(("type", "media_type", "data")), path + ".source.")
         media_type = source.get("media_type")
         if media_type not in IMAGE_MEDIA_TYPES:
             raise invalid(path + ".source.media_type", f"expected one of {', '.join(IMAGE_MEDIA_TYPES)}")
         data = _expect(source.get("data"), str, "a base64 string", path + ".source.data")
         return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
     if kind == "url":
-        _only(source, frozenset(("type", "url")), path + ".source.")
+        only(source, frozenset(("type", "url")), path + ".source.")
         url = _expect(source.get("url"), str, "a string", path + ".source.url")
         return {"type": "image_url", "image_url": {"url": url}}
     raise invalid(path + ".source.type", f"expected 'base64' or 'url', but got {kind!r}")
@@ -285,7 +275,7 @@ def _tools(tools: Any) -> list[dict]:
 def _tool_choice(choice: Any) -> tuple[Any, bool | None]:
     """OpenAI's tool_choice and parallel_tool_calls for Anthropic's tool_choice."""
     _expect(choice, dict, "an object with 'type'", "tool_choice")
-    _only(choice, frozenset(("type", "name", "disable_parallel_tool_use")), "tool_choice.")
+    only(choice, frozenset(("type", "name", "disable_parallel_tool_use")), "tool_choice.")
     kind = choice.get("type")
     if kind == "tool":
         name = _expect(choice.get("name"), str, "a string", "tool_choice.name")

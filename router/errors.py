@@ -99,6 +99,19 @@ def invalid(param: str, message: str, status: int = 400, code: str = "invalid_va
     return ApiError(status, f"Invalid '{param}': {message}", param=param, code=code)
 
 
+def only(obj: dict, honoured: frozenset, path: str = "") -> None:
+    """400 `unsupported_parameter` naming `obj`'s fields an endpoint does not
+    honour (the first few: a body is at most max_request_bytes, its error far
+    less). A field sent as null counts as not sent (clients echo objects back)."""
+    unknown = sorted(k for k, v in obj.items() if k not in honoured and v is not None)
+    if unknown:
+        names = ", ".join(f"'{path}{k}'" for k in unknown[:8]) + (", ..." if len(unknown) > 8 else "")
+        raise ApiError(400, f"Unsupported parameter{'s' if len(unknown) > 1 else ''}: {names}. Tandem does not "
+                       f"honour {'them' if len(unknown) > 1 else 'it'} and will not ignore it silently; "
+                       f"supported here: {', '.join(sorted(honoured))}",
+                       param=path + unknown[0], code="unsupported_parameter")
+
+
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
     return exc.response(_anthropic(request))

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.errors import ApiError, invalid
+from router.errors import ApiError, invalid, only
 
 RESPONSE_FIELDS = frozenset((
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "max_output_tokens",
@@ -63,15 +63,6 @@ def _wrong_type(param: str, expected: str) -> ApiError:
 
 def _unsupported(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param, code="unsupported_value")
-
-
-def _only(obj: dict, honoured: frozenset, path: str = "") -> None:
-    """400 naming the first field of `obj` Tandem does not honour (null counts as not sent)."""
-    unknown = sorted(k for k, v in obj.items() if k not in honoured and v is not None)
-    if unknown:
-        raise ApiError(400, f"Unsupported parameter: '{path}{unknown[0]}'. Tandem does not honour it and will not "
-                       f"ignore it silently; supported here: {', '.join(sorted(honoured))}",
-                       param=path + unknown[0], code="unsupported_parameter")
 
 
 def _string(obj: dict, name: str, path: str = "", required: bool = False) -> str | None:
@@ -174,7 +165,7 @@ class ResponsesTurn:
 def responses_turn(body: dict, store: ResponseStore, images: bool) -> ResponsesTurn:
     """`body` checked and read as a chat request; `images`: the served model
     takes them (else an image part is a 400 naming it)."""
-    _only(body, RESPONSE_FIELDS)
+    only(body, RESPONSE_FIELDS)
     for name, accepted in ONLY_VALUES.items():
         if body.get(name) is not None and body[name] not in accepted:
             raise _unsupported(name, f"Unsupported value for '{name}': Tandem supports only "
@@ -250,7 +241,7 @@ class _InputReader:
             if kind not in ITEM_FIELDS:
                 raise _unsupported(path + ".type", f"Unsupported input item type {kind!r} in '{path}': Tandem takes "
                                    f"{', '.join(ITEM_FIELDS)} items (previous_response_id instead of item_reference)")
-            _only(item, ITEM_FIELDS[kind], path + ".")
+            only(item, ITEM_FIELDS[kind], path + ".")
             getattr(self, "_read_" + kind)(item, path)
         if self._reasoning is not None:
             raise invalid("input", "a reasoning item must come before the assistant message or function call it led to")
@@ -285,7 +276,7 @@ class _InputReader:
             if kind not in PART_FIELDS:
                 raise _unsupported(at + ".type", f"Unsupported content part type {kind!r} in '{at}': Tandem takes "
                                    f"{', '.join(PART_FIELDS)} parts")
-            _only(part, PART_FIELDS[kind], at + ".")
+            only(part, PART_FIELDS[kind], at + ".")
             if kind != "input_image":
                 out.append({"type": "text", "text": _string(part, "text", at + ".", required=True)})
                 continue
@@ -351,7 +342,7 @@ def _tools(body: dict) -> tuple[list | None, list]:
         if tool.get("type") != "function":
             raise _unsupported(path + ".type", f"Unsupported tool type {tool.get('type')!r} in '{path}': "
                                "Tandem serves 'function' tools only")
-        _only(tool, TOOL_FIELDS, path + ".")
+        only(tool, TOOL_FIELDS, path + ".")
         function = {k: v for k, v in tool.items() if k != "type" and v is not None}
         chat.append({"type": "function", "function": function})
         echo.append({"type": "function", "description": None, "parameters": None, "strict": None, **function})
@@ -366,7 +357,7 @@ def _tool_choice(choice: Any) -> Any:
     if choice.get("type") != "function":
         raise _unsupported("tool_choice.type", f"Unsupported tool_choice type {choice.get('type')!r}: Tandem "
                            "takes 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}")
-    _only(choice, frozenset(("type", "name")), "tool_choice.")
+    only(choice, frozenset(("type", "name")), "tool_choice.")
     return {"type": "function", "function": {"name": _string(choice, "name", "tool_choice.", required=True)}}
 
 
@@ -377,16 +368,16 @@ def _text(body: dict) -> dict | None:
         return None
     if not isinstance(text, dict):
         raise _wrong_type("text", "an object")
-    _only(text, TEXT_FIELDS, "text.")
+    only(text, TEXT_FIELDS, "text.")
     fmt = text.get("format")
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
         raise _wrong_type("text.format", "an object")
-    _only(fmt, FORMAT_FIELDS, "text.format.")
+    only(fmt, FORMAT_FIELDS, "text.format.")
     kind = fmt.get("type")
     if kind in ("text", "json_object"):
-        _only(fmt, frozenset(("type",)), "text.format.")
+        only(fmt, frozenset(("type",)), "text.format.")
         return {"type": kind}
     if kind != "json_schema":
         raise invalid("text.format.type", f"expected one of text, json_object, json_schema, but got {kind!r}")

@@ -20,9 +20,9 @@ from starlette.requests import Request
 
 from protos.messages import SamplingParams
 from router.chat_output import OutputShape
-from router.errors import ApiError, invalid
+from router.errors import ApiError, invalid, only
 from router.structured import build_grammar, response_schema
-from router.tools import ToolFormat, message_tool_calls, parse_tools, template_tools, with_tools
+from router.tools import ToolFormat, ToolRequest, message_tool_calls, parse_tools, template_tools, with_tools
 
 MODEL_ALIAS = "default"  # always accepted as the served model's name
 DEFAULT_MAX_TOKENS = 4096  # when the client sets no limit: the remaining context, at most this
@@ -118,8 +118,6 @@ def _expect(value: Any, expected: str, param: str) -> Any:
     return value
 
 
-
-
 def _in_range(value: Any, param: str, low: float, high: float, low_open: bool = False) -> Any:
     if value is None:
         return None
@@ -153,29 +151,17 @@ MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "tool_call_
 STREAM_OPTION_FIELDS = frozenset(("include_usage",))
 
 
-def check_chat_fields(body: dict) -> None:
+def check_chat_fields(body: dict) -> tuple[ToolRequest | None, dict | None]:
     """A chat body's fields and its messages' fields, all honoured, and its
     tools and response format well formed; run before anything is done for
-    the request (an image URL fetched)."""
-    _only(body, CHAT_FIELDS)
-    parse_tools(body)
-    response_schema(body)
+    the request (an image URL fetched). Returns (tools, response schema)."""
+    only(body, CHAT_FIELDS)
+    tools, schema = parse_tools(body), response_schema(body)
     messages = body.get("messages")
     for i, message in enumerate(messages if isinstance(messages, list) else []):
         if isinstance(message, dict):  # other shapes: _messages names them
-            _only(message, MESSAGE_FIELDS, f"messages[{i}].")
-
-
-def _only(obj: dict, honoured: frozenset, path: str = "") -> None:
-    """400 naming `obj`'s fields this endpoint does not honour (the first
-    few: a body is at most max_request_bytes, its error far less)."""
-    unknown = sorted(k for k, v in obj.items() if k not in honoured and v is not None)
-    if unknown:
-        names = ", ".join(f"'{path}{k}'" for k in unknown[:8]) + (", ..." if len(unknown) > 8 else "")
-        raise ApiError(400, f"Unsupported parameter{'s' if len(unknown) > 1 else ''}: {names}. Tandem does not "
-                       f"honour {'them' if len(unknown) > 1 else 'it'} and will not ignore it silently; "
-                       f"supported here: {', '.join(sorted(honoured))}",
-                       param=path + unknown[0], code="unsupported_parameter")
+            only(message, MESSAGE_FIELDS, f"messages[{i}].")
+    return tools, schema
 
 
 def check_model(body: dict, model_id: str) -> None:
@@ -247,7 +233,7 @@ def _stop(body: dict) -> list[str]:
 def _stream_options(body: dict) -> tuple[bool, bool]:
     stream = _field(body, "stream", "a boolean", False)
     options = _field(body, "stream_options", "an object", {})
-    _only(options, STREAM_OPTION_FIELDS, "stream_options.")
+    only(options, STREAM_OPTION_FIELDS, "stream_options.")
     include_usage = _field(options, "include_usage", "a boolean", False, path="stream_options.")
     return stream, stream and include_usage
 
@@ -290,7 +276,7 @@ def parse_chat(body: dict, tokenizer, model_id: str, max_context: int, vision=No
     videos in part order) when the served model takes images; None refuses
     image parts. `answers` (router.answer_tokens.AnswerTokens): earlier
     answers repeated in the messages go in as the tokens they were generated as."""
-    check_chat_fields(body)
+    tools, schema = check_chat_fields(body)
     sampling = _sampling(body, tokenizer)
     logprobs = _field(body, "logprobs", "a boolean", False)
     top_logprobs = _in_range(_field(body, "top_logprobs", "an integer", 0), "top_logprobs", 0, MAX_TOP_LOGPROBS)
@@ -299,8 +285,6 @@ def parse_chat(body: dict, tokenizer, model_id: str, max_context: int, vision=No
     stop = _stop(body)
     stream, include_usage = _stream_options(body)
     messages = _messages(body, media=vision is not None)
-    tools = parse_tools(body)
-    schema = response_schema(body)
     check_model(body, model_id)
 
     fmt = ToolFormat.of(tokenizer)
@@ -412,7 +396,7 @@ def _text_parts(parts: list, param: str, media=False):
 
 
 def parse_completion(body: dict, tokenizer, model_id: str, max_context: int) -> ParsedRequest:
-    _only(body, COMPLETION_FIELDS)
+    only(body, COMPLETION_FIELDS)
     sampling = _sampling(body, tokenizer)
     logprobs = _in_range(_field(body, "logprobs", "an integer"), "logprobs", 0, MAX_TOP_LOGPROBS)
     if _field(body, "echo", "a boolean", False):

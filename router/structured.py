@@ -20,7 +20,7 @@ import json
 from functools import lru_cache
 
 from protos.grammar import grammar_error, ll_tokenizer
-from router.errors import ApiError, invalid
+from router.errors import ApiError, invalid, only
 from router.tools import ToolFormat, ToolRequest, call_grammar_lark, laid_out
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -37,10 +37,7 @@ def response_schema(body: dict) -> dict | None:
     kind = rf.get("type")
     if kind not in RESPONSE_FORMAT_TYPES:
         raise invalid("response_format.type", f"expected one of {', '.join(RESPONSE_FORMAT_TYPES)}, but got {kind!r}")
-    unknown = sorted(k for k, v in rf.items() if k not in ("type", "json_schema") and v is not None)
-    if unknown:
-        raise ApiError(400, f"Unsupported parameter 'response_format.{unknown[0]}'",
-                       param=f"response_format.{unknown[0]}", code="unsupported_parameter")
+    only(rf, frozenset(("type", "json_schema")), "response_format.")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -48,10 +45,7 @@ def response_schema(body: dict) -> dict | None:
     spec = rf.get("json_schema")
     if not isinstance(spec, dict):
         raise invalid("response_format.json_schema", "expected an object with 'name' and 'schema'", 422, "invalid_type")
-    unknown = sorted(k for k, v in spec.items() if k not in JSON_SCHEMA_FIELDS and v is not None)
-    if unknown:
-        raise ApiError(400, f"Unsupported parameter 'response_format.json_schema.{unknown[0]}'",
-                       param=f"response_format.json_schema.{unknown[0]}", code="unsupported_parameter")
+    only(spec, JSON_SCHEMA_FIELDS, "response_format.json_schema.")
     if not isinstance(spec.get("name"), str) or not spec["name"]:
         raise invalid("response_format.json_schema.name", "expected a non-empty string", 422, "invalid_type")
     schema = spec.get("schema", {"type": "object"})

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from mlx_lm.tool_parsers import json_tools
 
-from router.errors import ApiError, invalid
+from router.errors import ApiError, invalid, only
 
 MAX_TOOLS = 128
 TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
@@ -134,10 +134,7 @@ def _function(tool: Any, path: str) -> dict:
     if tool.get("type", "function") != "function":
         raise ApiError(400, f"Unsupported tool type '{tool.get('type')}' in '{path}': only 'function' tools",
                        param=path + ".type", code="unsupported_value")
-    unknown = sorted(k for k, v in tool.items() if k not in ("type", "function") and v is not None)
-    if unknown:
-        raise ApiError(400, f"Unsupported parameter '{path}.{unknown[0]}'", param=f"{path}.{unknown[0]}",
-                       code="unsupported_parameter")
+    only(tool, frozenset(("type", "function")), path + ".")
     fn = tool.get("function")
     if not isinstance(fn, dict):
         raise invalid(path + ".function", "expected an object", 422, "invalid_type")
@@ -148,11 +145,7 @@ def check_function(fn: dict, path: str, schema_key: str = "parameters") -> dict:
     """One function's definition, normalized to {name, description?,
     parameters?, strict?}; `schema_key` names its JSON schema field
     (Anthropic says input_schema)."""
-    allowed = {"name", "description", schema_key, "strict"}
-    unknown = sorted(k for k, v in fn.items() if k not in allowed and v is not None)
-    if unknown:
-        raise ApiError(400, f"Unsupported parameter '{path}.{unknown[0]}'", param=f"{path}.{unknown[0]}",
-                       code="unsupported_parameter")
+    only(fn, frozenset(("name", "description", schema_key, "strict")), path + ".")
     name = fn.get("name")
     if not isinstance(name, str) or not name:
         raise invalid(path + ".name", "expected a non-empty string", 422, "invalid_type")
