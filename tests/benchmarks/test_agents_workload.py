@@ -19,9 +19,8 @@ from benchmarks.bench import agents_workload as aw
 from benchmarks.bench import bench_cmd, report
 from benchmarks.bench.workloads import Target, WorkloadConfig
 from deploy.settings import Settings
-from router.app import create_app
 from tests.support.fake_engine import FakeEngine, build_tokenizer
-from tests.support.router_server import ServerThread
+from tests.support.router_server import ServerThread, serve_app
 
 VALID = {"search_docs": {"query": "double charge", "section": "faq"},
          "get_weather": {"city": "Lisbon", "unit": "celsius", "days": 2},
@@ -200,8 +199,7 @@ def test_the_loop_goes_through_tandems_router(tmp_path):
     engine = FakeEngine(tokenizer, max_context=16384)
     call = {"name": "get_weather", "arguments": VALID["get_weather"]}
     engine.say(f"<tool_call>\n{json.dumps(call)}\n</tool_call>")
-    settings = Settings(model_id=engine.model_id, request_timeout_s=30)
-    with ServerThread(create_app(engine, tokenizer, settings), settings) as server:
+    with serve_app(engine, tokenizer, request_timeout_s=30) as server:
         out = asyncio.run(aw.agents(Target("tandem", server.url, engine.model_id), _cfg(agents=2, turns=3)))
     assert out["turns_ok"] == 6, out["first_error"]
     assert (out["calls_expected"], out["calls_valid"]) == (4, 4)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import anthropic
@@ -15,13 +14,11 @@ import httpx
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from deploy.settings import Settings
 from router.anthropic_format import MessagesFormat
-from router.app import create_app
 from router.engine_api import EngineError
 from router.generation import Piece
-from tests.support.fake_engine import FakeEngine, build_tokenizer
-from tests.support.router_server import ServerThread
+from tests.support.fake_engine import FakeEngine
+from tests.support.router_server import serve_app
 from tests.support.tiny_vlms import synthetic_image, tiny_vlm
 
 API_KEY = "sk-tandem-test"
@@ -32,26 +29,19 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return build_tokenizer(Path(tmp_path_factory.mktemp("tokenizer")))
-
-
-@pytest.fixture(scope="module")
 def engine(tokenizer):
     return FakeEngine(tokenizer, max_context=4096)  # room for the tools section
 
 
 @pytest.fixture(scope="module")
 def server(engine, tokenizer):
-    settings = Settings(model_id=engine.model_id, max_request_bytes=64 * 1024, request_timeout_s=30)
-    with ServerThread(create_app(engine, tokenizer, settings), settings) as running:
+    with serve_app(engine, tokenizer, max_request_bytes=64 * 1024, request_timeout_s=30) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
 def auth_server(engine, tokenizer):
-    settings = Settings(model_id=engine.model_id, api_key=API_KEY)
-    with ServerThread(create_app(engine, tokenizer, settings), settings) as running:
+    with serve_app(engine, tokenizer, api_key=API_KEY) as running:
         yield running
 
 
@@ -346,11 +336,10 @@ def test_an_image_block_takes_the_vision_path(tmp_path_factory):
     tokenizer = load_tokenizer(folder)
     engine = FakeEngine(tokenizer, max_context=4096)
     engine.say("A picture.")
-    settings = Settings(model_id=engine.model_id, model_dir=str(folder))
     png = io.BytesIO()
     synthetic_image(32, 32).save(png, "PNG")
     image = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png.getvalue()).decode()}
-    with ServerThread(create_app(engine, tokenizer, settings), settings) as server:
+    with serve_app(engine, tokenizer, model_dir=str(folder)) as server:
         client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=30)
         message = ask(client, [{"type": "image", "source": image}, {"type": "text", "text": "What is this?"}])
     assert message.content[0].text == "A picture."

@@ -7,23 +7,20 @@ prefix, grammars for forced calls and JSON formats, errors naming the field."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import llguidance
 import openai
 import pytest
 
-from deploy.settings import Settings
 from protos.grammar import ll_tokenizer
-from router.app import create_app
 from router.engine_api import EngineError
 from router.errors import ApiError
 from router.generation import Piece
 from router.responses_format import ResponsesFormat, answer_message
 from router.responses_request import ResponseStore, StoredResponse, responses_turn
-from tests.support.fake_engine import FakeEngine, build_tokenizer
-from tests.support.router_server import ServerThread
+from tests.support.fake_engine import FakeEngine
+from tests.support.router_server import serve_app
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
@@ -36,19 +33,13 @@ ANSWER = "Hello world. The capital of France is Paris."
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return build_tokenizer(Path(tmp_path_factory.mktemp("tokenizer")))
-
-
-@pytest.fixture(scope="module")
 def engine(tokenizer):
     return FakeEngine(tokenizer, max_context=8192)
 
 
 @pytest.fixture(scope="module")
 def client(engine, tokenizer):
-    settings = Settings(model_id=engine.model_id, request_timeout_s=30)
-    with ServerThread(create_app(engine, tokenizer, settings), settings) as server:
+    with serve_app(engine, tokenizer, request_timeout_s=30) as server:
         yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=10)
 
 

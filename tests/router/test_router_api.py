@@ -8,20 +8,17 @@ import http.client
 import json
 import socket
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from deploy.settings import Settings
 from protos.messages import SamplingParams
-from router.app import create_app
 from router.generation import Generation
 from router.engine_api import EngineError, GenerationRequest
 from router.text_stream import TextStream, TokenBytes
-from tests.support.fake_engine import FakeEngine, build_tokenizer
-from tests.support.router_server import ServerThread, wait_for
+from tests.support.fake_engine import FakeEngine
+from tests.support.router_server import serve_app, wait_for
 
 MAX_BODY = 64 * 1024
 API_KEY = "sk-tandem-test"
@@ -33,26 +30,19 @@ API_KEY = "sk-tandem-test"
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return build_tokenizer(Path(tmp_path_factory.mktemp("tokenizer")))
-
-
-@pytest.fixture(scope="module")
 def engine(tokenizer):
     return FakeEngine(tokenizer)
 
 
 @pytest.fixture(scope="module")
 def server(engine, tokenizer):
-    settings = Settings(model_id=engine.model_id, max_request_bytes=MAX_BODY, request_timeout_s=30)
-    with ServerThread(create_app(engine, tokenizer, settings), settings) as running:
+    with serve_app(engine, tokenizer, max_request_bytes=MAX_BODY, request_timeout_s=30) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
 def auth_server(engine, tokenizer):
-    settings = Settings(model_id=engine.model_id, api_key=API_KEY)
-    with ServerThread(create_app(engine, tokenizer, settings), settings) as running:
+    with serve_app(engine, tokenizer, api_key=API_KEY) as running:
         yield running
 
 
@@ -652,8 +642,7 @@ def test_real_tokenizer_streams_split_characters_and_stops(real_tokenizer):
 def test_real_tokenizer_through_the_api(real_tokenizer):
     engine = FakeEngine(real_tokenizer, model_id="smollm2")
     engine.say("Paris 🇫🇷 is the capital.")
-    settings = Settings(model_id="smollm2")
-    with ServerThread(create_app(engine, real_tokenizer, settings), settings) as running:
+    with serve_app(engine, real_tokenizer) as running:
         client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=10)
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         chunks = list(client.chat.completions.create(model="smollm2", messages=messages, stream=True))

@@ -13,11 +13,9 @@ import llguidance
 import openai
 import pytest
 
-from deploy.settings import Settings
 from protos.grammar import ll_tokenizer
-from router.app import create_app
 from tests.support.fake_engine import FakeEngine, build_tokenizer
-from tests.support.router_server import ServerThread
+from tests.support.router_server import serve_app
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -28,19 +26,13 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "day
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return build_tokenizer(Path(tmp_path_factory.mktemp("tokenizer")))
-
-
-@pytest.fixture(scope="module")
 def engine(tokenizer):
     return FakeEngine(tokenizer, max_context=8192)
 
 
 @pytest.fixture(scope="module")
 def client(engine, tokenizer):
-    settings = Settings(model_id=engine.model_id, request_timeout_s=30)
-    with ServerThread(create_app(engine, tokenizer, settings), settings) as server:
+    with serve_app(engine, tokenizer, request_timeout_s=30) as server:
         yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=10)
 
 
@@ -215,8 +207,7 @@ def thinking(tmp_path_factory):
     """A reasoning model's tokenizer (its template opens <think>) behind its own server."""
     tok = build_tokenizer(Path(tmp_path_factory.mktemp("thinking")), thinking=True)
     engine = FakeEngine(tok, max_context=8192)
-    settings = Settings(model_id=engine.model_id, request_timeout_s=30)
-    with ServerThread(create_app(engine, tok, settings), settings) as server:
+    with serve_app(engine, tok, request_timeout_s=30) as server:
         yield engine, openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=10)
 
 

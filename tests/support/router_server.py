@@ -42,3 +42,12 @@ def wait_for(condition, timeout_s: float, message: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(message)
         time.sleep(0.01)
+
+
+def serve_app(engine, tokenizer, **settings) -> ServerThread:
+    """The router's app over `engine` (a scripted one) with these settings,
+    served in a thread: `with serve_app(engine, tok, api_key=...) as server:`."""
+    from router.app import create_app
+
+    config = Settings(model_id=engine.model_id, **settings)
+    return ServerThread(create_app(engine, tokenizer, config), config)
