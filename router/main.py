@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from pathlib import Path
 
 import uvicorn
@@ -17,6 +18,7 @@ import uvicorn
 from deploy.logs import setup_logging
 from deploy.model_folder import context_length
 from deploy.settings import Settings
+from protos.grammar import ll_tokenizer
 from router.app import create_app
 from router.dispatcher import Dispatcher
 
@@ -41,6 +43,8 @@ def run(settings: Settings) -> None:
     from mlx_lm.utils import load_tokenizer
 
     tokenizer = load_tokenizer(Path(settings.model_dir))
+    # llguidance's view of it (~0.5 s) is built now, not by the first request with a schema.
+    threading.Thread(target=ll_tokenizer, args=(tokenizer,), name="grammar-tokenizer", daemon=True).start()
     dispatcher = Dispatcher(settings, max_context=context_length(settings.model_dir))
     app = create_app(dispatcher, tokenizer, settings)
     server = uvicorn.Server(uvicorn_config(app, settings))
