@@ -47,7 +47,7 @@ class AnswerTokens:
         # An answer that made tool calls comes back as calls with ids, not
         # as its text: the text the model wrote, by the calls' ids, renders
         # them back as written (router/tools.py render_default).
-        self._by_calls: OrderedDict[tuple, str] = OrderedDict()
+        self._by_calls: OrderedDict[tuple, tuple[str, list]] = OrderedDict()
         self.spliced_tokens = 0  # answer tokens put back in prompts, for tests and logs
 
     @staticmethod
@@ -74,14 +74,20 @@ class AnswerTokens:
             _, dropped = self._by_text.popitem(last=False)
             self._tokens -= len(dropped)
 
-    def remember_calls(self, call_ids: Sequence[str], text: str) -> None:
-        self._by_calls[tuple(call_ids)] = text
+    def remember_calls(self, calls: Sequence[tuple], text: str) -> None:
+        """`calls` [(id, name, arguments as a JSON value)] were written as `text`."""
+        self._by_calls[tuple(c[0] for c in calls)] = (text, [(name, args) for _, name, args in calls])
         while len(self._by_calls) > CALLS_KEPT:
             self._by_calls.popitem(last=False)
 
-    def written_calls(self, call_ids: Sequence[str]) -> str | None:
-        """The text of the answer that made exactly these calls, if recent."""
-        return self._by_calls.get(tuple(call_ids))
+    def written_calls(self, calls: Sequence[tuple]) -> str | None:
+        """The text of the recent answer that made exactly these calls
+        [(id, name, arguments)]: same ids, and the names and arguments the
+        client sends back unchanged (an edited call is rendered as sent)."""
+        found = self._by_calls.get(tuple(c[0] for c in calls))
+        if found is None or found[1] != [(name, args) for _, name, args in calls]:
+            return None
+        return found[0]
 
     def get(self, text: str) -> np.ndarray | None:
         key = self._key(text)

@@ -6,6 +6,7 @@ router/responses_format.py) are built from these pieces."""
 from __future__ import annotations
 
 import asyncio
+import json
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -72,7 +73,8 @@ class Generation:
                         if finish == "stop":
                             finish = "tool_calls"
                         if self.answers is not None and not self.text.stopped:
-                            self.answers.remember_calls([c.id for c in self.output.calls], "".join(self._texts))
+                            self.answers.remember_calls([(c.id, c.name, json.loads(c.arguments))
+                                                         for c in self.output.calls], "".join(self._texts))
             if split or finish or logprobs:
                 yield Piece(split.content, logprobs, finish, split.reasoning, split.calls)
             if finish:

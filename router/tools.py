@@ -233,7 +233,11 @@ def with_tools(messages: list[dict], tools: ToolRequest | None, fmt: ToolFormat,
     if answers is not None:  # the model's own text for calls it made: the prompt's KV is reused
         for m in messages:
             if m.get("tool_calls"):
-                m["written"] = answers.written_calls([c["id"] for c in m["tool_calls"]])
+                written = answers.written_calls([(c["id"], c["function"]["name"], c["function"]["arguments"])
+                                                 for c in m["tool_calls"]])
+                # Only as the client sent it back: the text before the calls unchanged too.
+                if written is not None and written.split(fmt.start, 1)[0].strip() == (m.get("content") or "").strip():
+                    m["written"] = written
     return render_default(messages, tools, fmt), {}
 
 

@@ -133,6 +133,26 @@ def test_history_with_calls_and_results_goes_into_the_prompt(client, engine, tok
     assert prompt.index("get_weather", prompt.index("</tools>")) < prompt.index("sunny, 21 C")
 
 
+def test_a_call_sent_back_goes_in_as_written_unless_the_client_changed_it(client, engine, tokenizer):
+    """The model's own text for its call makes the next prompt a prefix the
+    cache holds; a call (or the text before it) the client edited goes in as sent."""
+    written = 'Checking.\n<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+    engine.say(written)
+    call = ask(client, tools=[WEATHER]).choices[0].message.tool_calls[0]
+    history = [{"role": "user", "content": "What is the weather in Paris?"}, None,
+               {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    sent = {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}
+    edited = {**sent, "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}}
+    for content, calls, kept in [("Checking.", [sent], True), ("Checking.", [edited], False),
+                                 ("Something else.", [sent], False)]:
+        engine.say("ok")
+        history[1] = {"role": "assistant", "content": content, "tool_calls": calls}
+        client.chat.completions.create(model="tandem-test", tools=[WEATHER], messages=history)
+        prompt = prompt_text(engine, tokenizer)
+        assert (written in prompt) == kept
+        assert content in prompt and ("Lyon" in prompt) == (calls == [edited])
+
+
 def test_required_and_named_choices_constrain_to_valid_calls(client, engine, tokenizer):
     engine.say(CALL)
     ask(client, tools=[WEATHER, TIME], tool_choice="required")
