@@ -91,6 +91,10 @@ class DecodeBatch(GenerationBatch):
 # forward pass was queued did not keep the device busy: the host is the
 # bottleneck (a small model on a GPU).
 HOST_BOUND_WAIT_S = 1e-3
+# A step's masks take well under a millisecond a row; past this the helper
+# thread is stuck, and the step fails (its requests end with an error) rather
+# than hang the worker.
+MASKS_DEADLINE_S = 30.0
 
 
 class _MaskedForward:
@@ -118,7 +122,7 @@ class _MaskedForward:
             logits = self.model(inputs, cache=cache)
             mx.async_eval(logits)
             with part(clock, "grammar masks"):
-                bitmask = pending.result()
+                bitmask = pending.result(timeout=MASKS_DEADLINE_S)
             batch.tokens_first = waited < rows.fill_s
         else:
             logits = self.model(inputs, cache=cache)
