@@ -30,6 +30,30 @@ def _bytes(text: str) -> int:
     return int(text)
 
 
+def _seconds(text: str) -> float:
+    """'7d', '12h', '30m', '45s', '90' -> seconds."""
+    units = {"S": 1, "M": 60, "H": 3600, "D": 86400}
+    text = text.strip().upper()
+    value = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return value
+
+
+def _names(text: str) -> tuple:
+    """'a, b,c' -> ('a', 'b', 'c')."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def api_keys(args: argparse.Namespace) -> tuple:
+    """--api-key (repeatable) and --api-key-file (one key a line; '#' comments)."""
+    keys = list(args.api_key or [])
+    if args.api_key_file:
+        with open(args.api_key_file, encoding="utf-8") as f:
+            keys += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    return tuple(dict.fromkeys(keys))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = Settings()
     p.add_argument("--model", default=None, help="MLX folder, .gguf file or Hugging Face repo id (default: the embedded SmolLM2-135M-Instruct)")
@@ -38,12 +62,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-workers", type=_positive, default=d.prefill_workers)
     p.add_argument("--decode-workers", type=_positive, default=d.decode_workers)
     p.add_argument("--colocate", action="store_true", help="prefill and decode in one process (one copy of the weights)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes; repeat for several keys (each its own cache tenant)")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="API keys, one a line (keeps them out of the process list)")
+    p.add_argument("--cors-origins", type=_names, default=d.cors_origins, metavar="ORIGINS",
+                   help="comma-separated browser Origins allowed to call the API ('*': any); none by default")
+    p.add_argument("--client-timeout", type=_seconds, default=d.client_timeout_s,
+                   help="seconds a client has to send its request headers and body")
     p.add_argument("--cache-memory", type=_bytes, default=d.cache_memory_bytes,
                    help=f"shared-memory KV arena, e.g. 2G (default: a tenth of RAM, here {d.cache_memory_bytes / 2**30:.1f}G)")
     p.add_argument("--cache-dir", default=d.cache_dir, help="disk tier for KV blocks, kept across restarts")
     p.add_argument("--no-disk-cache", action="store_true", help="keep KV blocks in memory only")
     p.add_argument("--cache-disk-bytes", type=_bytes, default=d.cache_disk_bytes, help="disk tier size limit, e.g. 8G")
+    p.add_argument("--cache-disk-ttl", type=_seconds, default=d.cache_disk_ttl_s,
+                   help="disk-tier blocks unused this long are deleted, e.g. 7d, 12h")
     p.add_argument("--hot-kv-memory", type=_bytes, default=None,
                    help="KV blocks each model worker keeps in its own (GPU) memory, e.g. 2G; 0 for none "
                         "(default: an eighth of the GPU's memory per worker, 64M on a CPU)")
@@ -57,10 +90,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                    help="workers say ready without first running a short prompt (faster start, slower first request)")
     p.add_argument("--max-queue", type=_positive, default=d.max_queue, help="queued requests beyond which clients get 429")
+    p.add_argument("--migrate-timeout", type=_seconds, default=d.migrate_timeout_s,
+                   help="seconds a request whose worker died waits for another before it fails")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s, help="seconds in-flight streams get on shutdown")
     p.add_argument("--keep-alive", type=float, default=d.keep_alive_s, help="seconds an idle HTTP connection stays open")
     p.add_argument("--allow-local-media", default=None, metavar="DIR",
                    help="VLMs: serve file:// image and video URLs from under DIR (default: refused)")
+    p.add_argument("--allow-media-hosts", type=_names, default=d.allow_media_hosts, metavar="HOSTS",
+                   help="comma-separated host names or networks (CIDR) http(s) media may come from besides public addresses")
+    p.add_argument("--media-memory", type=_bytes, default=d.media_budget_bytes,
+                   help="bytes of media all requests may hold at once while fetching and decoding")
     p.add_argument("--max-images", type=_positive, default=d.max_images, help="VLMs: image parts per request")
     p.add_argument("--max-image-pixels", type=_positive, default=d.max_image_pixels, help="VLMs: pixels per image")
     p.add_argument("--media-fetch-timeout", type=float, default=d.media_fetch_timeout_s,
@@ -79,7 +118,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     settings = Settings(
         model=args.model, model_dir=str(model_dir), model_id=model_id_for(args.model, model_dir),
-        host=args.host, port=args.port, api_key=args.api_key,
+        host=args.host, port=args.port, api_keys=api_keys(args), cors_origins=args.cors_origins,
+        client_timeout_s=args.client_timeout, cache_disk_ttl_s=args.cache_disk_ttl,
+        migrate_timeout_s=args.migrate_timeout, allow_media_hosts=args.allow_media_hosts,
+        media_budget_bytes=args.media_memory,
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, colocate=args.colocate,
         cache_memory_bytes=args.cache_memory, cache_dir=None if args.no_disk_cache else args.cache_dir,
         cache_disk_bytes=args.cache_disk_bytes, hot_kv_bytes=args.hot_kv_memory, block_size=args.block_size, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch, warm_up=args.warm_up,

@@ -66,8 +66,14 @@ class Settings:
     # HTTP
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    # API keys (--api-key, repeatable, or --api-key-file): any one opens /v1;
+    # each key is a cache tenant (router/http_guard.py, router/cache_salt.py).
+    api_keys: tuple = ()
     max_request_bytes: int = 8 * 1024 * 1024
+    # Browser safety (router/http_guard.py): Origins allowed cross-site, ["*"]: any.
+    cors_origins: tuple = ()
+    # A client must send its request headers and body within this (slow clients).
+    client_timeout_s: float = 30.0
     # Process layout
     prefill_workers: int = 1
     decode_workers: int = 1
@@ -80,6 +86,7 @@ class Settings:
     block_size: int = field(default_factory=default_block_size)  # tokens per KV block
     cache_dir: str | None = field(default_factory=lambda: os.path.join(default_cache_dir(), "kv"))  # None: no disk tier
     cache_disk_bytes: int = 8 << 30
+    cache_disk_ttl_s: float = 7 * 86400.0  # disk-tier blocks unused this long are deleted
     # Blocks each model worker keeps as MLX arrays (workers/kv/hot_blocks.py);
     # None: sized by the device (workers.models.loading.hot_kv_bytes), 0: none.
     hot_kv_bytes: int | None = None
@@ -89,13 +96,20 @@ class Settings:
     # Prompts one prefill pass may take together, their new tokens (padded
     # to the longest) within prefill_chunk: a burst of short suffixes.
     prefill_batch: int = field(default_factory=default_prefill_batch)
-    max_queue: int = 256  # requests admitted but not yet decoding, beyond which 429
+    # Requests admitted beyond what the decode batches hold (waiting for a
+    # template, media, prefill or a decode slot), beyond which 429 (router/admission.py).
+    max_queue: int = 256
     warm_up: bool = True  # model workers run a short prompt before "ready" (workers/warm_up.py)
     # Deadlines (seconds)
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 3.0
     cache_call_timeout_s: float = 5.0
     request_timeout_s: float = 600.0
+    # A request whose worker died resumes on another (router/dispatcher.py);
+    # it fails only if no worker of the role is ready within this, or after
+    # max_migrations moves (a request that keeps killing workers).
+    migrate_timeout_s: float = 60.0
+    max_migrations: int = 3
     drain_timeout_s: float = 30.0
     # An idle HTTP connection stays open this long. Longer than clients' own idle
     # expiry (httpx, under the openai client: 5 s), so the client drops it first and
@@ -107,6 +121,12 @@ class Settings:
     max_images: int = 16  # image parts (plus video frames) per request
     max_image_pixels: int = 8192 * 6144
     media_fetch_timeout_s: float = 10.0  # a whole http(s) download
+    # http(s) media only from public addresses, except these host names or
+    # networks (CIDR), e.g. ("images.internal", "10.1.0.0/16") (router/media.py).
+    allow_media_hosts: tuple = ()
+    # Bytes of media (downloads and decoded pixels) all requests together may
+    # hold at once while being fetched and decoded; a request past it waits.
+    media_budget_bytes: int = 1 << 30
     max_video_frames: int = 32
 
     def worker_plan(self) -> list[tuple[str, list[str]]]:

@@ -144,6 +144,14 @@ class PrefillRequest:
     sampling: SamplingParams
     decode_worker: str  # worker id that will decode; equal to self: keep KV local
     images: list = field(default_factory=list)  # [ImageInput], prompt order; [] for text-only
+    # A request resumed after its worker died (router/dispatcher.py): the
+    # last `generated` prompt tokens are its answer so far. They count toward
+    # max_tokens and its grammar has followed them; the token sampled next
+    # continues the answer. 0: a new request.
+    generated: int = 0
+    # Callers share cached KV only under the same salt (router/cache_salt.py):
+    # it is mixed into every block key. "": the shared, unsalted cache.
+    cache_salt: str = ""
 
 
 @dataclass
@@ -221,11 +229,14 @@ class DecodeRequest:
     first_token: int
     handoff: KVHandoff
     sampling: SamplingParams
-    generated: int = 1  # tokens already produced (counts toward max_tokens)
+    # Tokens already produced (counts toward max_tokens): first_token, and
+    # before it the last `generated - 1` prompt tokens (a resumed request's answer so far).
+    generated: int = 1
     # Content hashes of the prompt's images, in order; [] for text. Equal
     # tokens then no longer mean equal KV (every image of one size has the
     # same placeholder ids), so decode shares no prefix with such a request.
     media: list = field(default_factory=list)
+    cache_salt: str = ""  # as PrefillRequest's: KV is shared and stored only under it
 
 
 @dataclass

@@ -69,7 +69,7 @@ def create_app(engine: Engine, tokenizer, settings: Settings) -> Starlette:
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
     ]
-    middleware = [Middleware(ApiKeyMiddleware, api_key=settings.api_key)] if settings.api_key else []
+    middleware = [Middleware(ApiKeyMiddleware, api_key=settings.api_keys[0])] if settings.api_keys else []
     return Starlette(routes=routes, middleware=middleware, exception_handlers=exception_handlers())
 
 

@@ -21,6 +21,7 @@ class GenerationRequest:
     # max_tokens, stop_token_ids (EOS ids), logprobs / top_logprobs, seed, penalties...
     sampling: SamplingParams
     images: list = field(default_factory=list)  # protos.messages.ImageInput, prompt order
+    cache_salt: str = ""  # the caller's cache tenant (router/cache_salt.py); "": shared
 
 
 @dataclass

@@ -42,7 +42,7 @@ def server(engine, tokenizer):
 
 @pytest.fixture(scope="module")
 def auth_server(engine, tokenizer):
-    with serve_app(engine, tokenizer, api_key=API_KEY) as running:
+    with serve_app(engine, tokenizer, api_keys=(API_KEY,)) as running:
         yield running
 
 
