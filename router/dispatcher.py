@@ -111,6 +111,12 @@ class Dispatcher:
         self._cache = AsyncCacheClient(self.settings, ctx=self._ctx)
         self._tasks = [asyncio.create_task(c) for c in (self._receive_loop(), self._watch_loop(), self._cache_loop())]
 
+    def dead_loops(self) -> list[str]:
+        """The background loops that ended (they never should): the router
+        process cannot serve without them and must be restarted."""
+        names = ("receive", "watch", "cache")
+        return [name for name, task in zip(names, self._tasks) if task.done()]
+
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
