@@ -5,8 +5,11 @@ from. A request goes: PrefillRequest to the least-loaded prefill worker ->
 PrefillDone (the first token, streamed at once) -> KVHandoff (the KV is in
 the arena; with --colocate it stays in the worker and PrefillDone carries the
 handoff) -> DecodeRequest to the least-loaded decode worker -> TokenBatch
-updates until finish. Any worker silent for `heartbeat_timeout_s` is dead: its requests end
-with an error at once and it leaves the routing table until it says hello again.
+updates until finish. Any worker silent for `heartbeat_timeout_s`, or replaced
+by a new process, is dead (router/worker_table.py): each of its requests
+resumes on a live or restarted worker (`_move`: the prompt and the answer so
+far prefilled again, the stream going on where it was), and fails only if no
+worker comes back within migrate_timeout_s.
 """
 
 from __future__ import annotations
@@ -15,10 +18,9 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
-import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -28,7 +30,6 @@ from protos import transport
 from protos.messages import (
     Cancel,
     DecodeRequest,
-    ImageInput,
     KVHandoff,
     PrefillDone,
     PrefillRequest,
@@ -40,29 +41,14 @@ from protos.messages import (
 )
 from router.engine_api import EngineError, EngineEvent, GenerationRequest
 from router.metrics import Metrics
-from router.prefix_affinity import PrefixAffinity, prefix_keys
+from router.prefix_affinity import prefix_keys
+from router.stored_images import StoredImages
+from router.worker_table import WorkerState, WorkerTable
 
 log = logging.getLogger(__name__)
 
-# How many more in-flight requests the affine prefill worker may have than the
-# least-loaded one before routing ignores affinity.
-AFFINITY_SLACK = 2
-# Image hashes the router remembers as encoded (a few hundred KB of strings).
-STORED_IMAGES_KEPT = 4096
-
-
-@dataclass
-class WorkerState:
-    hello: WorkerHello
-    last_seen: float
-    assigned: set = field(default_factory=set)  # request ids this worker holds now
-
-    @property
-    def ready(self) -> bool:
-        return self.hello.state == "ready"
-
-    def load(self) -> int:
-        return len(self.assigned)
+ORPHANS_KEPT = 4096  # wire ids of unknown requests already cancelled
+VISION_LOST = object()  # event: the vision worker died; prefill encodes the images
 
 
 @dataclass
@@ -71,10 +57,21 @@ class RequestState:
     events: asyncio.Queue
     prefill_worker: str
     decode_worker: str = ""
-    phase: str = "prefill"  # prefill -> decode -> done
+    phase: str = "prefill"  # vision -> prefill -> decode -> done
     vision: object = None  # the VisionDone of its images, if a vision worker stored them
+    vision_worker: str = ""
     first_token: Optional[int] = None  # from PrefillDone; decode continues after it
     started: float = field(default_factory=time.monotonic)
+    # The id the workers know it by: the request id, then "<id>~<n>" after its
+    # n-th move, so nothing a replaced worker still sends about it is taken.
+    wire_id: str = ""
+    answer: list = field(default_factory=list)  # tokens received so far, in order
+    moves: int = 0  # times it moved to another worker after one died
+    resumed: int = 0  # answer tokens at the end of the prompt it was last prefilled with
+
+    def prompt(self) -> list:
+        """The prompt its current prefill runs: a moved request's ends with its answer so far."""
+        return list(self.req.prompt_tokens) + self.answer[:self.resumed]
 
 
 class Dispatcher:
@@ -84,22 +81,24 @@ class Dispatcher:
         self.settings = settings
         self.model_id = settings.model_id
         self.max_context = max_context
-        self.workers: dict[str, WorkerState] = {}
-        self.requests: dict[str, RequestState] = {}
+        self.table = WorkerTable(settings)
+        self.requests: dict[str, RequestState] = {}  # by wire id
         self.cache_ok = False
         self.cache_stats: dict = {}
         self._ctx: Optional[zmq.asyncio.Context] = None
         self._sock = None
         self._cache: Optional[AsyncCacheClient] = None
         self._tasks: list[asyncio.Task] = []
+        self._moving: set[asyncio.Task] = set()
         self.metrics = Metrics(self)
-        self.affinity = PrefixAffinity()
-        # Content hashes a vision worker has stored embeddings for, newest
-        # last: a request whose images are all here skips the vision worker
-        # (a follow-up turn never queues behind another user's encoding). If
-        # the cache service evicted one, prefill encodes it itself.
-        self._stored_images: OrderedDict[str, None] = OrderedDict()
-        self._expected_roles = self._expected()  # fixed by the settings: read the model's config once
+        self._stored_images = StoredImages()
+        # Wire ids a worker sent tokens for that no request here has (its
+        # client left, it moved, or this router restarted): cancelled once.
+        self._orphans: OrderedDict[str, None] = OrderedDict()
+
+    @property
+    def workers(self) -> dict[str, WorkerState]:
+        return self.table.workers
 
     # ---------------------------------------------------------- lifecycle --
     async def start(self) -> None:
@@ -118,9 +117,9 @@ class Dispatcher:
         return [name for name, task in zip(names, self._tasks) if task.done()]
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        for task in self._tasks + list(self._moving):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._moving, return_exceptions=True)
         for st in list(self.requests.values()):
             st.events.put_nowait(EngineError(503, "server is shutting down"))
         if self._cache:
@@ -131,99 +130,59 @@ class Dispatcher:
             self._ctx.term()
 
     # ------------------------------------------------------------- health --
-    def _expected(self) -> dict[str, int]:
-        """Live workers per role the settings ask for (what /health waits for)."""
-        expected: dict[str, int] = {}
-        for _, roles in self.settings.worker_plan():
-            for role in roles:
-                expected[role] = expected.get(role, 0) + 1
-        return expected
-
-    def _ready_with(self, role: str) -> list[WorkerState]:
-        return [w for w in self.workers.values() if w.ready and role in w.hello.roles]
-
     def health(self) -> tuple[bool, dict]:
-        expected = self._expected_roles
-        ready = self.cache_ok and all(len(self._ready_with(r)) >= n for r, n in expected.items())
-        workers = [
-            {
-                "id": wid,
-                "role": "+".join(w.hello.roles),
-                "pid": w.hello.pid,
-                "state": w.hello.state,
-                "running": w.hello.running,
-                "waiting": w.hello.waiting,
-                "last_seen_s": round(time.monotonic() - w.last_seen, 3),
-            }
-            for wid, w in sorted(self.workers.items())
-        ]
-        cache = {"role": "cache", "state": "ready" if self.cache_ok else "unavailable", **self.cache_stats}
-        body = {
-            "status": "ok" if ready else "unavailable",
-            "model": self.model_id,
-            "workers": workers,
-            "cache_service": cache,
-            "expected": expected,
-            "requests_in_flight": len(self.requests),
-        }
-        return ready, body
+        return self.table.health(self.model_id, self.cache_ok, self.cache_stats, len(self.requests))
 
     async def metrics_text(self) -> str:
         return self.metrics.text()
 
     # ------------------------------------------------------------ routing --
-    def _pick(self, role: str) -> WorkerState:
-        """The least-loaded ready worker of a role."""
-        candidates = self._ready_with(role)
-        if not candidates:
-            raise EngineError(503, f"no {role} worker is alive; retry shortly", retry_after=1.0)
-        return min(candidates, key=lambda w: (w.load(), w.hello.running + w.hello.waiting))
-
-    def _pick_prefill(self, keys: list[bytes]) -> WorkerState:
-        """Cache-aware: the worker that last prefilled the longest part of this
-        prompt, unless it is busier than the least-loaded one by more than
-        AFFINITY_SLACK requests (then reuse is not worth the wait)."""
-        least = self._pick("prefill")
-        matched = self.affinity.matched_blocks(keys)
-        ready = {w.hello.worker_id: w for w in self._ready_with("prefill")}
-        best = max((wid for wid in matched if wid in ready), key=lambda wid: matched[wid], default=None)
-        if best is not None and ready[best].load() - least.load() <= AFFINITY_SLACK:
-            return ready[best]
-        return least
-
-    async def _send(self, worker_id: str, msg) -> bool:
+    async def _send(self, worker_id: str, msg, quiet: bool = False) -> bool:
         try:
             await transport.asend(self._sock, msg, to=worker_id.encode())
             return True
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer is gone
-            log.warning("cannot reach worker %s: %s", worker_id, exc)
+            if not quiet:
+                log.warning("cannot reach worker %s: %s", worker_id, exc)
             return False
 
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[EngineEvent]:
+    async def _prefill_worker(self, keys: list[bytes]) -> WorkerState:
+        """The prefill worker for a new request; while one restarts, wait for
+        it (up to migrate_timeout_s) rather than refuse."""
         try:
-            waiting = sum(1 for st in self.requests.values() if st.phase == "prefill")
+            return self.table.pick_prefill(keys)
+        except EngineError:
+            deadline = time.monotonic() + self.settings.migrate_timeout_s
+            if not await self.table.wait_ready(("prefill",), deadline):
+                raise
+            return self.table.pick_prefill(keys)
+
+    def _keys(self, st: RequestState) -> list[bytes]:
+        return prefix_keys(st.prompt(), self.settings.block_size, st.req.cache_salt)
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[EngineEvent]:
+        st = RequestState(req, asyncio.Queue(), "", wire_id=req.request_id)
+        try:
+            waiting = sum(1 for s in self.requests.values() if s.phase in ("vision", "prefill"))
             if waiting >= self.settings.max_queue:
                 raise EngineError(429, f"server busy: {waiting} requests are queued for prefill; retry later",
                                   retry_after=1.0)
-            keys = prefix_keys(req.prompt_tokens, self.settings.block_size)
-            prefill = self._pick_prefill(keys)
+            keys = self._keys(st)
+            prefill = await self._prefill_worker(keys)
         except EngineError as exc:  # refused at admission: counted, never queued
             self.metrics.requests.labels(status=str(exc.status)).inc()
             raise
-        rid = req.request_id
-        st = RequestState(req, asyncio.Queue(), prefill.hello.worker_id)
-        # With both roles in one process the KV stays where it was computed.
-        local = "decode" in prefill.hello.roles and self.settings.colocate
-        self.requests[rid] = st
-        prefill.assigned.add(rid)
-        self.affinity.record(keys, prefill.hello.worker_id)
+        st.prefill_worker = prefill.hello.worker_id
+        self.requests[st.wire_id] = st
+        prefill.assigned.add(st.wire_id)
+        self.table.affinity.record(keys, prefill.hello.worker_id)
         m = self.metrics
         m.prompt_tokens.inc(len(req.prompt_tokens))
         outcome, last = "cancelled", None
         try:
             if req.images:
                 await self._vision(st)
-            sized_only = await self._prefill(st, local)
+            sized_only = await self._prefill(st)
             while True:
                 try:
                     item = await self._next_event(st)
@@ -231,19 +190,18 @@ class Dispatcher:
                     if not (sized_only and last is None and exc.status == 503):
                         raise
                     # A picture's features went from the cache service since a vision worker stored them.
-                    for im in req.images:
-                        self._stored_images.pop(im.content_hash, None)
-                    sized_only = await self._prefill(st, local, pixels=True)
+                    self._stored_images.forget([im.content_hash for im in req.images])
+                    sized_only = await self._prefill(st, pixels=True)
                     continue
                 now = time.monotonic()
                 (m.ttft if last is None else m.itl).observe(now - (st.started if last is None else last))
                 last = now
                 m.generation_tokens.inc()
                 if item.finish_reason is not None:
-                    st.phase, outcome = "done", "ok"
+                    outcome = "ok"
                     m.duration.observe(now - st.started)
                 yield item
-                if st.phase == "done":
+                if item.finish_reason is not None:
                     return
         except EngineError as exc:
             outcome = str(exc.status)
@@ -252,19 +210,20 @@ class Dispatcher:
             m.requests.labels(status=outcome).inc()
             await self._finish(st)
 
-    async def _prefill(self, st: RequestState, local: bool, pixels: bool = False) -> bool:
-        """Send the request to its prefill worker. A picture whose features a
-        vision worker stored goes by its size alone (unless `pixels`): prefill
-        takes its features from the cache service, or needs none when it is
-        in the cached prefix, and a 1024x1024 picture's 3 MB cost ~1 ms of
-        every turn about it. If they are gone, prefill answers 503 and the
-        request comes again with its pixels. Returns whether any went without."""
-        images = [im if pixels or im.content_hash not in self._stored_images else _sized_only(im)
-                  for im in st.req.images]
+    async def _prefill(self, st: RequestState, pixels: bool = False) -> bool:
+        """Send the request to its prefill worker, its stored pictures by their
+        sizes alone unless `pixels` (router/stored_images.py). Returns whether
+        any went without."""
+        w = self.workers.get(st.prefill_worker)
+        if w is None:  # it died meanwhile (during the vision step): move on at once
+            self._relocate(st, "prefill worker went away before the prompt reached it")
+            return False
+        local = self.settings.colocate and "decode" in w.hello.roles  # the KV stays where it was computed
+        images = self._stored_images.for_prefill(st.req.images, pixels)
         if not await self._send(st.prefill_worker, PrefillRequest(
-                st.req.request_id, list(st.req.prompt_tokens), st.req.sampling,
-                st.prefill_worker if local else "", images)):
-            raise EngineError(503, "prefill worker unreachable; retry shortly", retry_after=1.0)
+                st.wire_id, st.prompt(), st.req.sampling, st.prefill_worker if local else "", images,
+                generated=st.resumed, cache_salt=st.req.cache_salt)):
+            self._relocate(st, "prefill worker unreachable")
         return any(a is not b for a, b in zip(images, st.req.images))
 
     async def _next_event(self, st: RequestState):
@@ -287,49 +246,95 @@ class Dispatcher:
         """Have a vision worker store the images' embeddings (encoding those
         the cache service lacks) before prefill. Without one alive, or when
         a vision worker already stored every one of them, prefill takes what
-        it needs from the cache service (encoding only what was evicted)."""
-        ready = self._ready_with("vision")
+        it needs from the cache service (encoding only what was evicted);
+        so it does when the vision worker dies meanwhile."""
+        w = self.table.least("vision")
         hashes = [im.content_hash for im in st.req.images]
-        if not ready or all(h in self._stored_images for h in hashes):
-            for h in hashes:
-                if h in self._stored_images:
-                    self._stored_images.move_to_end(h)
+        if w is None or self._stored_images.all_stored(hashes):
+            self._stored_images.touch(hashes)
             return
-        w = min(ready, key=lambda w: (w.load(), w.hello.running + w.hello.waiting))
-        rid = st.req.request_id
-        w.assigned.add(rid)
+        st.phase, st.vision_worker = "vision", w.hello.worker_id
+        w.assigned.add(st.wire_id)
         try:
-            if not await self._send(w.hello.worker_id, VisionRequest(rid, list(st.req.images))):
+            if not await self._send(w.hello.worker_id, VisionRequest(st.wire_id, list(st.req.images))):
                 return
             item = await self._next_event(st)
+            if item is VISION_LOST:
+                return
             st.vision = item
-            for h in hashes:
-                self._stored_images[h] = None
-                self._stored_images.move_to_end(h)
-            while len(self._stored_images) > STORED_IMAGES_KEPT:
-                self._stored_images.popitem(last=False)
+            self._stored_images.add(hashes)
             m = self.metrics
             m.vision_queries.inc(item.encoded + item.cached)
             m.vision_hits.inc(item.cached)
             if item.encoded:
                 m.vision_encode.observe(item.encode_s)
         finally:
-            w.assigned.discard(rid)
+            st.phase = "prefill"
+            w.assigned.discard(st.wire_id)
 
     async def _finish(self, st: RequestState) -> None:
-        rid = st.req.request_id
-        self.requests.pop(rid, None)
-        for wid in (st.prefill_worker, st.decode_worker):
-            w = self.workers.get(wid)
-            if w is not None:
-                w.assigned.discard(rid)
+        self.requests.pop(st.wire_id, None)
+        self.table.unassign(st.wire_id, st.prefill_worker, st.decode_worker)
         if st.phase == "done":
             return
         # The client left or the request failed: stop the work wherever it is.
-        targets = {st.prefill_worker} if st.phase == "prefill" else {st.decode_worker}
-        for wid in targets:
-            if wid in self.workers:
-                await self._send(wid, Cancel(rid))
+        target = {"prefill": st.prefill_worker, "decode": st.decode_worker}.get(st.phase)
+        if target in self.workers:
+            await self._send(target, Cancel(st.wire_id))
+
+    # ---------------------------------------------------------- migration --
+    def _relocate(self, st: RequestState, why: str, wid: str = "") -> None:
+        """A worker holding `st` died (`wid`; "" when it was never reached):
+        resume the request elsewhere (`_move`), unless it is over."""
+        if st.phase == "done" or self.requests.get(st.wire_id) is not st:
+            return
+        if st.phase == "vision":
+            if wid == st.vision_worker:
+                st.events.put_nowait(VISION_LOST)  # prefill encodes the images itself
+            return  # a prefill worker that died meanwhile: _prefill finds another
+        # Detached now: nothing its old worker sends from here on is taken.
+        old_wire, old_worker = st.wire_id, st.decode_worker if st.phase == "decode" else st.prefill_worker
+        role = st.phase
+        self.requests.pop(old_wire, None)
+        self._orphans[old_wire] = None  # cancelled below, not again as an orphan
+        self.table.unassign(old_wire, st.prefill_worker, st.decode_worker)
+        st.moves += 1
+        st.wire_id = f"{st.req.request_id}~{st.moves}"
+        st.phase, st.first_token, st.prefill_worker, st.decode_worker = "prefill", None, "", ""
+        self.requests[st.wire_id] = st
+        task = asyncio.create_task(self._move(st, why, role, old_worker and (old_worker, old_wire)))
+        self._moving.add(task)
+        task.add_done_callback(self._moving.discard)
+
+    async def _move(self, st: RequestState, why: str, role: str, old: tuple | str) -> None:
+        """Resume `st` on live workers: its prompt and the answer so far are
+        prefilled again (mostly from the prefix cache) and the next token
+        continues the answer, so the client sees one unbroken stream. It
+        waits up to migrate_timeout_s for a worker of each role it needs;
+        only then, or after max_migrations moves, does the client get an error."""
+        if old:  # a worker declared dead may be alive and still running it
+            await self._send(old[0], Cancel(old[1]), quiet=True)
+        if st.moves > self.settings.max_migrations:
+            st.events.put_nowait(EngineError(502, f"{why}; this request was moved {st.moves - 1} times, "
+                                                  "and is not moved again"))
+            return
+        log.info("request %s: %s; resuming after %d token(s) (move %d)", st.req.request_id, why,
+                 len(st.answer), st.moves)
+        self.metrics.moves.labels(role).inc()
+        roles = ("prefill",) if self.settings.colocate else ("prefill", "decode")
+        deadline = time.monotonic() + self.settings.migrate_timeout_s
+        if not await self.table.wait_ready(roles, deadline, gone=lambda: self.requests.get(st.wire_id) is not st):
+            if self.requests.get(st.wire_id) is st:
+                st.events.put_nowait(EngineError(
+                    503, f"{why}, and no worker took its place within {self.settings.migrate_timeout_s:.0f}s",
+                    retry_after=1.0))
+            return
+        st.resumed = len(st.answer)
+        keys = self._keys(st)
+        w = self.table.pick_prefill(keys)
+        st.prefill_worker = w.hello.worker_id
+        w.assigned.add(st.wire_id)
+        await self._prefill(st, pixels=True)
 
     # ------------------------------------------------------------ inbound --
     async def _receive_loop(self) -> None:
@@ -351,15 +356,14 @@ class Dispatcher:
 
     async def _on_message(self, wid: str, msg) -> None:
         if isinstance(msg, WorkerHello):
-            self._on_hello(wid, msg)
+            dropped, why = self.table.on_hello(wid, msg)
+            if dropped is not None:
+                self._moved_off(wid, dropped, why)
         elif isinstance(msg, TokenBatch):
-            for u in msg.updates:
-                st = self.requests.get(u.request_id)
-                if st is not None:
-                    st.events.put_nowait(EngineEvent(u.token, u.logprob, u.finish_reason))
+            await self._on_tokens(wid, msg)
         elif isinstance(msg, VisionDone):
             st = self.requests.get(msg.request_id)
-            if st is not None:
+            if st is not None and st.phase == "vision" and st.vision_worker == wid:
                 st.events.put_nowait(msg)
         elif isinstance(msg, PrefillDone):
             await self._on_prefill_done(wid, msg)
@@ -367,32 +371,34 @@ class Dispatcher:
             await self._on_handoff(wid, msg)
         elif isinstance(msg, RequestFailed):
             st = self.requests.get(msg.request_id)
-            if st is not None:
+            if st is not None and wid in (st.prefill_worker, st.decode_worker, st.vision_worker):
                 st.events.put_nowait(EngineError(msg.status, msg.message))
         else:
             log.error("unexpected %s from worker %s", type(msg).__name__, wid)
 
-    def _on_hello(self, wid: str, hello: WorkerHello) -> None:
-        w = self.workers.get(wid)
-        if w is None:
-            if hello.state == "stopping":
-                return
-            log.info("worker %s (%s, pid %d) connected: %s", wid, "+".join(hello.roles), hello.pid, hello.state)
-            self.workers[wid] = WorkerState(hello, time.monotonic())
-            return
-        if w.hello.pid != hello.pid:  # restarted under the same id: the old one is dead
-            self._drop_worker(wid, "was replaced by a new process")
-            self._on_hello(wid, hello)
-            return
-        if w.hello.state != hello.state:
-            log.info("worker %s (pid %d): %s -> %s", wid, hello.pid, w.hello.state, hello.state)
-        w.hello, w.last_seen = hello, time.monotonic()
-        if hello.state == "stopping":
-            self._drop_worker(wid, "is stopping")
+    async def _on_tokens(self, wid: str, batch: TokenBatch) -> None:
+        """A decode step's tokens. Only the worker decoding a request speaks
+        for it: a worker that was declared dead and moved on from is not heard."""
+        orphans = []
+        for u in batch.updates:
+            st = self.requests.get(u.request_id)
+            if st is None:
+                orphans.append(u.request_id)
+            elif st.phase == "decode" and st.decode_worker == wid:
+                st.answer.append(u.token)
+                if u.finish_reason is not None:
+                    st.phase = "done"
+                st.events.put_nowait(EngineEvent(u.token, u.logprob, u.finish_reason))
+        for wire_id in orphans:  # nobody reads these: stop them (a router restart leaves many)
+            if wire_id not in self._orphans:
+                self._orphans[wire_id] = None
+                while len(self._orphans) > ORPHANS_KEPT:
+                    self._orphans.popitem(last=False)
+                await self._send(wid, Cancel(wire_id), quiet=True)
 
     async def _on_prefill_done(self, wid: str, done: PrefillDone) -> None:
         st = self.requests.get(done.request_id)
-        if st is None:  # the client left while prefill ran
+        if st is None or st.phase != "prefill" or st.prefill_worker != wid:  # the client left, or it moved
             if done.handoff is not None:
                 await self._free(done.handoff)
             return
@@ -406,16 +412,21 @@ class Dispatcher:
             self.metrics.vision_hits.inc(done.images_cached)
             if done.images_encoded:
                 self.metrics.vision_encode.observe(done.encode_s)
-        st.events.put_nowait(EngineEvent(done.first_token, done.logprob, done.finish_reason, done.cached_tokens))
+        # A moved request's prompt includes its answer: only the first prefill's cached count is the client's.
+        cached = 0 if st.answer else done.cached_tokens
+        st.answer.append(done.first_token)
         st.first_token = done.first_token
+        if done.finish_reason is not None:
+            st.phase = "done"
+        st.events.put_nowait(EngineEvent(done.first_token, done.logprob, done.finish_reason, cached))
         if done.finish_reason is None and done.handoff is not None:
             await self._on_handoff(wid, done.handoff)
 
     async def _on_handoff(self, wid: str, h: KVHandoff) -> None:
         """The prompt's KV is ready: pass the request to a decode worker."""
         st = self.requests.get(h.request_id)
-        if st is None or st.phase != "prefill" or st.first_token is None:
-            await self._free(h)  # the client left, or the request already failed
+        if st is None or st.phase != "prefill" or st.first_token is None or st.prefill_worker != wid:
+            await self._free(h)  # the client left, or the request failed or moved
             return
         if h.local:
             self.metrics.handoff_tokens.labels("local").inc(h.num_tokens)
@@ -424,25 +435,20 @@ class Dispatcher:
             self.metrics.handoff.observe(h.write_ms / 1000)
             self.metrics.handoff_tokens.labels("copied").inc(h.num_tokens - h.blocks.tokens)
             self.metrics.handoff_tokens.labels("referenced").inc(h.blocks.tokens)
-            try:
-                decode = self._pick("decode")
-            except EngineError as exc:
-                await self._free(h)
-                st.events.put_nowait(exc)
-                return
-        if decode is None:
-            st.events.put_nowait(EngineError(502, f"worker {wid} vanished after prefill"))
+            decode = self.table.least("decode")
+        if decode is None:  # the decode worker died: prefill again once one is back
+            await self._free(h)
+            self._relocate(st, "no decode worker was ready for its KV")
             return
         st.phase, st.decode_worker = "decode", decode.hello.worker_id
-        if st.prefill_worker in self.workers:
-            self.workers[st.prefill_worker].assigned.discard(h.request_id)
-        decode.assigned.add(h.request_id)
+        self.table.unassign(st.wire_id, st.prefill_worker)
+        decode.assigned.add(st.wire_id)
         ok = await self._send(st.decode_worker, DecodeRequest(
-            h.request_id, list(st.req.prompt_tokens), st.first_token, h, st.req.sampling, generated=1,
-            media=[im.content_hash for im in st.req.images]))
+            st.wire_id, st.prompt(), st.first_token, h, st.req.sampling, generated=st.resumed + 1,
+            media=[im.content_hash for im in st.req.images], cache_salt=st.req.cache_salt))
         if not ok:
             await self._free(h)
-            st.events.put_nowait(EngineError(502, "decode worker unreachable"))
+            self._relocate(st, "decode worker unreachable", st.decode_worker)
 
     async def _free(self, handoff) -> None:
         """A handoff that no decode worker will take: its allocation and its
@@ -457,25 +463,22 @@ class Dispatcher:
             pass  # the reservation's and the lease's TTLs free them
 
     # ---------------------------------------------------------- watchdog --
-    def _drop_worker(self, wid: str, why: str) -> None:
-        w = self.workers.pop(wid, None)
-        if w is None:
-            return
-        self.affinity.forget(wid)
-        log.warning("worker %s (%s, pid %d) %s; failing %d request(s)", wid, "+".join(w.hello.roles),
+    def _moved_off(self, wid: str, w: WorkerState, why: str) -> None:
+        """A worker is gone: every request it held resumes elsewhere."""
+        log.warning("worker %s (%s, pid %d) %s; moving %d request(s)", wid, "+".join(w.hello.roles),
                     w.hello.pid, why, len(w.assigned))
-        for rid in w.assigned:
-            st = self.requests.get(rid)
+        for wire_id in list(w.assigned):
+            st = self.requests.get(wire_id)
             if st is not None:
-                st.events.put_nowait(EngineError(
-                    502, f"{'+'.join(w.hello.roles)} worker (pid {w.hello.pid}) {why} during this request"))
+                self._relocate(st, f"{'+'.join(w.hello.roles)} worker (pid {w.hello.pid}) {why}", wid)
 
     async def _watch_loop(self) -> None:
         while True:
             now = time.monotonic()
-            for wid, w in list(self.workers.items()):
-                if now - w.last_seen > self.settings.heartbeat_timeout_s:
-                    self._drop_worker(wid, f"missed heartbeats for {now - w.last_seen:.1f}s")
+            for wid in self.table.silent():
+                w = self.table.drop(wid)
+                if w is not None:
+                    self._moved_off(wid, w, f"missed heartbeats for {now - w.last_seen:.1f}s")
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     async def _cache_loop(self) -> None:
@@ -489,11 +492,3 @@ class Dispatcher:
                     log.warning("cache service unavailable")
                 self.cache_ok = False
             await asyncio.sleep(self.settings.heartbeat_interval_s)
-
-
-def _sized_only(im: ImageInput) -> ImageInput:
-    """The picture (or video) known by its size alone: its pixels' shape with
-    no channels, which is all prefill needs to place cached features."""
-    if not isinstance(im.pixels, np.ndarray) or not im.pixels.size:
-        return im
-    return replace(im, pixels=np.empty(im.pixels.shape[:-1] + (0,), np.uint8))

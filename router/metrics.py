@@ -46,7 +46,7 @@ class _LiveState:
             batched.add_metric(labels, w.hello.batched_prompts)
         yield from (running, waiting, kv, hot, hot_hits, batched)
 
-        in_prefill = sum(1 for st in d.requests.values() if st.phase == "prefill")
+        in_prefill = sum(1 for st in d.requests.values() if st.phase in ("vision", "prefill"))
         yield GaugeMetricFamily("tandem_requests_running", "Requests decoding", value=len(d.requests) - in_prefill)
         yield GaugeMetricFamily("tandem_requests_waiting", "Requests admitted and not yet decoding", value=in_prefill)
 
@@ -61,6 +61,27 @@ class _LiveState:
         evictions.add_metric(["memory"], stats.get("evictions_total", 0))
         evictions.add_metric(["disk"], stats.get("disk_evictions_total", 0))
         yield evictions
+
+
+class AdmissionMetrics:
+    """The router's admission (router/admission.py), read at scrape time."""
+
+    def __init__(self, admission):
+        self.admission = admission
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+
+    def collect(self):
+        a = self.admission
+        yield GaugeMetricFamily("tandem_requests_admitted", "Requests admitted and not yet ended", value=a.admitted)
+        yield GaugeMetricFamily("tandem_requests_admitted_limit",
+                                "Requests admitted at most: the decode batches' rows plus --max-queue",
+                                value=a.capacity)
+        yield CounterMetricFamily("tandem_requests_refused", "Requests refused with 429 by admission",
+                                  value=a.refused)
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()
 
 
 class Metrics:
@@ -84,6 +105,11 @@ class Metrics:
         self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generation_tokens = Counter("tandem_generation_tokens", "Tokens generated", registry=r)
         self.requests = Counter("tandem_requests", "Finished requests by outcome", ["status"], registry=r)
+        # A request moved to another worker after its own died (router/dispatcher.py).
+        self.moves = Counter("tandem_request_moves", "Requests resumed on another worker after one died",
+                             ["role"], registry=r)
+        for role in ("prefill", "decode"):
+            self.moves.labels(role)
         self.prefix_queries = Counter("tandem_prefix_cache_queries", "Prompts looked up in the prefix cache",
                                       registry=r)
         self.prefix_hit_tokens = Counter("tandem_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",

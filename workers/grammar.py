@@ -145,6 +145,18 @@ def matcher_for(grammars: Optional[Grammars], sampling):
     return grammars.matcher(sampling.grammar)
 
 
+def matcher_after(grammars: Optional[Grammars], sampling, answer: Sequence[int]):
+    """The matcher of a request resumed after its worker died, having
+    followed `answer` (its tokens so far); None: free output. Raises
+    GrammarError if the grammar refuses them (it accepted them before)."""
+    matcher = matcher_for(grammars, sampling)
+    for token in answer if matcher is not None else ():
+        refused = consume(matcher, token)
+        if refused is not None:
+            raise GrammarError(f"the answer so far does not follow the grammar: {refused}")
+    return matcher
+
+
 def fill_masks(rows: Sequence[Tuple[object, int]], batch: int, width: int) -> np.ndarray:
     """The token bitmask (batch, ceil(width / 32)) int32 of a batch whose
     rows `rows` [(matcher, row index)] are constrained; the other rows allow

@@ -21,8 +21,8 @@ QUESTION = [{"role": "user", "content": "Write a long story about a lighthouse k
 
 
 def client_for(srv, **kw):
-    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key=kw.pop("api_key", "unused"), timeout=30,
-                         max_retries=0, **kw)
+    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key=kw.pop("api_key", "unused"),
+                         timeout=kw.pop("timeout", 30), max_retries=0, **kw)
 
 
 def assert_recovers(srv, killed_pid: int) -> None:
@@ -34,25 +34,34 @@ def assert_recovers(srv, killed_pid: int) -> None:
     assert resp.usage.completion_tokens == 5
 
 
+def greedy_stream(srv, messages, max_tokens, timeout=30):
+    """A greedy chat stream's text pieces, as the client saw them (iterator)."""
+    stream = client_for(srv, timeout=timeout).chat.completions.create(model="default", messages=messages, max_tokens=max_tokens,
+                                                     temperature=0, stream=True)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            yield chunk.choices[0].delta.content
+
+
 @pytest.mark.parametrize("role", ["decode", "prefill+decode"])
-def test_kill_decoding_worker_mid_stream(server_factory, role):
+def test_kill_decoding_worker_mid_stream_and_the_stream_goes_on(server_factory, role):
+    """SIGKILL the worker decoding a stream: the stream pauses while the
+    supervisor restarts it, then resumes where it was; the client sees the
+    same greedy text as an uninterrupted run, no token lost or repeated."""
     srv = server_factory(*(["--colocate"] if "+" in role else []))
+    expected = "".join(greedy_stream(srv, QUESTION, 48))
     pid = srv.worker_pid(role)
-    stream = client_for(srv).chat.completions.create(model="default", messages=QUESTION, max_tokens=2000,
-                                                     temperature=0.8, stream=True)
-    first = next(iter(stream))
-    assert first.choices[0].delta is not None
+    pieces = greedy_stream(srv, QUESTION, 48)
+    got = [next(pieces) for _ in range(4)]
     os.kill(pid, signal.SIGKILL)
-    t0 = time.monotonic()
-    with pytest.raises(openai.APIError) as e:
-        for _ in stream:
-            pass
-    assert time.monotonic() - t0 < 8, "the client waited too long to hear of the dead worker"
-    assert "worker" in str(e.value)
-    assert_recovers(srv, pid)
+    got += list(pieces)
+    assert "".join(got) == expected
+    body = srv.wait_healthy(timeout=90)
+    assert pid not in [w["pid"] for w in body["workers"]]
+    assert 'tandem_request_moves_total{role="decode"} 1.0' in httpx.get(srv.base_url + "/metrics", timeout=5).text
 
 
-def test_kill_prefill_worker_during_prefill(server_factory):
+def test_kill_prefill_worker_during_prefill_and_the_prompt_is_prefilled_again(server_factory):
     srv = server_factory("--prefill-chunk", "16")
     pid = srv.worker_pid("prefill")
     long_prompt = [{"role": "user", "content": "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 150}]
@@ -60,8 +69,8 @@ def test_kill_prefill_worker_during_prefill(server_factory):
 
     def ask():
         try:
-            client_for(srv).chat.completions.create(model="default", messages=long_prompt, max_tokens=5)
-            result["ok"] = True
+            # The client waits through the restart and the prompt's second prefill.
+            result["text"] = "".join(greedy_stream(srv, long_prompt, 5, timeout=90))
         except openai.APIError as exc:
             result["error"] = exc
 
@@ -69,10 +78,11 @@ def test_kill_prefill_worker_during_prefill(server_factory):
     t.start()
     time.sleep(1.0)  # prefill of ~1.5k tokens in 16-token chunks takes several seconds here
     os.kill(pid, signal.SIGKILL)
-    t.join(timeout=15)
+    t.join(timeout=90)
     assert not t.is_alive(), "request hung after its prefill worker died"
-    assert "error" in result and isinstance(result["error"], openai.InternalServerError)
-    assert_recovers(srv, pid)
+    assert "error" not in result, result
+    assert result["text"] == "".join(greedy_stream(srv, long_prompt, 5))
+    assert 'tandem_request_moves_total{role="prefill"} 1.0' in httpx.get(srv.base_url + "/metrics", timeout=5).text
 
 
 def test_kill_cache_service(server_factory):

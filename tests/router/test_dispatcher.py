@@ -52,7 +52,7 @@ def test_garbage_on_the_wire_is_dropped_and_the_router_keeps_serving():
     run(body)
 
 
-def test_silent_worker_is_dropped_and_its_request_fails_fast():
+def test_silent_worker_is_dropped_and_its_request_fails_when_none_comes_back():
     async def body(disp, worker):
         pre, dec = worker("prefill-0", ["prefill"]), worker("decode-0", ["decode"])
         await pre.beat()
@@ -70,11 +70,12 @@ def test_silent_worker_is_dropped_and_its_request_fails_fast():
             async for _ in disp.generate(request()):
                 pass
         alive.cancel()
-        assert e.value.status == 502 and "missed heartbeats" in str(e.value)
-        assert time.monotonic() - t0 < 2.0
+        # The request waited migrate_timeout_s for a prefill worker to come back.
+        assert e.value.status == 503 and "missed heartbeats" in str(e.value) and "no worker took its place" in str(e.value)
+        assert time.monotonic() - t0 < 3.0
         assert "prefill-0" not in disp.workers and "decode-0" in disp.workers
 
-    run(body)
+    run(body, migrate_timeout_s=0.5)
 
 
 def test_restarted_worker_replaces_the_old_one_at_once():

@@ -91,7 +91,7 @@ from protos.messages import DecodeRequest, TokenBatch, TokenUpdate
 from workers.decode import ragged_kv
 from workers.decode.prefix_sharing import PrefixSharing
 from workers.decode.shifted_rope import ShiftedKVCache
-from workers.grammar import ConstrainedRows, GrammarError, matcher_for
+from workers.grammar import ConstrainedRows, GrammarError, matcher_after
 from workers.kernels import mlx_hooks
 from workers.kernels.generation_batch import DecodeBatch, JoiningRows
 from workers.loop_clock import part
@@ -205,7 +205,10 @@ class DecodeEngine:
         if rid in self:
             raise ValueError(f"request {rid!r} is already decoding")
         sp = request.sampling
-        matcher = matcher_for(self.grammars, sp)  # GrammarError fails the request here
+        # A resumed request's grammar follows its answer so far first (the
+        # prompt's last generated - 1 tokens); GrammarError fails it here.
+        answer = request.prompt_tokens[len(request.prompt_tokens) - max(int(request.generated) - 1, 0):]
+        matcher = matcher_after(self.grammars, sp, answer)
         stop_ids = set(int(t) for t in sp.stop_token_ids) | set(self.eos_token_ids)
         if matcher is not None:
             stop_ids |= set(self.grammars.eos_ids)

@@ -43,7 +43,7 @@ mask, filled while the final chunk computes.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -51,7 +51,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from protos.messages import SamplingParams, TokenLogprob
-from workers.grammar import GrammarError, apply_masks, consume, fill_masks, matcher_for
+from workers.grammar import GrammarError, apply_masks, consume, fill_masks, matcher_after
 from workers.kernels import mlx_hooks
 from workers.loop_clock import part
 from workers.kv.prefix_base import RecentMin
@@ -73,12 +73,14 @@ class PrefillJob:
     """One prompt being prefilled, one chunk per `step()`."""
 
     def __init__(self, engine: "PrefillEngine", prompt_tokens: Sequence[int],
-                 sampling: SamplingParams, owner: str = ""):
+                 sampling: SamplingParams, owner: str = "", generated: int = 0):
         if len(prompt_tokens) == 0:
             raise ValueError("empty prompt")
         self.engine = engine
-        self.sampling = sampling
-        self.matcher = matcher_for(engine.grammars, sampling)  # None: free output
+        # A resumed request (`generated` > 0: the prompt ends with its answer
+        # so far) samples with the tokens left and its grammar past that answer.
+        self.sampling, self.draws = resumed_sampling(sampling, generated), generated
+        self.matcher = matcher_after(engine.grammars, sampling, prompt_tokens[len(prompt_tokens) - generated:])
         self.owner = owner  # request id: names leases and reservations in the cache service
         self.tokens = [int(t) for t in prompt_tokens]
         self.prompt = mx.array(self.tokens, dtype=mx.int32)
@@ -173,7 +175,7 @@ class PrefillJob:
     def _finish(self) -> PrefillResult:
         """The final chunk, the last token with it, and the first token."""
         logits = mlx_hooks.logits_at(self.engine.model, self.prompt[None, self.processed:], self.cache)
-        first, lp = sample_first(logits, self.prompt, self.sampling, self.cache, self.matcher)
+        first, lp = sample_first(logits, self.prompt, self.sampling, self.cache, self.matcher, self.draws)
         return PrefillResult(
             first_token=first,
             logprob=lp,
@@ -185,13 +187,20 @@ class PrefillJob:
         )
 
 
-def sample_first(logits: mx.array, prompt: mx.array, sampling: SamplingParams, cache: list, matcher=None):
+def resumed_sampling(sampling: SamplingParams, generated: int) -> SamplingParams:
+    """A resumed request's sampling: max_tokens less the answer so far."""
+    return replace(sampling, max_tokens=sampling.max_tokens - generated) if generated else sampling
+
+
+def sample_first(logits: mx.array, prompt: mx.array, sampling: SamplingParams, cache: list, matcher=None,
+                 draws: int = 0):
     """The first token from the prompt's last logits [1, vocab], sampled as
     decode samples (under `matcher`'s mask when the request has a grammar,
     then the request's processors over the whole prompt, its sampler),
     evaluated with `cache`: (token id, TokenLogprob or None). Raises
-    GrammarError if the matcher refuses the token."""
-    first = sample_firsts([(logits, prompt, sampling, matcher)], cache)[0]
+    GrammarError if the matcher refuses the token. `draws`: tokens a seeded
+    request already drew (a resumed one's answer so far)."""
+    first = sample_firsts([(logits, prompt, sampling, matcher, draws)], cache)[0]
     if isinstance(first, GrammarError):
         raise first
     return first
@@ -199,26 +208,26 @@ def sample_first(logits: mx.array, prompt: mx.array, sampling: SamplingParams, c
 
 def sample_firsts(rows, cache) -> list:
     """sample_first for several prompts, [(logits [1, vocab], prompt,
-    sampling, matcher or None), ...], evaluated together with `cache` (one
+    sampling, matcher or None, draws), ...], evaluated together with `cache` (one
     wait, not one a row). A row's entry is (token id, TokenLogprob or None),
     or the GrammarError that fails that row alone."""
-    constrained = [(m, i) for i, (_, _, _, m) in enumerate(rows) if m is not None]
+    constrained = [(r[3], i) for i, r in enumerate(rows) if r[3] is not None]
     bitmask = None
     if constrained:
         mx.async_eval([r[0] for r in rows])  # the final chunk computes while the masks fill
         bitmask = fill_masks(constrained, len(rows), rows[0][0].shape[-1])
     drawn = []
-    for i, (logits, prompt, sampling, matcher) in enumerate(rows):
+    for i, (logits, prompt, sampling, matcher, draws) in enumerate(rows):
         if matcher is not None:
             logits = apply_masks(logits, bitmask[i:i + 1])
-        sampler, processors = build_sampling(sampling, draws_done=0)
+        sampler, processors = build_sampling(sampling, draws_done=draws)
         for proc in processors:
             logits = proc(prompt, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         drawn.append((sampler(logprobs), logprobs))
     mx.eval(drawn, [c.state for c in cache])
     out = []
-    for (token, logprobs), (_, _, sampling, matcher) in zip(drawn, rows):
+    for (token, logprobs), (_, _, sampling, matcher, _) in zip(drawn, rows):
         first = int(token.item())
         refused = consume(matcher, first) if matcher is not None else None
         if refused is not None:
@@ -261,8 +270,9 @@ class PrefillEngine:
         if tokens >= self.MIN_TIMED_CHUNK:
             self.compute_cost.add(seconds / tokens)
 
-    def start(self, prompt_tokens: Sequence[int], sampling: SamplingParams, owner: str = "") -> PrefillJob:
-        return PrefillJob(self, prompt_tokens, sampling, owner)
+    def start(self, prompt_tokens: Sequence[int], sampling: SamplingParams, owner: str = "",
+              generated: int = 0) -> PrefillJob:
+        return PrefillJob(self, prompt_tokens, sampling, owner, generated)
 
     def run(self, prompt_tokens: Sequence[int], sampling: SamplingParams, owner: str = "") -> PrefillResult:
         """Prefill to the end and save the prompt's blocks (tests, simple callers)."""

@@ -40,11 +40,11 @@ from mlx_lm.generate import generation_stream
 from cache_service.client import CacheUnavailable
 from protos.messages import ImageInput, SamplingParams
 from protos.vision_layout import ImageBatch
-from workers.grammar import matcher_for
+from workers.grammar import matcher_after
 from workers.kernels import mlx_hooks
 from workers.kv.block_hash import image_block_extra
 from workers.loop_clock import part
-from workers.prefill.engine import PrefillResult, sample_first
+from workers.prefill.engine import PrefillResult, resumed_sampling, sample_first
 
 
 class VLMPrefillJob:
@@ -52,14 +52,15 @@ class VLMPrefillJob:
 
     def __init__(self, engine, prompt_tokens: Sequence[int], images: Sequence[ImageInput],
                  sampling: SamplingParams, chunk_size: int = 512, owner: str = "", prefix=None,
-                 embeddings=None, grammars=None):
+                 embeddings=None, grammars=None, generated: int = 0):
         if not prompt_tokens:
             raise ValueError("empty prompt")
         self.engine = engine  # workers.vision.engine.VisionEngine with the text model
         self.tokens = [int(t) for t in prompt_tokens]
         self.images = list(images)
-        self.sampling = sampling
-        self.matcher = matcher_for(grammars, sampling)  # None: free output (grammars: workers.grammar.Grammars)
+        # A resumed request: as PrefillJob's (workers/prefill/engine.py).
+        self.sampling, self.draws = resumed_sampling(sampling, generated), generated
+        self.matcher = matcher_after(grammars, sampling, self.tokens[len(self.tokens) - generated:])
         self.chunk_size = chunk_size
         self.owner = owner
         self.prefix = prefix  # workers.kv.prefix_cache.PrefixCache / SnapshotCache, or None
@@ -156,7 +157,7 @@ class VLMPrefillJob:
                 with mlx_hooks.head_at(eng.model.language_model, [end - start - 1]):
                     logits = eng.prefill_chunk(*self._inputs(start, end), self._cache).logits[:, -1]
                 first, lp = sample_first(logits, mx.array(self.tokens, dtype=mx.int32), self.sampling, self._cache,
-                                         self.matcher)
+                                         self.matcher, self.draws)
         self._done = end
         if end == self._snapshot_at:
             self.snapshot = self.prefix.capture(self._cache, end)

@@ -1,0 +1,155 @@
+"""The workers the router has heard from: their state, health and load, and
+the choice of one for a request.
+
+A worker says hello when it connects and then as its heartbeat; one silent for
+`heartbeat_timeout_s`, or replaced by a new process under its id, is dropped
+(router/dispatcher.py moves its requests elsewhere).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from deploy.settings import Settings
+from protos.messages import WorkerHello
+from router.engine_api import EngineError
+from router.prefix_affinity import PrefixAffinity
+
+log = logging.getLogger("router.dispatcher")
+
+# How many more in-flight requests the affine prefill worker may have than the
+# least-loaded one before routing ignores affinity.
+AFFINITY_SLACK = 2
+READY_POLL_S = 0.05  # how often a request waiting for a worker looks again
+
+
+@dataclass
+class WorkerState:
+    hello: WorkerHello
+    last_seen: float
+    assigned: set = field(default_factory=set)  # wire ids of the requests this worker holds now
+
+    @property
+    def ready(self) -> bool:
+        return self.hello.state == "ready"
+
+    def load(self) -> int:
+        return len(self.assigned)
+
+
+class WorkerTable:
+    """Workers by id, what /health reports, and routing among the ready ones."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.workers: dict[str, WorkerState] = {}
+        self.affinity = PrefixAffinity()
+        self.expected = self._expected()  # fixed by the settings: read the model's config once
+        self.seen_ready: set[str] = set()  # roles some worker was ready for: their absence is a restart
+
+    def _expected(self) -> dict[str, int]:
+        """Live workers per role the settings ask for (what /health waits for)."""
+        expected: dict[str, int] = {}
+        for _, roles in self.settings.worker_plan():
+            for role in roles:
+                expected[role] = expected.get(role, 0) + 1
+        return expected
+
+    def ready_with(self, role: str) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.ready and role in w.hello.roles]
+
+    def all_ready(self) -> bool:
+        return all(len(self.ready_with(r)) >= n for r, n in self.expected.items())
+
+    def health(self, model_id: str, cache_ok: bool, cache_stats: dict, in_flight: int) -> tuple[bool, dict]:
+        """(ready?, the /health body): every expected worker and the cache service."""
+        ready = cache_ok and self.all_ready()
+        now = time.monotonic()
+        workers = [
+            {
+                "id": wid,
+                "role": "+".join(w.hello.roles),
+                "pid": w.hello.pid,
+                "state": w.hello.state,
+                "running": w.hello.running,
+                "waiting": w.hello.waiting,
+                "last_seen_s": round(now - w.last_seen, 3),
+            }
+            for wid, w in sorted(self.workers.items())
+        ]
+        cache = {"role": "cache", "state": "ready" if cache_ok else "unavailable", **cache_stats}
+        return ready, {"status": "ok" if ready else "unavailable", "model": model_id, "workers": workers,
+                       "cache_service": cache, "expected": self.expected, "requests_in_flight": in_flight}
+
+    # ------------------------------------------------------------ routing --
+    def least(self, role: str) -> WorkerState | None:
+        """The least-loaded ready worker of a role, or None."""
+        return min(self.ready_with(role), key=lambda w: (w.load(), w.hello.running + w.hello.waiting), default=None)
+
+    def pick(self, role: str) -> WorkerState:
+        """The least-loaded ready worker of a role; 503 when none is."""
+        w = self.least(role)
+        if w is None:
+            raise EngineError(503, f"no {role} worker is alive; retry shortly", retry_after=1.0)
+        return w
+
+    def pick_prefill(self, keys: list[bytes]) -> WorkerState:
+        """Cache-aware: the worker that last prefilled the longest part of this
+        prompt, unless it is busier than the least-loaded one by more than
+        AFFINITY_SLACK requests (then reuse is not worth the wait)."""
+        least = self.pick("prefill")
+        matched = self.affinity.matched_blocks(keys)
+        ready = {w.hello.worker_id: w for w in self.ready_with("prefill")}
+        best = max((wid for wid in matched if wid in ready), key=lambda wid: matched[wid], default=None)
+        if best is not None and ready[best].load() - least.load() <= AFFINITY_SLACK:
+            return ready[best]
+        return least
+
+    async def wait_ready(self, roles: tuple[str, ...], deadline: float, gone=lambda: False) -> bool:
+        """Wait until a worker of each role is ready (a crashed one restarting),
+        until `deadline` (monotonic) or `gone()`; whether they are. A role no
+        worker was ever ready for is not waited for (the server is starting,
+        or misconfigured): the caller answers 503 at once."""
+        while not all(self.ready_with(r) for r in roles):
+            if gone() or time.monotonic() >= deadline or not all(r in self.seen_ready for r in roles):
+                return False
+            await asyncio.sleep(READY_POLL_S)
+        return True
+
+    # ------------------------------------------------------------ updates --
+    def on_hello(self, wid: str, hello: WorkerHello) -> tuple[WorkerState | None, str]:
+        """Record a hello; (the state dropped by it, why) or (None, ""). A hello
+        from a new pid under a known id means the old process died."""
+        w = self.workers.get(wid)
+        if hello.state == "ready":
+            self.seen_ready.update(hello.roles)
+        if w is not None and w.hello.pid == hello.pid:
+            if w.hello.state != hello.state:
+                log.info("worker %s (pid %d): %s -> %s", wid, hello.pid, w.hello.state, hello.state)
+            w.hello, w.last_seen = hello, time.monotonic()
+            return (self.drop(wid), "is stopping") if hello.state == "stopping" else (None, "")
+        dropped = self.drop(wid) if w is not None else None
+        if hello.state != "stopping":
+            log.info("worker %s (%s, pid %d) connected: %s", wid, "+".join(hello.roles), hello.pid, hello.state)
+            self.workers[wid] = WorkerState(hello, time.monotonic())
+        return dropped, "was replaced by a new process"
+
+    def drop(self, wid: str) -> WorkerState | None:
+        w = self.workers.pop(wid, None)
+        if w is not None:
+            self.affinity.forget(wid)
+        return w
+
+    def silent(self) -> list[str]:
+        """Workers that missed their heartbeats."""
+        now = time.monotonic()
+        return [wid for wid, w in self.workers.items() if now - w.last_seen > self.settings.heartbeat_timeout_s]
+
+    def unassign(self, wire_id: str, *wids: str) -> None:
+        for wid in wids:
+            w = self.workers.get(wid)
+            if w is not None:
+                w.assigned.discard(wire_id)

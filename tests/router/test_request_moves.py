@@ -1,0 +1,172 @@
+"""Requests outlive their workers: the dispatcher against scripted workers on
+real ZeroMQ sockets. A worker that dies (replaced by a new process, or
+silent) has its requests resumed elsewhere with the answer so far in the
+prompt, the client's stream going on with no token lost or repeated; what a
+dead or orphaned worker still sends is not taken, and is cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from protos import transport
+from protos.messages import (
+    Cancel, DecodeRequest, KVHandoff, PrefillDone, PrefillRequest, TokenBatch, TokenUpdate,
+)
+from router.engine_api import EngineError
+from tests.support.dispatcher import request, run, wait_for
+
+
+async def ready(*workers):
+    """Each worker says hello, then keeps beating (the test's dispatcher drops a worker silent for 0.5 s)."""
+    async def beat(w):
+        while True:
+            await w.beat()
+            await asyncio.sleep(0.05)
+
+    for w in workers:
+        await w.beat()
+        asyncio.get_running_loop().create_task(beat(w))
+
+
+async def restart(w):
+    """The supervisor's restart: a new process says hello under the same id."""
+    w.hello.pid += 100
+    await w.beat()
+
+
+def test_decode_worker_dies_mid_stream_and_the_request_resumes_with_its_answer_so_far():
+    async def body(disp, worker):
+        pre, dec = worker("prefill-0", ["prefill"]), worker("decode-0", ["decode"])
+        await ready(pre, dec)
+        await wait_for(lambda: len(disp.workers) == 2)
+
+        async def play():
+            msg = await pre.next()
+            assert isinstance(msg, PrefillRequest) and msg.request_id == "r1" and msg.generated == 0
+            await transport.asend(pre.sock, PrefillDone("r1", 7, KVHandoff("r1", 3, 3), cached_tokens=2))
+            msg = await dec.next()
+            assert isinstance(msg, DecodeRequest) and msg.generated == 1
+            await transport.asend(dec.sock, TokenBatch([TokenUpdate("r1", 8)]))
+            await wait_for(lambda: disp.requests["r1"].answer == [7, 8])
+            await restart(dec)  # decode-0 died: its replacement knows nothing of r1
+            # The dead process's last words (in flight before it died) are not taken.
+            await transport.asend(dec.sock, TokenBatch([TokenUpdate("r1", 666)]))
+            msg = await pre.next()
+            assert isinstance(msg, PrefillRequest)
+            assert msg.request_id == "r1~1" and msg.prompt_tokens == [1, 2, 3, 7, 8] and msg.generated == 2
+            await transport.asend(pre.sock, PrefillDone("r1~1", 9, KVHandoff("r1~1", 5, 5), cached_tokens=4))
+            msgs = [await dec.next(), await dec.next()]
+            decode = next(m for m in msgs if isinstance(m, DecodeRequest))
+            assert any(isinstance(m, Cancel) and m.request_id == "r1" for m in msgs)  # the stray tokens' id
+            assert decode.request_id == "r1~1" and decode.prompt_tokens == [1, 2, 3, 7, 8]
+            assert decode.first_token == 9 and decode.generated == 3
+            await transport.asend(dec.sock, TokenBatch([TokenUpdate("r1~1", 10, finish_reason="length")]))
+
+        player = asyncio.create_task(play())
+        events = [e async for e in disp.generate(request(n=4))]
+        await player
+        assert [(e.token, e.finish_reason) for e in events] == [(7, None), (8, None), (9, None), (10, "length")]
+        assert [e.cached_tokens for e in events] == [2, 0, 0, 0]  # the resumed prefill's hit is not the client's
+        assert disp.requests == {}
+        text = await disp.metrics_text()
+        assert 'tandem_request_moves_total{role="decode"} 1.0' in text
+        assert 'tandem_requests_total{status="ok"} 1.0' in text
+
+    run(body)
+
+
+def test_prefill_worker_dies_and_the_prompt_goes_to_another():
+    async def body(disp, worker):
+        pre0, pre1, dec = worker("prefill-0", ["prefill"]), worker("prefill-1", ["prefill"]), worker("decode-0", ["decode"])
+        await ready(pre0, dec)
+        await wait_for(lambda: len(disp.workers) == 2)
+
+        async def play():
+            msg = await pre0.next()
+            assert isinstance(msg, PrefillRequest) and msg.request_id == "r1"
+            await ready(pre1)
+            await wait_for(lambda: "prefill-1" in disp.workers)
+            pre0.hello.state = "stopping"  # prefill-0 goes away without answering
+            await pre0.beat()
+            msg = await pre1.next()
+            assert msg.request_id == "r1~1" and msg.prompt_tokens == [1, 2, 3] and msg.generated == 0
+            await transport.asend(pre1.sock, PrefillDone("r1~1", 7, None))
+            await transport.asend(pre1.sock, KVHandoff("r1~1", 3, 3))
+            # prefill-0's late answer for the old id is freed, not taken.
+            await transport.asend(pre0.sock, PrefillDone("r1", 99, KVHandoff("r1", 3, 3)))
+            msg = await dec.next()
+            assert isinstance(msg, DecodeRequest) and msg.request_id == "r1~1" and msg.first_token == 7
+            await transport.asend(dec.sock, TokenBatch([TokenUpdate("r1~1", 8, finish_reason="stop")]))
+
+        player = asyncio.create_task(play())
+        tokens = [e.token async for e in disp.generate(request())]
+        await player
+        assert tokens == [7, 8]
+
+    run(body)
+
+
+def test_a_request_that_keeps_losing_its_worker_fails_after_max_migrations():
+    async def body(disp, worker):
+        pre, dec = worker("prefill-0", ["prefill"]), worker("decode-0", ["decode"])
+        await ready(pre, dec)
+        await wait_for(lambda: len(disp.workers) == 2)
+
+        async def play():
+            for move in range(3):
+                msg = await pre.next()
+                while isinstance(msg, Cancel):  # the dead process's copy, sent to its id
+                    msg = await pre.next()
+                assert isinstance(msg, PrefillRequest) and msg.request_id == ("r1~%d" % move if move else "r1")
+                await restart(pre)  # every prefill of it kills the worker (a poison request)
+
+        player = asyncio.create_task(play())
+        with pytest.raises(EngineError) as e:
+            async for _ in disp.generate(request()):
+                pass
+        await player
+        assert e.value.status == 502 and "moved 2 times" in str(e.value)
+
+    run(body, max_migrations=2)
+
+
+def test_tokens_for_requests_nobody_waits_for_are_cancelled_once():
+    """A restarted router's workers keep decoding what the old one sent them:
+    the new one cancels each such request once, however many tokens come."""
+    async def body(disp, worker):
+        dec = worker("decode-0", ["decode"])
+        await ready(dec)
+        await wait_for(lambda: len(disp.workers) == 1)
+        for token in range(3):
+            await transport.asend(dec.sock, TokenBatch([TokenUpdate("ghost", token), TokenUpdate("spook", token)]))
+        got = [await dec.next(), await dec.next()]
+        assert sorted(m.request_id for m in got if isinstance(m, Cancel)) == ["ghost", "spook"]
+        assert not await dec.sock.poll(300), "cancelled more than once"
+
+    run(body)
+
+
+def test_a_new_request_waits_for_a_restarting_worker_instead_of_a_503():
+    async def body(disp, worker):
+        pre, dec = worker("prefill-0", ["prefill"]), worker("decode-0", ["decode"])
+        await ready(pre, dec)
+        await wait_for(lambda: len(disp.workers) == 2)
+        pre.hello.state = "stopping"
+        await pre.beat()
+        await wait_for(lambda: "prefill-0" not in disp.workers)
+
+        async def play():
+            await asyncio.sleep(0.3)
+            pre.hello.state, pre.hello.pid = "ready", pre.hello.pid + 1
+            await pre.beat()
+            msg = await pre.next()
+            await transport.asend(pre.sock, PrefillDone(msg.request_id, 7, None, finish_reason="stop"))
+
+        player = asyncio.create_task(play())
+        tokens = [e.token async for e in disp.generate(request())]
+        await player
+        assert tokens == [7]
+
+    run(body)
