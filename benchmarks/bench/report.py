@@ -49,7 +49,9 @@ JSON (--json PATH), schema "tandem-bench/1":
                        "computed_source", "metrics_computed_prompt_tokens" (Tandem), "calls_expected"
                        (answered "required" steps), "calls_parsed", "calls_valid", "calls_returned",
                        "parsed_share", "valid_share", "final_answers", "final_calls", "call_problems": [...],
-                       "output_tokens", "latency_p50_s", "latency_p99_s", "first_error", "per_turn": [...]}
+                       "output_tokens", "latency_p50_s", "latency_p99_s", "first_error", "per_turn": [...]},
+            "chaos": {"streams", "max_tokens", "reference_failed", "kills": [{"at_s", "role", "pid"}], "failed",
+                      "errors", "outputs_differing", "moves", "output_tokens", "wall_s", "arena_segments"}
           }}],
       "ratios": [{"tandem": "tandem", "peer": "mlx_lm", ...metric: tandem value / peer value}]
       (swarm: also per served turn, when the two served different numbers of turns)
@@ -184,6 +186,7 @@ def render(report: dict) -> str:
     parts += _prefix_table(systems)
     parts += _swarm_table(systems)
     parts += _agents_table(systems)
+    parts += _chaos_table(systems)
     parts += _vision_tables(systems)
     parts += _single_stream_table(systems)
     parts += _memory_table(systems)
@@ -282,6 +285,23 @@ def _agents_table(systems: list[dict]) -> list[str]:
                 ["system", "agents", "turns/s", "ok", "failed", "429", "prompt tok", "cached tok",
                  "computed prompt tok", "calls exp / parsed / valid", "answers", "out tok", "wall s"], rows)
             + ("\n" + "\n".join(notes) if notes else "")]
+
+
+def _chaos_table(systems: list[dict]) -> list[str]:
+    rows = []
+    for s in systems:
+        c = s.get("results", {}).get("chaos")
+        if not c:
+            continue
+        kills = ", ".join(f"{k['role']}@{k['at_s']:g}s" for k in c["kills"]) or "none"
+        rows.append([s["name"], c["streams"], c["max_tokens"], kills, c["moves"], c["failed"],
+                     c["outputs_differing"], c["reference_failed"], c["output_tokens"], _f(c["wall_s"], "{:.1f}"),
+                     "-" if c["arena_segments"] is None else len(c["arena_segments"])])
+    if not rows:
+        return []
+    return ["Chaos: greedy streams while workers are killed with SIGKILL (failed and differing must be 0)\n"
+            + _table(["system", "streams", "max tok", "kills", "moves", "failed", "differing", "ref failed",
+                      "out tok", "wall s", "arenas"], rows)]
 
 
 def _single_stream_table(systems: list[dict]) -> list[str]:
