@@ -1,10 +1,12 @@
 """Images and videos → decoded, size-checked, content-hashed RGB pixels.
 
 What a chat request's media parts hold once fetched (router/media_parts.py) is
-decoded here. Every refusal is a `MediaError`: an `ApiError` (400) whose
-message starts with the part's path, e.g. `messages[1].content[2].image_url:
-image is 12000x12000 = 144000000 pixels, over the limit of 50331648`. Sizes
-are checked before pixels are decoded.
+decoded here. Every refusal is a `MediaError` (router/media_budget.py): an
+`ApiError` (400) whose message starts with the part's path, e.g.
+`messages[1].content[2].image_url: image is 12000x12000 = 144000000 pixels,
+over the limit of 50331648`. Sizes are checked before pixels are decoded, and
+the pixels' bytes taken from the server's media memory (a `NoRoom` when it is
+full: the caller waits for room and decodes again).
 
 The content hash is SHA-256 over the decoded RGB pixels plus width and height, so one picture
 gives one hash however it arrives or is (losslessly) encoded; the vision cache keys on it.
@@ -34,7 +36,8 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from deploy.settings import Settings
-from router.errors import ApiError
+from router.media_budget import MediaError, MediaMemory, NoRoom, PixelBudget
+from router.media_fetch import HostPolicy
 
 MiB = 1 << 20
 
@@ -73,20 +76,20 @@ class MediaLimits:
     video_decode_timeout_s: float = 30.0
     # file:// URLs are served only from inside this directory (symlinks resolved); None: refused.
     allowed_local_dir: Path | None = None
+    # http(s) media from public addresses, and from these (--allow-media-hosts; router/media_fetch.py).
+    allowed_hosts: HostPolicy = HostPolicy()
+    # The bytes all requests' media may hold at once (--media-memory); None: no bound.
+    memory: MediaMemory | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> MediaLimits:
-        """The limits `tandem serve`'s options set; the rest keep their defaults."""
+        """The limits `tandem serve`'s options set; the rest keep their defaults. One
+        MediaMemory per call: the app builds its limits once, and all its requests share it."""
         return cls(max_images=settings.max_images, max_pixels=settings.max_image_pixels,
                    fetch_timeout_s=settings.media_fetch_timeout_s, max_frames=settings.max_video_frames,
-                   allowed_local_dir=Path(settings.allow_local_media) if settings.allow_local_media else None)
-
-
-class MediaError(ApiError):
-    """A media part the server refuses: 400, the part's path in the message and in `param`."""
-
-    def __init__(self, where: str, problem: str, code: str = "invalid_media"):
-        super().__init__(400, f"{where}: {problem}", param=where, code=code)
+                   allowed_local_dir=Path(settings.allow_local_media) if settings.allow_local_media else None,
+                   allowed_hosts=HostPolicy.parse(settings.allow_media_hosts),
+                   memory=MediaMemory(settings.media_budget_bytes, settings.media_fetch_timeout_s))
 
 
 @dataclass(frozen=True)
@@ -129,25 +132,6 @@ def video_content_hash(frame_hashes: list[str], fps: float, max_frames: int) -> 
     for frame_hash in frame_hashes:
         digest.update(bytes.fromhex(frame_hash))
     return digest.hexdigest()
-
-
-class PixelBudget:
-    """The pixels all parts of one request may still decode; shared by decoding threads."""
-
-    def __init__(self, limit: int):
-        self.left = limit
-        self.limit = limit
-        self._lock = threading.Lock()
-
-    def take(self, pixels: int, where: str) -> None:
-        with self._lock:
-            if pixels > self.left:
-                raise MediaError(
-                    where,
-                    f"the request's images and video frames exceed the limit of {self.limit} pixels in all",
-                    code="media_too_large",
-                )
-            self.left -= pixels
 
 
 def _check_pixels(width: int, height: int, limits: MediaLimits, where: str, what: str = "image") -> None:
@@ -235,7 +219,7 @@ def decode_image_bytes(
             image.load()
             ImageOps.exif_transpose(image, in_place=True)  # phones store portraits sideways
             pixels = _rgb_pixels(image)
-    except MediaError:
+    except (MediaError, NoRoom):
         raise
     except Image.DecompressionBombError as exc:
         raise MediaError(where, f"image has more pixels than allowed: {exc}", code="media_too_large")
@@ -255,7 +239,7 @@ def reuse_image(known: DecodedImage, limits: MediaLimits, where: str, source: st
     """A remembered picture for this part, under this request's limits."""
     _check_pixels(known.width, known.height, limits, where)
     if budget is not None:
-        budget.take(known.width * known.height, where)
+        budget.take(known.width * known.height, where, decoded=False)  # its pixels exist already
     return replace(known, source=source, where=where, detail=detail)
 
 
@@ -333,7 +317,9 @@ def decode_video_bytes(
         file.flush()
         try:
             return _decode_video(cv2, file.name, limits, where, fps, max_frames, source, budget, deadline)
-        except cv2.error as exc:  # OpenCV's own failures on malformed streams
+        except (MediaError, NoRoom):
+            raise
+        except Exception as exc:  # noqa: BLE001 - cv2.error and numpy's on malformed streams
             raise MediaError(where, f"the video could not be decoded: {exc}")
 
 
@@ -345,6 +331,8 @@ def _decode_video(cv2: Any, path: str, limits: MediaLimits, where: str, fps: flo
             raise MediaError(where, "the video could not be opened (corrupt, or a codec FFmpeg lacks)")
         width = int(capture.get(cv2.CAP_PROP_FRAME_WIDTH))
         height = int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT))
+        if width < 1 or height < 1:
+            raise MediaError(where, "the video declares no frame size")
         _check_pixels(width, height, limits, where, "each video frame")
         source_fps = capture.get(cv2.CAP_PROP_FPS)
         count = capture.get(cv2.CAP_PROP_FRAME_COUNT)
@@ -355,12 +343,14 @@ def _decode_video(cv2: Any, path: str, limits: MediaLimits, where: str, fps: flo
         if count < 1:
             raise MediaError(where, "the video has no frames")
         indices, rate = _sample_indices(int(count), source_fps, fps, max_frames)
+        if budget is not None:  # all frames at once, before any is decoded (a NoRoom retry redoes nothing)
+            budget.take(len(indices) * width * height, where)
         frames, timestamps = [], []
         for index, bgr in _read_frames(cv2, capture, indices, source_fps, deadline, limits, where):
             frame_where = f"{where}.frames[{len(frames)}]"
-            _check_pixels(bgr.shape[1], bgr.shape[0], limits, frame_where, "video frame")
-            if budget is not None:
-                budget.take(bgr.shape[0] * bgr.shape[1], frame_where)
+            if bgr.shape[0] * bgr.shape[1] > width * height:  # counted at the declared size
+                raise MediaError(frame_where, f"video frame is {bgr.shape[1]}x{bgr.shape[0]}, larger than the "
+                                 f"{width}x{height} the video declares")
             rgb = np.ascontiguousarray(bgr[..., ::-1])
             rgb.setflags(write=False)
             frames.append(DecodedImage(rgb, rgb.shape[1], rgb.shape[0], image_content_hash(rgb), source, frame_where))

@@ -74,7 +74,9 @@ def server_spec(name: str, port: int, opts: Options) -> ServerSpec:
     if name in ("tandem", "tandem-colocate"):
         argv = [sys.executable, "-m", "deploy.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                 # A fresh disk tier per start: every system begins with an empty cache, as the peers do.
-                "--cache-dir", str(opts.run_dir / f"{name}-kv")]
+                "--cache-dir", str(opts.run_dir / f"{name}-kv"),
+                # The vision workload serves its media from 127.0.0.1 (vision_workload.MediaServer).
+                "--allow-media-hosts", "127.0.0.1"]
         if opts.model_spec:
             argv += ["--model", opts.model_spec]
         if name == "tandem-colocate":

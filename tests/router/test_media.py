@@ -31,10 +31,13 @@ from router.media import (
     decode_video_bytes,
     image_content_hash,
 )
-from router.media_parts import fetch_url, load_media_parts
+from router.media_fetch import HostPolicy
+from router.media_parts import FETCH_FAILED, fetch_url, load_media_parts
 from tests.support.media import make_video
 
 LIMITS = MediaLimits()
+# The test server listens on 127.0.0.1, which only --allow-media-hosts opens (tests/router/test_media_ssrf.py).
+LOCAL = replace(LIMITS, allowed_hosts=HostPolicy.parse(["127.0.0.1"]))
 
 
 # --------------------------------------------------------------------------- #
@@ -176,7 +179,7 @@ def test_same_picture_from_data_url_file_and_http_has_one_hash(http, tmp_path):
         {"role": "assistant", "content": "seen"},
         user(image_part(f"{http}/pic.png", detail="high"), image_part(data_url(other, "image/jpeg"))),
     ]
-    images = load(messages, replace(LIMITS, allowed_local_dir=allowed))
+    images = load(messages, replace(LOCAL, allowed_local_dir=allowed))
 
     assert [type(i) for i in images] == [DecodedImage] * 4
     assert [i.source for i in images] == ["data", "file", "http", "data"]
@@ -399,13 +402,13 @@ def test_file_urls_stay_inside_the_allowed_directory(tmp_path):
 
 
 def test_http_one_redirect_is_followed(http):
-    (image,) = load([user(image_part(f"{http}/hop"))])
+    (image,) = load([user(image_part(f"{http}/hop"))], LOCAL)
     assert image.source == "http" and image.content_hash == image_content_hash(np.asarray(picture()))
 
 
 @pytest.mark.parametrize("path", ["/slow", "/drip"])
 def test_http_deadline_covers_the_whole_fetch(http, path):
-    limits = replace(LIMITS, fetch_timeout_s=0.5)
+    limits = replace(LOCAL, fetch_timeout_s=0.5)
     ticks = 0
 
     async def fetch_while_ticking() -> None:
@@ -426,29 +429,28 @@ def test_http_deadline_covers_the_whole_fetch(http, path):
         asyncio.run(fetch_while_ticking())
     elapsed, error = time.monotonic() - started, caught.value
     assert ticks >= 20  # the event loop kept running while the fetch waited
-    host = http.removeprefix("http://")
-    assert str(error) == f"messages[0].content[1].image_url: fetching from {host} took longer than the limit of 0.5 s"
-    assert error.code == "media_fetch_timeout"
+    assert str(error) == f"messages[0].content[1].image_url: {FETCH_FAILED}"  # as any other failure
+    assert error.code == "media_fetch_failed"
     assert elapsed < 1.5  # 3x the limit
 
 
 def test_http_failures_are_clear_errors(http):
-    limits = replace(LIMITS, max_image_bytes=1 << 20)
+    limits = replace(LOCAL, max_image_bytes=1 << 20)
     cases = {
         "/huge": "larger than the limit of 1048576 bytes",
         "/huge-unsized": "larger than the limit of 1048576 bytes",
-        "/loop": "more than 3 redirects",
-        "/missing": "returned HTTP 404",
+        "/loop": FETCH_FAILED,  # more than 3 redirects
+        "/missing": FETCH_FAILED,  # HTTP 404
     }
     for path, problem in cases.items():
         error = refused([user(image_part(f"{http}{path}"))], limits)
         assert problem in str(error) and str(error).startswith("messages[0].content[1]"), (path, str(error))
 
     with socket_closed_port() as port:
-        error = refused([user(image_part(f"http://127.0.0.1:{port}/pic.png"))])
-    assert f"could not fetch from 127.0.0.1:{port}" in str(error)
+        error = refused([user(image_part(f"http://127.0.0.1:{port}/pic.png"))], limits)
+    assert str(error) == f"messages[0].content[1].image_url: {FETCH_FAILED}"
 
-    data, source = asyncio.run(fetch_url(f"{http}/pic.png", LIMITS, "x", 1 << 20))
+    data, source = asyncio.run(fetch_url(f"{http}/pic.png", LOCAL, "x", 1 << 20))
     assert source == "http" and data == Routes.files["/pic.png"]
 
 
@@ -491,7 +493,7 @@ def test_video_sampling_by_fps_and_max_frames(tmp_path):
 def test_video_hash_is_stable_and_names_its_sampling(tmp_path, http):
     mp4 = make_video(tmp_path / "clip.mp4", frames=25)
     Routes.files["/clip.mp4"] = mp4
-    limits = replace(LIMITS, allowed_local_dir=tmp_path)
+    limits = replace(LOCAL, allowed_local_dir=tmp_path)
     videos = load([user(video_part(data_url(mp4, "video/mp4")), video_part(f"file://{tmp_path}/clip.mp4"),
                         video_part(f"{http}/clip.mp4"), video_part(data_url(mp4, "video/mp4"), fps=2.0))], limits)
     assert [v.source for v in videos] == ["data", "file", "http", "data"]
@@ -524,7 +526,7 @@ def test_video_refusals(tmp_path, monkeypatch):
         (video_part(data_url(b"#EXTM3U\n#EXTINF:1,\nfile:///etc/passwd\n")), LIMITS,  # a playlist
          f"{where}: not a video in a supported"),
         (video_part(data_url(mp4[:32] + b"\0" * 200)), LIMITS, f"{where}: the video could not be opened"),
-        (video_part(data_url(mp4)), replace(LIMITS, max_total_pixels=3000), f"{where}.frames[0]: the request's"),
+        (video_part(data_url(mp4)), replace(LIMITS, max_total_pixels=3000), f"{where}: the request's"),
     ]
     for part, limits, problem in cases:
         error = refused([user(part)], limits)
