@@ -7,7 +7,7 @@ bytes, since what waits there is pinned arena memory; dropped and counted when
 full) and reads a block back on a memory miss (`read_into`, straight into the
 arena).
 
-File: <root>/<first hex byte>/<hash hex>.kvb =
+File: <root>/<first hex byte>/<hash hex>.kvb (disk_layout.py) =
     header (magic, format version, payload length, SHA-256 of the payload) + payload.
 Written to a temporary name and renamed, so a reader sees a whole file or none.
 A file that fails any check (bad magic or version, wrong length, checksum) is
@@ -22,6 +22,13 @@ files' mtimes, which order the index rebuilt at start-up. Several services may
 share a directory: a file another one evicted is just a miss. Touches go
 through the writer's queue, so they land in order with the writes: the cached
 head of a chain touched after its new tail was queued ends up the more recent.
+
+Private: KV can be turned back into the prompt that made it, so the root and
+its folders are 0700 and the files 0600, created so (never more open for an
+instant, whatever the umask), and a tree an older version left open is closed
+at start. With a `ttl_s`, a file unused that long (by its mtime, which every
+use moves) is deleted at start and by the writer thread every few minutes.
+Names, modes and clearing: cache_service/disk_layout.py.
 """
 
 from __future__ import annotations
@@ -30,38 +37,46 @@ import hashlib
 import logging
 import os
 import queue
+import stat
 import struct
 import threading
 import time
 from collections import OrderedDict, deque
 from typing import Optional
 
-from cache_service.block_index import HASH_MAX_BYTES, HASH_MIN_BYTES
+from cache_service.disk_layout import (DIR_MODE, FILE_MODE, TMP_SUFFIX, block_path, close_mode,
+                                       create_private_file, hash_of_name, make_private_dir, scandir, unlink)
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"TNDMKVB\x00"
 FORMAT_VERSION = 1
 HEADER = struct.Struct("<8sIQ32s")  # magic, version, payload length, sha256(payload)
-SUFFIX = ".kvb"
-_TMP_SUFFIX = ".tmp"
 _STALE_TMP_S = 60.0  # older temp files are a crashed writer's leftovers; younger may be another service's
+# Expiry passes: at most this far apart (and an eighth of the TTL), each
+# deleting at most a batch (the writes wait meanwhile).
+_EXPIRY_EVERY_S = 300.0
+_EXPIRY_BATCH = 1024
 
 # Arena bytes that may wait for the writer (pinned until written): a long
 # prompt's commit is tens of MB; a slow disk must not pin the whole arena.
 QUEUE_BYTES = 256 << 20
 QUEUE_ITEMS = 4096  # writes and touches waiting (touches hold no arena bytes)
 
-_COUNTERS = ("disk_hits_total", "disk_corrupt_total", "disk_evictions_total", "disk_writes_total",
-             "disk_writes_dropped_total", "disk_write_errors_total")
+_COUNTERS = ("disk_hits_total", "disk_corrupt_total", "disk_evictions_total", "disk_expired_total",
+             "disk_writes_total", "disk_writes_dropped_total", "disk_write_errors_total")
 
 
 class DiskTier:
-    def __init__(self, root: str, capacity_bytes: int, *, queue_bytes: int = QUEUE_BYTES,
-                 queue_items: int = QUEUE_ITEMS):
+    def __init__(self, root: str, capacity_bytes: int, *, ttl_s: Optional[float] = None,
+                 queue_bytes: int = QUEUE_BYTES, queue_items: int = QUEUE_ITEMS):
+        """`ttl_s`: files unused for longer are deleted (None: kept until evicted).
+        OSError when `root` cannot be made a private folder of this user's."""
         self.root = root
         self.capacity_bytes = capacity_bytes
-        os.makedirs(root, exist_ok=True)
+        self.ttl_s = ttl_s if ttl_s and ttl_s > 0 else None
+        make_private_dir(root)
+        self._next_expiry = time.monotonic() + self._expiry_every_s()
         self._lock = threading.Lock()  # guards _files, _bytes and the counters
         self._files: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes, least recently used first
         self._bytes = 0
@@ -85,33 +100,46 @@ class DiskTier:
     def _scan(self) -> None:
         found = []
         now = time.time()
-        for sub in _scandir(self.root):
+        stale_before = now - self.ttl_s if self.ttl_s else None
+        for sub in scandir(self.root):
             if not (sub.is_dir(follow_symlinks=False) and len(sub.name) == 2):
                 continue
-            for entry in _scandir(sub.path):
+            close_mode(sub.path, DIR_MODE)  # an older version made them 0755
+            for entry in scandir(sub.path):
                 try:
                     st = entry.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                if entry.name.endswith(_TMP_SUFFIX):
-                    if now - st.st_mtime > _STALE_TMP_S:
-                        _unlink(entry.path)
+                if not stat.S_ISREG(st.st_mode):
                     continue
-                h = _hash_of_name(entry.name)
-                if h is not None and entry.name[:2] == sub.name:
-                    found.append((st.st_mtime_ns, h, st.st_size))
+                if entry.name.endswith(TMP_SUFFIX):
+                    if now - st.st_mtime > _STALE_TMP_S:
+                        unlink(entry.path)
+                    continue
+                h = hash_of_name(entry.name)
+                if h is None or entry.name[:2] != sub.name:
+                    continue
+                if stale_before is not None and st.st_mtime < stale_before:
+                    unlink(entry.path)
+                    self.counters["disk_expired_total"] += 1
+                    continue
+                if stat.S_IMODE(st.st_mode) != FILE_MODE:
+                    close_mode(entry.path, FILE_MODE)
+                found.append((st.st_mtime_ns, h, st.st_size))
+        if self.counters["disk_expired_total"]:
+            log.info("deleted %d KV block files unused for more than %.0f s", self.counters["disk_expired_total"],
+                     self.ttl_s)
         found.sort(key=lambda f: f[0])
         for _, h, size in found:
             self._files[h] = size
             self._bytes += size
         for h in self._over_capacity():  # the limit may have been lowered since
-            _unlink(self.path(h))
+            unlink(self.path(h))
 
     # --------------------------------------------------------------- reads --
 
     def path(self, h: bytes) -> str:
-        name = h.hex()
-        return os.path.join(self.root, name[:2], name + SUFFIX)
+        return block_path(self.root, h)
 
     def __contains__(self, h: bytes) -> bool:
         with self._lock:
@@ -170,7 +198,7 @@ class DiskTier:
         path = self.path(h)
         log.warning("KV block file %s is corrupt (%s): deleted", path, problem)
         self._forget(h)
-        _unlink(path)
+        unlink(path)
         with self._lock:
             self.counters["disk_corrupt_total"] += 1
 
@@ -243,15 +271,14 @@ class DiskTier:
             self._touch_now([h])
             return True
         header = HEADER.pack(MAGIC, FORMAT_VERSION, data.nbytes, hashlib.sha256(data).digest())
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{_TMP_SUFFIX}"
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(tmp, "wb") as f:
+            with os.fdopen(create_private_file(tmp), "wb") as f:
                 f.write(header)
                 f.write(data)
             os.replace(tmp, path)
         except OSError as exc:
-            _unlink(tmp)
+            unlink(tmp)
             with self._lock:
                 self.counters["disk_write_errors_total"] += 1
                 errors = self.counters["disk_write_errors_total"]
@@ -264,7 +291,7 @@ class DiskTier:
             self.counters["disk_writes_total"] += 1
             victims = self._over_capacity()
         for victim in victims:
-            _unlink(self.path(victim))
+            unlink(self.path(victim))
         return True
 
     def _over_capacity(self) -> list[bytes]:
@@ -280,6 +307,7 @@ class DiskTier:
 
     def _write_loop(self) -> None:
         while True:
+            self._maybe_expire()
             try:
                 item = self._queue.get(timeout=0.1)
             except queue.Empty:
@@ -309,6 +337,53 @@ class DiskTier:
             self._pending -= 1
             self._queued_bytes -= nbytes
             self._idle.notify_all()
+
+    # -------------------------------------------------------------- expiry --
+
+    def _expiry_every_s(self) -> float:
+        return min(_EXPIRY_EVERY_S, max(1.0, self.ttl_s / 8)) if self.ttl_s else _EXPIRY_EVERY_S
+
+    def _maybe_expire(self) -> None:
+        if self.ttl_s is None or time.monotonic() < self._next_expiry:
+            return
+        try:
+            full = self.expire_unused() >= _EXPIRY_BATCH
+        except Exception:  # the writer must outlive a failed pass
+            log.exception("KV disk tier: expiry pass failed")
+            full = False
+        # A full batch: more are due; go on after the writes queued meanwhile.
+        self._next_expiry = time.monotonic() + (0.0 if full else self._expiry_every_s())
+
+    def expire_unused(self, now: Optional[float] = None) -> int:
+        """Delete the files unused for longer than the TTL (at most a batch),
+        least recently used first, up to the first one still fresh (the
+        index's order is the files' mtimes' order); returns how many. Runs
+        on the writer thread (tests call it), which is the one that moves
+        mtimes, so a file cannot be used anew between its check and its end."""
+        if self.ttl_s is None:
+            return 0
+        stale_before = (time.time() if now is None else now) - self.ttl_s
+        expired = 0
+        while expired < _EXPIRY_BATCH:
+            with self._lock:
+                h = next(iter(self._files), None)
+            if h is None:
+                break
+            try:
+                mtime = os.stat(self.path(h)).st_mtime
+            except FileNotFoundError:  # deleted behind our back (another service, `tandem cache clear`)
+                self._forget(h)
+                continue
+            if mtime >= stale_before:
+                break
+            with self._lock:
+                if next(iter(self._files), None) != h:  # forgotten meanwhile (a failed read)
+                    continue
+                self._bytes -= self._files.pop(h)
+                self.counters["disk_expired_total"] += 1
+            unlink(self.path(h))
+            expired += 1
+        return expired
 
     def close(self, flush_timeout_s: float = 1.0) -> None:
         """Stop taking writes, finish the queued ones within the timeout (then
@@ -354,33 +429,3 @@ def _read_verified(f, dest: memoryview) -> Optional[str]:
     if hashlib.sha256(dest).digest() != digest:
         return "checksum mismatch"
     return None
-
-
-def _hash_of_name(name: str) -> Optional[bytes]:
-    if not name.endswith(SUFFIX):
-        return None
-    stem = name[:-len(SUFFIX)]
-    try:
-        h = bytes.fromhex(stem)
-    except ValueError:
-        return None
-    if h.hex() != stem or not HASH_MIN_BYTES <= len(h) <= HASH_MAX_BYTES:
-        return None
-    return h
-
-
-def _scandir(path: str) -> list:
-    try:
-        with os.scandir(path) as it:
-            return list(it)
-    except OSError:
-        return []
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("could not delete %s: %s", path, exc)

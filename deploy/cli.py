@@ -11,7 +11,7 @@ from deploy import blas
 def build_parser() -> argparse.ArgumentParser:
     from benchmarks.bench import bench_cmd
     from benchmarks.random_models import random_model_cmd
-    from deploy import generate_cmd, serve_cmd
+    from deploy import cache_cmd, generate_cmd, serve_cmd
 
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving on MLX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     rand = sub.add_parser("random-model", help="write a random-weight model of a real architecture's shape")
     random_model_cmd.add_arguments(rand)
     rand.set_defaults(run=random_model_cmd.run)
+    cache = sub.add_parser("cache", help="manage the KV disk cache (clear)")
+    cache_cmd.add_arguments(cache)
     return parser
 
 

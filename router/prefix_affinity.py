@@ -7,7 +7,9 @@ workers, each worker computes that prompt before any has committed it. Sent
 to the worker already computing it, they queue behind it and reuse its blocks.
 
 Keys are chained hashes of full token blocks, like the cache's own keys but
-without the model fingerprint (one router serves one model).
+without the model fingerprint (one router serves one model). A request's cache
+salt seeds the chain, as it seeds the cache's: prompts of different salts
+share no blocks, so they have no reason to follow each other.
 """
 
 from __future__ import annotations
@@ -19,8 +21,12 @@ from array import array
 MAX_BLOCKS = 256  # prefixes longer than this many blocks route by their first 256
 
 
-def prefix_keys(tokens: list[int], block_size: int) -> list[bytes]:
+def prefix_keys(tokens: list[int], block_size: int, salt: str = "") -> list[bytes]:
+    """Routing keys of the prompt's full blocks (the first MAX_BLOCKS) under
+    `salt` (router/cache_salt.py; "": the shared cache's keys)."""
     keys, parent = [], b"tandem-route"
+    if salt:
+        parent = hashlib.sha256(b"tandem-route salt\x00" + salt.encode("utf-8", "surrogatepass")).digest()
     n_blocks = min(len(tokens) // block_size, MAX_BLOCKS)
     for i in range(n_blocks):
         block = array("I", tokens[i * block_size:(i + 1) * block_size]).tobytes()

@@ -110,6 +110,7 @@ class _Live:
     # The KV's tokens are known exactly (prompt_tokens == the handed-off KV),
     # so its blocks may be committed to the prefix cache.
     cacheable: bool = False
+    salt: str = ""  # its cache salt: its blocks are committed under it
     # Joined and not stepped yet: the batch's next response for it is its
     # first token, which prefill already reported.
     fresh: bool = True
@@ -240,7 +241,7 @@ class DecodeEngine:
             if save and live.cacheable and self.prefix is not None:
                 # Prepared before the filter drops its rows (nothing waits:
                 # the copies are computed before the next step is queued).
-                self._prepare_commit(live.request_id, self._batch.tokens[i], self._batch.extract_cache(i), None)
+                self._prepare_commit(live, self._batch.tokens[i], self._batch.extract_cache(i), None)
             self._batch.filter([j for j in range(len(self._batch.uids)) if j != i])
             return True
         for q in self._queue:
@@ -289,7 +290,7 @@ class DecodeEngine:
                 if self.sharing is not None:
                     self.sharing.leave(live.request_id)
                 if (self.prefix is not None and live.cacheable and r.prompt_cache
-                        and self._prepare_commit(live.request_id, r.all_tokens, r.prompt_cache, update)):
+                        and self._prepare_commit(live, r.all_tokens, r.prompt_cache, update)):
                     continue  # returned once its blocks are written
             updates.append(update)
         return updates + self._take_committed()
@@ -344,19 +345,21 @@ class DecodeEngine:
         self.prefix.detach(prepared)
         self.stores.submit(prepared, TokenBatch([update]) if update is not None else None, keep=prepared.kept)
 
-    def _prepare_commit(self, request_id: str, tokens: List[int], cache: list,
+    def _prepare_commit(self, live: "_Live", tokens: List[int], cache: list,
                         update: Optional[TokenUpdate]) -> bool:
         """Reserve an ended request's blocks and queue their device copies
         behind the step in flight; the batch finishes them before it queues
         its next step, once nothing reads its buffers (they are written in
         place again). False when there is nothing to commit."""
+        request_id = live.request_id
         held = cache[0].offset if cache else 0
         if len(tokens) != held:  # never hash tokens the KV does not hold
             log.warning("request %s: %d tokens for %d cached positions; not committing its KV",
                         request_id, len(tokens), held)
             return False
         with part(self.clock, "prepare commit"):
-            prepared = self.prefix.prepare_store(list(tokens), cache, request_id, tail=True)  # never raises
+            prepared = self.prefix.prepare_store(list(tokens), cache, request_id, tail=True,  # never raises
+                                                 salt=live.salt)
         if prepared is None:
             return False
         arrays = prepared.arrays()
@@ -416,10 +419,12 @@ class DecodeEngine:
             # Blocks are keyed by tokens here; a prompt with images needs its
             # images' hashes in the keys too, so its KV is not committed (yet).
             cacheable = len(req.prompt_tokens) == req.handoff.num_tokens and not req.media
-            if self.sharing is not None and cacheable and req.handoff.rope_offset == req.handoff.num_tokens:
+            # Rows share prompt KV only within the shared (unsalted) cache.
+            if (self.sharing is not None and cacheable and not req.cache_salt
+                    and req.handoff.rope_offset == req.handoff.num_tokens):
                 self.sharing.admit(req.request_id, req.prompt_tokens, q.cache)
             self._live[uid] = _Live(req.request_id, uid, wants_logprobs(sp),
-                                    int(sp.top_logprobs), cacheable)
+                                    int(sp.top_logprobs), cacheable, salt=req.cache_salt)
             self._uid_of[req.request_id] = uid
         self._batch.extend(JoiningRows(
             self.model, uids,

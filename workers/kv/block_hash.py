@@ -26,6 +26,12 @@ one block only (an image's content hash and offset: two different pictures
 share the same placeholder token ids, so those alone must never key KV); it
 is empty for text.
 
+A request's cache salt (its API key's tenant and its `cache_salt` field,
+router/cache_salt.py) seeds the chain: h_{-1} = chain_seed(salt), SEED for
+no salt, so a salted prompt's keys (its tail blocks and snapshots too, which
+derive from them) never meet another salt's or the shared cache's, and the
+unsalted keys are those of before salts existed.
+
 Every variable-length field is length-prefixed, so no two different inputs
 concatenate to the same bytes. Keys are the full 32 bytes, never truncated.
 Pure Python + hashlib + numpy (no MLX), so the router can compute the same
@@ -49,6 +55,7 @@ SEED = hashlib.sha256(b"tandem kv block chain seed v1").digest()
 # blocks (in a disk tier) then simply stop matching.
 LAYOUT_VERSION = b"tandem-kv-layout-1"
 TAIL = b"tandem kv tail block v1"  # sets a tail block's key apart from a full block's
+SALT = b"tandem kv cache salt v1"  # sets a salted chain's seed apart from SEED
 
 _EDGE_BYTES = 1 << 20  # fingerprint reads this much from each end of a weights file
 _WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf", ".bin")
@@ -58,6 +65,15 @@ BlockExtra = Callable[[int], bytes]  # block index -> bytes that enter that bloc
 
 def _field(b: bytes) -> bytes:
     return len(b).to_bytes(4, "little") + b
+
+
+def chain_seed(salt: str = "") -> bytes:
+    """h_{-1} of a chain: SEED for the shared cache (no salt), else a seed of
+    the salt's own."""
+    if not salt:
+        return SEED
+    # surrogatepass: a lone surrogate from a JSON string still hashes, never raises
+    return hashlib.sha256(SALT + _field(salt.encode("utf-8", "surrogatepass"))).digest()
 
 
 def model_fingerprint(model_dir: str | os.PathLike) -> bytes:
@@ -117,24 +133,25 @@ class BlockHasher:
         # hashed up to three times (its prefix lookup, its handoff's lease,
         # its store), and a swarm's prompts share long system prompts: the
         # keys of a common leading run are reused, not recomputed.
-        self._last: tuple = (b"", None, [])
+        self._last: tuple = (b"", None, "", [])
 
     def full_blocks(self, n_tokens: int) -> int:
         return n_tokens // self.block_size
 
     def hashes(self, tokens: Sequence[int], n_blocks: Optional[int] = None,
-               per_block: Optional[BlockExtra] = None) -> List[bytes]:
+               per_block: Optional[BlockExtra] = None, salt: str = "") -> List[bytes]:
         """Keys of the first `n_blocks` full blocks of `tokens` (default: all
-        full blocks; a partial last block never gets a key)."""
+        full blocks; a partial last block never gets a key), in the cache of
+        `salt` ("": the shared one)."""
         bs = self.block_size
         full = len(tokens) // bs
         n = full if n_blocks is None else min(int(n_blocks), full)
         data = _token_bytes(tokens[: n * bs])
         width = 4 * bs
-        last_data, last_per_block, last_keys = self._last
-        same = _common_blocks(data, last_data, width) if per_block is last_per_block else 0
+        last_data, last_per_block, last_salt, last_keys = self._last
+        same = _common_blocks(data, last_data, width) if per_block is last_per_block and salt == last_salt else 0
         out: List[bytes] = last_keys[:same]
-        prev = out[-1] if out else SEED
+        prev = out[-1] if out else chain_seed(salt)
         for i in range(same, n):
             h = hashlib.sha256(prev)
             h.update(self.extra)
@@ -143,13 +160,13 @@ class BlockHasher:
             prev = h.digest()
             out.append(prev)
         if n >= len(last_keys) or same < n:  # keep the longer chain when this one is its prefix
-            self._last = (data, per_block, out)
+            self._last = (data, per_block, salt, out)
         return list(out)
 
 
     def tail_key(self, parent: bytes, tokens: Sequence[int]) -> bytes:
         """Key of the tail block holding `tokens` (fewer than a block) after
-        the full block whose key is `parent` (SEED: from the start)."""
+        the full block whose key is `parent` (chain_seed(salt): from the start)."""
         if not 0 < len(tokens) < self.block_size:
             raise ValueError(f"a tail holds 1 to {self.block_size - 1} tokens, not {len(tokens)}")
         h = hashlib.sha256(TAIL)

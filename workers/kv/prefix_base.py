@@ -88,16 +88,18 @@ class PrefixCacheBase:
         return self.hasher.block_size
 
     def fetch(self, tokens: Sequence[int], max_blocks: int, owner: str, per_block=None,
-              compute_s_per_token: Optional[float] = None) -> Tuple[Optional[list], int]:
+              compute_s_per_token: Optional[float] = None, *, salt: str = "") -> Tuple[Optional[list], int]:
         """The longest cached prefix of `tokens` within its first `max_blocks`
         blocks: (per-layer caches, tokens they hold) or (None, 0).
         `per_block`: extra bytes per block (workers.kv.block_hash.image_block_extra).
         `compute_s_per_token`: the caller's prefill cost, where a cache
-        weighs loading against recomputing. Never raises."""
+        weighs loading against recomputing. `salt`: the request's cache salt
+        (every call below takes it too): only entries stored under the same
+        salt are found ("": the shared cache). Never raises."""
         raise NotImplementedError
 
     def store(self, tokens: Sequence[int], cache: Sequence, owner: str, per_block=None, host=None,
-              later: Optional[Callable] = None, snapshot=None) -> int:
+              later: Optional[Callable] = None, snapshot=None, *, salt: str = "") -> int:
         """Store what a prefill of `tokens` made that the cache service
         lacks: `cache`'s blocks (`host`, `later`: PrefixCache.store's), or
         `snapshot` (capture's). Returns the entries written. Never raises."""
@@ -111,7 +113,8 @@ class PrefixCacheBase:
         """A copy of the live cache at snapshot_point, for `store` (None: none)."""
         return None
 
-    def hold(self, tokens: Sequence[int], owner: str, lease_s: float, per_block=None) -> HeldBlocks:
+    def hold(self, tokens: Sequence[int], owner: str, lease_s: float, per_block=None, *,
+             salt: str = "") -> HeldBlocks:
         """For a handoff by reference: the leading full blocks of `tokens`
         the cache service has, leased to `owner` (nothing held here)."""
         return HeldBlocks()

@@ -69,22 +69,23 @@ class PrefixCache(PrefixCacheBase):
         self._unread_hits = 0  # hits left unread since the last read
 
     # ----------------------------------------------------------------- fetch
-    def fetch(self, tokens: Sequence[int], max_blocks: int, owner: str,
-              per_block=None, compute_s_per_token: Optional[float] = None) -> Tuple[Optional[List[KVCache]], int]:
+    def fetch(self, tokens: Sequence[int], max_blocks: int, owner: str, per_block=None,
+              compute_s_per_token: Optional[float] = None, *, salt: str = "") -> Tuple[Optional[List[KVCache]], int]:
         """KV of the longest cached run among the first `max_blocks` full
         blocks of `tokens`: (per-layer caches, tokens they hold) or (None, 0).
         `per_block`: extra bytes per block (workers.kv.block_hash.image_block_extra).
         `compute_s_per_token`: the caller's prefill cost; a hit whose
-        estimated load time exceeds recomputing it is left unread."""
+        estimated load time exceeds recomputing it is left unread. `salt`:
+        the request's cache salt (PrefixCacheBase.fetch)."""
         try:
-            return self._fetch(tokens, max_blocks, owner, per_block, compute_s_per_token)
+            return self._fetch(tokens, max_blocks, owner, per_block, compute_s_per_token, salt)
         except Exception:  # noqa: BLE001 - an optimisation never fails the request
             self.stats.failures += 1
             log.warning("prefix lookup for %s failed; computing the whole prompt", owner, exc_info=True)
             return None, 0
 
-    def _fetch(self, tokens, max_blocks, owner, per_block=None, compute_s_per_token=None):
-        hashes = self.hasher.hashes(tokens, max_blocks, per_block)
+    def _fetch(self, tokens, max_blocks, owner, per_block=None, compute_s_per_token=None, salt=""):
+        hashes = self.hasher.hashes(tokens, max_blocks, per_block, salt)
         if not hashes:
             return None, 0
         t0 = time.perf_counter()
@@ -208,12 +209,14 @@ class PrefixCache(PrefixCacheBase):
         self.hot.touch(hashes)
 
     # --------------------------------------------------------------- handoff
-    def hold(self, tokens: Sequence[int], owner: str, lease_s: float, per_block=None) -> HeldBlocks:
+    def hold(self, tokens: Sequence[int], owner: str, lease_s: float, per_block=None, *,
+             salt: str = "") -> HeldBlocks:
         """For a handoff by reference: the leading full blocks of `tokens`
         that the cache service has, leased to `owner` for `lease_s` so that
         none is evicted before decode takes them (no blocks when the service
-        is away or has none). `per_block`: as fetch's (a prompt with images)."""
-        hashes = self.hasher.hashes(tokens, len(tokens) // self.block_size, per_block)
+        is away or has none). `per_block`, `salt`: as fetch's (a prompt with
+        images; the request's cache salt)."""
+        hashes = self.hasher.hashes(tokens, len(tokens) // self.block_size, per_block, salt)
         if not hashes or not self._available():
             return HeldBlocks()
         try:
@@ -285,7 +288,7 @@ class PrefixCache(PrefixCacheBase):
 
     # ----------------------------------------------------------------- store
     def store(self, tokens: Sequence[int], cache: Sequence, owner: str, per_block=None, host=None,
-              later: Optional[Callable[["PreparedStore"], None]] = None, snapshot=None) -> int:
+              later: Optional[Callable[["PreparedStore"], None]] = None, snapshot=None, *, salt: str = "") -> int:
         """Commit every full block of `tokens` that `cache` holds and the
         cache service lacks. `tokens` must be exactly the tokens whose KV the
         cache holds, from position 0 (a wrong token here would poison the
@@ -296,8 +299,9 @@ class PrefixCache(PrefixCacheBase):
         (`detach`ed: the hot tier has the blocks by then), whose `write_store`
         (host work and a commit, no MLX) another thread may run, keeping
         `prepared.kept` alive meanwhile. Returns the blocks written (or
-        handed on). (`snapshot`: a SnapshotCache's; there are none here.)"""
-        prepared = self.prepare_store(tokens, cache, owner, per_block, host)
+        handed on). `salt`: the request's cache salt (fetch's). (`snapshot`:
+        a SnapshotCache's; there are none here.)"""
+        prepared = self.prepare_store(tokens, cache, owner, per_block, host, salt=salt)
         if prepared is None:
             return 0
         mx.eval(prepared.arrays())
@@ -323,8 +327,8 @@ class PrefixCache(PrefixCacheBase):
         if prepared.tail is not None:
             prepared.tail = (prepared.tail[0], [host_view(a) for a in prepared.tail[1]])
 
-    def prepare_store(self, tokens: Sequence[int], cache: Sequence, owner: str,
-                      per_block=None, host=None, tail: bool = False) -> Optional["PreparedStore"]:
+    def prepare_store(self, tokens: Sequence[int], cache: Sequence, owner: str, per_block=None, host=None,
+                      tail: bool = False, *, salt: str = "") -> Optional["PreparedStore"]:
         """store()'s first half: reserve the blocks the service lacks and lay
         out their KV (and the blocks the hot tier lacks) as device copies,
         lazily. Evaluate `arrays()`, then finish_store() writes and commits:
@@ -334,17 +338,18 @@ class PrefixCache(PrefixCacheBase):
         written in place again). None when there is nothing to do or the
         call failed (logged: an optimisation never fails the request).
         `tail`: the tokens after the last full block go in a tail block too
-        (a finished conversation's end, which its next turn reuses)."""
+        (a finished conversation's end, which its next turn reuses). `salt`:
+        the request's cache salt (fetch's)."""
         try:
-            return self._prepare_store(tokens, cache, owner, per_block, host, tail)
+            return self._prepare_store(tokens, cache, owner, per_block, host, tail, salt)
         except Exception:  # noqa: BLE001
             self.stats.failures += 1
             log.warning("prefix store for %s failed", owner, exc_info=True)
             return None
 
-    def _prepare_store(self, tokens, cache, owner, per_block=None, host=None, tail=False):
+    def _prepare_store(self, tokens, cache, owner, per_block=None, host=None, tail=False, salt=""):
         held = min(min(c.offset for c in cache), len(tokens))
-        hashes = self.hasher.hashes(tokens, held // self.block_size, per_block)
+        hashes = self.hasher.hashes(tokens, held // self.block_size, per_block, salt)
         if not hashes:
             return None
         prepared = PreparedStore(owner, hashes, time.perf_counter())

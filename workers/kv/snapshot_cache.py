@@ -83,25 +83,26 @@ class SnapshotCache(PrefixCacheBase):
 
     # ----------------------------------------------------------------- fetch
     def fetch(self, tokens: Sequence[int], max_blocks: int, owner: str, per_block=None,
-              compute_s_per_token: Optional[float] = None) -> Tuple[Optional[list], int]:
+              compute_s_per_token: Optional[float] = None, *, salt: str = "") -> Tuple[Optional[list], int]:
         """The latest snapshot of a prefix of `tokens` ending at or before
         snapshot_point(len(tokens)) and the first `max_blocks` blocks:
         (per-layer caches, tokens they hold) or (None, 0). `per_block`: as
         PrefixCache.fetch's; a snapshot is always worth loading, whatever
-        `compute_s_per_token`."""
+        `compute_s_per_token`. `salt`: the request's cache salt (its chain
+        seeds the snapshot keys)."""
         try:
-            return self._fetch(tokens, max_blocks, owner, per_block)
+            return self._fetch(tokens, max_blocks, owner, per_block, salt)
         except Exception:  # noqa: BLE001 - an optimisation never fails the request
             self.stats.failures += 1
             log.warning("snapshot lookup for %s failed; computing the whole prompt", owner, exc_info=True)
             return None, 0
 
-    def _fetch(self, tokens, max_blocks, owner, per_block=None):
+    def _fetch(self, tokens, max_blocks, owner, per_block=None, salt=""):
         blocks = min(max_blocks, self.snapshot_point(len(tokens)) // self.block_size)
         if blocks <= 0 or not self._available():
             return None, 0
         t0 = time.perf_counter()
-        hashes = self.hasher.hashes(tokens, blocks, per_block)
+        hashes = self.hasher.hashes(tokens, blocks, per_block, salt)
         for k in range(len(hashes), max(0, len(hashes) - self.max_lookups), -1):
             key = snapshot_key(hashes[k - 1])
             self.stats.lookups += 1
@@ -143,25 +144,26 @@ class SnapshotCache(PrefixCacheBase):
 
     # ----------------------------------------------------------------- store
     def store(self, tokens: Sequence[int], cache: Sequence, owner: str, per_block=None, host=None,
-              later=None, snapshot: Optional[Snapshot] = None) -> int:
+              later=None, snapshot: Optional[Snapshot] = None, *, salt: str = "") -> int:
         """Commit `snapshot` (capture's: the state of the first
-        snapshot.tokens of `tokens`) unless the cache service has it; the
-        live `cache` (and `host`, `later`) play no part. Returns 1 if written."""
+        snapshot.tokens of `tokens`) unless the cache service has it, under
+        `salt` (fetch's); the live `cache` (and `host`, `later`) play no
+        part. Returns 1 if written."""
         if snapshot is None:
             return 0
         try:
-            return self._store(tokens, snapshot, owner, per_block)
+            return self._store(tokens, snapshot, owner, per_block, salt)
         except Exception:  # noqa: BLE001 - an optimisation never fails the request
             self.stats.failures += 1
             log.warning("snapshot store for %s failed", owner, exc_info=True)
             return 0
 
-    def _store(self, tokens, snapshot: Snapshot, owner, per_block=None):
+    def _store(self, tokens, snapshot: Snapshot, owner, per_block=None, salt=""):
         k, rest = divmod(snapshot.tokens, self.block_size)
         if k == 0 or rest or snapshot.tokens > len(tokens) or not self._available():
             return 0
         t0 = time.perf_counter()
-        key = snapshot_key(self.hasher.hashes(tokens, k, per_block)[-1])
+        key = snapshot_key(self.hasher.hashes(tokens, k, per_block, salt)[-1])
         try:
             reply = self.client.reserve([key], snapshot.nbytes, owner, ttl_s=self.ttl_s)
         except CacheUnavailable as exc:

@@ -73,7 +73,7 @@ class PrefillJob:
     """One prompt being prefilled, one chunk per `step()`."""
 
     def __init__(self, engine: "PrefillEngine", prompt_tokens: Sequence[int],
-                 sampling: SamplingParams, owner: str = "", generated: int = 0):
+                 sampling: SamplingParams, owner: str = "", generated: int = 0, salt: str = ""):
         if len(prompt_tokens) == 0:
             raise ValueError("empty prompt")
         self.engine = engine
@@ -82,6 +82,7 @@ class PrefillJob:
         self.sampling, self.draws = resumed_sampling(sampling, generated), generated
         self.matcher = matcher_after(engine.grammars, sampling, prompt_tokens[len(prompt_tokens) - generated:])
         self.owner = owner  # request id: names leases and reservations in the cache service
+        self.salt = salt  # the request's cache salt: its blocks are found and stored under it
         self.tokens = [int(t) for t in prompt_tokens]
         self.prompt = mx.array(self.tokens, dtype=mx.int32)
         self.total = len(prompt_tokens)
@@ -153,7 +154,7 @@ class PrefillJob:
             # (n-1)//bs: the last prompt token is never cached here, it must
             # run to give the first token's logits.
             cache, hit = prefix.fetch(self.tokens, (self.total - 1) // prefix.block_size, self.owner,
-                                      compute_s_per_token=self.engine.compute_cost.value)
+                                      compute_s_per_token=self.engine.compute_cost.value, salt=self.salt)
             if cache is not None:
                 self.cache, self.processed, self.cached_tokens = cache, hit, hit
                 if hit >= self.snapshot_at:  # this very snapshot: nothing new to store
@@ -170,7 +171,8 @@ class PrefillJob:
             return 0
         self._saved = True
         snapshot, self.snapshot = self.snapshot, None  # host memory: drop it once stored
-        return prefix.store(self.tokens, self.result.cache, self.owner, host=host, later=later, snapshot=snapshot)
+        return prefix.store(self.tokens, self.result.cache, self.owner, host=host, later=later, snapshot=snapshot,
+                            salt=self.salt)
 
     def _finish(self) -> PrefillResult:
         """The final chunk, the last token with it, and the first token."""
@@ -271,8 +273,8 @@ class PrefillEngine:
             self.compute_cost.add(seconds / tokens)
 
     def start(self, prompt_tokens: Sequence[int], sampling: SamplingParams, owner: str = "",
-              generated: int = 0) -> PrefillJob:
-        return PrefillJob(self, prompt_tokens, sampling, owner, generated)
+              generated: int = 0, salt: str = "") -> PrefillJob:
+        return PrefillJob(self, prompt_tokens, sampling, owner, generated, salt)
 
     def run(self, prompt_tokens: Sequence[int], sampling: SamplingParams, owner: str = "") -> PrefillResult:
         """Prefill to the end and save the prompt's blocks (tests, simple callers)."""

@@ -99,13 +99,14 @@ class PrefillRole(Role):
 
     def start_prefill(self, req: PrefillRequest):
         if not req.images:
-            return self.engine.start(req.prompt_tokens, req.sampling, owner=req.request_id, generated=req.generated)
+            return self.engine.start(req.prompt_tokens, req.sampling, owner=req.request_id, generated=req.generated,
+                                     salt=req.cache_salt)
         if self.vision is None:
             raise ValueError("this model does not take images")
         job = VLMPrefillJob(self.vision.engine, req.prompt_tokens, req.images, req.sampling,
                             chunk_size=self.settings.prefill_chunk, owner=req.request_id, prefix=self.prefix,
                             embeddings=self.vision.embeddings, grammars=self.engine.grammars,
-                            generated=req.generated)
+                            generated=req.generated, salt=req.cache_salt)
         job.clock = self.clock
         return job
 
@@ -269,7 +270,7 @@ class PrefillRole(Role):
         if self.prefix is None or not is_plain_kv(cache) or len(req.prompt_tokens) != num_tokens:
             return None
         hold = self.prefix.hold(req.prompt_tokens, owner=req.request_id, lease_s=kv_handoff.HANDOFF_TTL_S,
-                                per_block=getattr(job, "per_block", None))
+                                per_block=getattr(job, "per_block", None), salt=req.cache_salt)
         return hold if hold.hashes else None
 
     def hand_off(self, req: PrefillRequest, result, hold: Optional[HeldBlocks] = None,

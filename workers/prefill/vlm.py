@@ -52,7 +52,7 @@ class VLMPrefillJob:
 
     def __init__(self, engine, prompt_tokens: Sequence[int], images: Sequence[ImageInput],
                  sampling: SamplingParams, chunk_size: int = 512, owner: str = "", prefix=None,
-                 embeddings=None, grammars=None, generated: int = 0):
+                 embeddings=None, grammars=None, generated: int = 0, salt: str = ""):
         if not prompt_tokens:
             raise ValueError("empty prompt")
         self.engine = engine  # workers.vision.engine.VisionEngine with the text model
@@ -63,6 +63,7 @@ class VLMPrefillJob:
         self.matcher = matcher_after(grammars, sampling, self.tokens[len(self.tokens) - generated:])
         self.chunk_size = chunk_size
         self.owner = owner
+        self.salt = salt  # the request's cache salt: its blocks are found and stored under it
         self.prefix = prefix  # workers.kv.prefix_cache.PrefixCache / SnapshotCache, or None
         self.embeddings = embeddings  # workers.vision.embeddings.EmbeddingStore, or None
         self.per_block = image_block_extra(self.images, prefix.block_size) if prefix is not None else None
@@ -177,7 +178,7 @@ class VLMPrefillJob:
         cache, hit = None, 0
         if prefix is not None:
             cache, hit = prefix.fetch(self.tokens, (n - 1) // prefix.block_size, self.owner,
-                                      per_block=self.per_block)
+                                      per_block=self.per_block, salt=self.salt)
         if cache is None:
             return self.engine.make_cache(), 0
         return cache, hit
@@ -230,7 +231,7 @@ class VLMPrefillJob:
         self._saved = True
         snapshot, self.snapshot = self.snapshot, None  # host memory: drop it once stored
         return self.prefix.store(self.tokens, self.result.cache, self.owner, per_block=self.per_block, host=host,
-                                 later=later, snapshot=snapshot)
+                                 later=later, snapshot=snapshot, salt=self.salt)
 
 
 def _with_pixels(im: ImageInput) -> ImageInput:

@@ -54,12 +54,12 @@ class BlockPrefix(PrefixCacheBase):
         super().__init__(None, None, BlockHasher(b"test", block_size))
         self.stored: list[tuple[list[bytes], list]] = []
 
-    def store(self, tokens, cache, owner="", per_block=None, host=None, later=None, snapshot=None) -> int:
+    def store(self, tokens, cache, owner="", per_block=None, host=None, later=None, snapshot=None, *, salt="") -> int:
         hashes = self.hasher.hashes(tokens, per_block=per_block)
         self.stored.append((hashes, cache))
         return len(hashes)
 
-    def fetch(self, tokens, n_blocks, owner="", per_block=None, compute_s_per_token=None):
+    def fetch(self, tokens, n_blocks, owner="", per_block=None, compute_s_per_token=None, *, salt=""):
         want = self.hasher.hashes(tokens, n_blocks, per_block=per_block)
         blocks, cache = 0, None
         for hashes, stored in self.stored:
@@ -311,7 +311,7 @@ def test_prefill_takes_a_stored_picture_by_its_size_alone(qwen):
     job fails as a cache miss, which the router answers with the pixels."""
     from cache_service.client import CacheUnavailable
     from protos.messages import SamplingParams
-    from router.dispatcher import _sized_only
+    from router.stored_images import _sized_only
     from router.vision_prompt import VisionPrompter
     from workers.prefill.vlm import VLMPrefillJob
 
