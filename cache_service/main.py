@@ -20,11 +20,11 @@ import zmq
 
 from cache_service.arena import Arena, new_arena_name
 from cache_service.disk_tier import DiskTier
-from cache_service.service import CacheService
+from cache_service.service import CacheService, error_reply
 from deploy.logs import setup_logging
 from deploy.settings import Settings
-from protos.messages import CacheAlloc, CacheAllocReply, CacheReply, KVLookup, KVLookupReply, KVReserve, KVReserveReply
-from protos.transport import ipc_address, make_socket, recv, send
+from protos.codec import ProtocolError
+from protos.transport import ipc_address, make_socket, recv, rejects, send
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def _open_disk_tier(settings: Settings) -> Optional[DiskTier]:
     if not settings.cache_dir:
         return None
     try:
-        return DiskTier(settings.cache_dir, settings.cache_disk_bytes)
+        return DiskTier(settings.cache_dir, settings.cache_disk_bytes, ttl_s=settings.cache_disk_ttl_s)
     except OSError as exc:
         log.error("KV disk tier off: cannot use %s: %s", settings.cache_dir, exc)
         return None
@@ -102,20 +102,14 @@ def _serve(sock: zmq.Socket, service: CacheService, stop: list) -> None:
             if stop:
                 break
             try:
-                peer, msg = recv(sock, routed=True, flags=zmq.NOBLOCK)
+                peer, msg = recv(sock, routed=True, flags=zmq.NOBLOCK)  # never raises for a bad message
             except zmq.Again:
                 break
-            except zmq.ZMQError:
-                raise  # a broken socket is fatal; the supervisor restarts us
-            except Exception:  # the codec can still trip on hostile input; never die of it
-                log.exception("dropped a message that failed to decode")
-                continue
+            # Any other error (a broken socket) ends the process, exit code 1:
+            # the supervisor restarts it.
             if msg is None:
                 continue  # undecodable; transport.recv logged it
             _answer(sock, service, peer, msg)
-
-
-_ERROR_REPLY = {CacheAlloc: CacheAllocReply, KVLookup: KVLookupReply, KVReserve: KVReserveReply}
 
 
 def _answer(sock: zmq.Socket, service: CacheService, peer: bytes, msg: Any) -> None:
@@ -123,12 +117,13 @@ def _answer(sock: zmq.Socket, service: CacheService, peer: bytes, msg: Any) -> N
         reply = service.handle(msg)
     except Exception:  # a handler bug must cost one call, not the service
         log.exception("handler failed on %s", type(msg).__name__)
-        reply_type = _ERROR_REPLY.get(type(msg), CacheReply)
-        reply = reply_type(call_id=getattr(msg, "call_id", -1), ok=False, error="internal error in cache service")
-    if reply is None:
-        log.error("ignored unexpected message %s from %r", type(msg).__name__, peer)
+        reply = error_reply(msg, "internal error in cache service")
+    if reply is None:  # a valid message, but no request: dropped (rate-limited log, as undecodable ones)
+        rejects(peer, ProtocolError(f"{type(msg).__name__} is not a cache service request"))
         return
     try:
         send(sock, reply, to=peer, flags=zmq.NOBLOCK)
     except zmq.ZMQError as exc:  # peer gone (ROUTER_MANDATORY) or its queue full
-        log.warning("could not reply to %r: %s", peer, exc)
+        log.warning("could not reply to %r: %s", peer[:64], exc)
+    except Exception:  # a reply that cannot be encoded (a bug) costs that call, not the service
+        log.exception("could not send %s to %r", type(reply).__name__, peer[:64])

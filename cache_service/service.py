@@ -23,6 +23,9 @@ from protos.messages import (BlockRef, CacheAlloc, CacheAllocReply, CacheFree, C
 log = logging.getLogger(__name__)
 
 _TICK_S = 0.25  # longest sleep between expiry checks and stop-flag checks
+# Longest reservation or lease a caller may ask for (callers ask for 10 to
+# 120 s): a hostile or broken one must not pin arena space for ever.
+MAX_HOLD_S = 3600.0
 _FLUSH_S = 1.0  # at stop, how long queued disk writes may take
 
 
@@ -41,7 +44,12 @@ class CacheService:
     def handle(self, msg: Any) -> Optional[Any]:
         """One request -> its reply; None for a message that is not a request."""
         handler = self._handlers.get(type(msg))
-        return handler(msg) if handler else None
+        if handler is None:
+            return None
+        too_long = _too_long(msg)
+        if too_long:
+            return error_reply(msg, f"invalid {type(msg).__name__}: {too_long}")
+        return handler(msg)
 
     def stats(self) -> dict:
         # pid: lets a health check tell a restarted service from the old one.
@@ -143,3 +151,22 @@ class CacheService:
 
     def close(self) -> None:
         self.blocks.close(_FLUSH_S)
+
+
+def _too_long(msg: Any) -> str:
+    """Why `msg` asks to hold arena space too long; "" when it does not
+    (the index refuses a hold that is not a positive finite number)."""
+    for name in ("ttl_s", "lease_s"):
+        seconds = getattr(msg, name, None)
+        if isinstance(seconds, (int, float)) and seconds > MAX_HOLD_S:
+            return f"{name} must be at most {MAX_HOLD_S:.0f} s, got {seconds!r}"
+    return ""
+
+
+_ERROR_REPLY = {CacheAlloc: CacheAllocReply, KVLookup: KVLookupReply, KVReserve: KVReserveReply}
+
+
+def error_reply(msg: Any, error: str) -> Any:
+    """`msg`'s error reply, of the type its success would have."""
+    reply_type = _ERROR_REPLY.get(type(msg), CacheReply)
+    return reply_type(call_id=getattr(msg, "call_id", -1), ok=False, error=error)

@@ -5,13 +5,18 @@ The codec (`protos.codec`) turns these into ZeroMQ frames: a msgpack header
 numpy array (out of band, zero-copy). Nothing here is ever pickled.
 
 Keep fields to msgpack-native types (int, float, str, bytes, bool, None, lists,
-dicts with str keys), other message dataclasses, or numpy arrays.
+dicts with str keys), other message dataclasses, or numpy arrays, and annotate
+them precisely (`list[int]`, not `list`): the codec checks every value it
+receives, list elements included, against these annotations. `Any` is free-form
+data (msgpack's own values, no arrays or messages inside).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
+
+import numpy as np
 
 VERSION = 1
 
@@ -34,10 +39,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1.0: off
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict = field(default_factory=dict)  # {str(token_id): bias}
+    logit_bias: dict[str, float] = field(default_factory=dict)  # {str(token_id): bias}
     logprobs: bool = False
     top_logprobs: int = 0
-    stop_token_ids: list = field(default_factory=list)  # end of sequence ids
+    stop_token_ids: list[int] = field(default_factory=list)  # end of sequence ids
     # An llguidance grammar (protos/grammar.py) every generated token must
     # follow, the first one included; "" when the output is free.
     grammar: str = ""
@@ -50,7 +55,7 @@ class ArenaSlice:
     offset: int
     nbytes: int
     dtype: str  # numpy dtype name, e.g. "float32", "float16", "bfloat16" as "uint16"+tag
-    shape: list
+    shape: list[int]
 
 
 @dataclass
@@ -62,8 +67,8 @@ class HeldBlocks:
     holds them (workers.kv.prefix_cache.PrefixCache.hold) and refers to them
     in its KVHandoff; empty (no hashes, lease -1) when nothing is held."""
 
-    hashes: list = field(default_factory=list)  # [bytes, ...]
-    offsets: list = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
     arena: str = ""
     lease: int = -1
     tokens: int = 0
@@ -93,11 +98,11 @@ class KVHandoff:
     local: bool = False
     arena: str = ""
     allocation: int = -1
-    layers: list = field(default_factory=list)  # [[keys ArenaSlice, values ArenaSlice], ...]
+    layers: list[list[ArenaSlice]] = field(default_factory=list)  # [[keys, values], ...]
     kv_dtype: str = ""
     bytes_moved: int = 0
     write_ms: float = 0.0
-    cache_meta: list = field(default_factory=list)  # per-layer cache class + state spec; [] for plain KV
+    cache_meta: list[dict[str, Any]] = field(default_factory=list)  # per-layer cache class + state spec; [] for plain KV
     # By reference: the prompt's first `blocks.tokens` tokens are the held
     # prefix-cache blocks, which decode takes from its own memory where it
     # holds them. `layers` then covers only the tokens after them (none, and
@@ -109,7 +114,7 @@ class KVHandoff:
 class TokenLogprob:
     token: int
     logprob: float
-    top: list = field(default_factory=list)  # [[token_id, logprob], ...]
+    top: list[tuple[int, float]] = field(default_factory=list)  # [(token_id, logprob), ...]
 
 
 # --------------------------------------------------------------------------- #
@@ -122,7 +127,7 @@ class WorkerHello:
     """Sent by a worker when it connects and then as its heartbeat."""
 
     worker_id: str
-    roles: list  # ["prefill"], ["decode"], ["prefill", "decode"]
+    roles: list[str]  # ["prefill"], ["decode"], ["prefill", "decode"]
     pid: int
     state: str  # "loading" | "ready" | "stopping"
     model_id: str = ""
@@ -140,10 +145,10 @@ class PrefillRequest:
     """Router -> prefill worker: run the prompt, sample the first token."""
 
     request_id: str
-    prompt_tokens: list
+    prompt_tokens: list[int]
     sampling: SamplingParams
     decode_worker: str  # worker id that will decode; equal to self: keep KV local
-    images: list = field(default_factory=list)  # [ImageInput], prompt order; [] for text-only
+    images: list[ImageInput] = field(default_factory=list)  # prompt order; [] for text-only
     # A request resumed after its worker died (router/dispatcher.py): the
     # last `generated` prompt tokens are its answer so far. They count toward
     # max_tokens and its grammar has followed them; the token sampled next
@@ -163,12 +168,12 @@ class ImageInput:
     content_hash: str  # SHA-256 hex over width, height and RGB pixels; a video's names its sampling (router/media.py)
     # numpy uint8 [H, W, 3]; a video: its sampled frames [T, H, W, 3]. [H, W, 0] ([T, H, W, 0]):
     # its size alone, for a picture whose embedding a vision worker stored (router/dispatcher.py)
-    pixels: object = None
+    pixels: Optional[np.ndarray] = None
     start: int = 0  # index of its first placeholder token in prompt_tokens
     n_tokens: int = 0  # placeholder tokens it takes (a video: in all its blocks)
     kind: str = "image"  # "image" | "video"
     fps: float = 0.0  # a video's sampling rate
-    timestamps: list = field(default_factory=list)  # a video: seconds into it of each frame
+    timestamps: list[float] = field(default_factory=list)  # a video: seconds into it of each frame
     # Prompt tokens from `start` through its last placeholder; 0: n_tokens. A
     # video's per-frame-pair blocks have timestamps and markers between them.
     span: int = 0
@@ -185,7 +190,7 @@ class VisionRequest:
     service (workers/vision/embeddings.py), encoding those it lacks."""
 
     request_id: str
-    images: list  # [ImageInput]
+    images: list[ImageInput]
 
 
 @dataclass
@@ -225,7 +230,7 @@ class DecodeRequest:
     """Router -> decode worker: continue a prefilled request."""
 
     request_id: str
-    prompt_tokens: list  # context for repetition / presence / frequency penalties
+    prompt_tokens: list[int]  # context for repetition / presence / frequency penalties
     first_token: int
     handoff: KVHandoff
     sampling: SamplingParams
@@ -235,7 +240,7 @@ class DecodeRequest:
     # Content hashes of the prompt's images, in order; [] for text. Equal
     # tokens then no longer mean equal KV (every image of one size has the
     # same placeholder ids), so decode shares no prefix with such a request.
-    media: list = field(default_factory=list)
+    media: list[str] = field(default_factory=list)
     cache_salt: str = ""  # as PrefillRequest's: KV is shared and stored only under it
 
 
@@ -251,7 +256,7 @@ class TokenUpdate:
 class TokenBatch:
     """Decode worker -> router: the tokens of one decode step, all requests."""
 
-    updates: list  # [TokenUpdate, ...]
+    updates: list[TokenUpdate]
 
 
 @dataclass
@@ -311,7 +316,7 @@ class CacheFree:
     """
 
     call_id: int
-    allocations: list = field(default_factory=list)
+    allocations: list[int] = field(default_factory=list)
     owner: str = ""
     arena: str = ""
 
@@ -328,7 +333,7 @@ class CacheReply:
     call_id: int
     ok: bool
     error: str = ""
-    stats: dict = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- #
@@ -353,7 +358,7 @@ class KVLookup:
     block's candidates, longest first (workers/kv/block_hash.py)."""
 
     call_id: int
-    hashes: list  # [bytes, ...] chained, in prompt order (or candidates, with `first`)
+    hashes: list[bytes]  # chained, in prompt order (or candidates, with `first`)
     owner: str
     lease_s: float = 30.0
     first: bool = False
@@ -365,7 +370,7 @@ class KVLookupReply:
     ok: bool
     arena: str = ""
     lease: int = -1  # give back with KVRelease (or let it expire)
-    blocks: list = field(default_factory=list)  # [BlockRef] for hashes[0:len(blocks)]
+    blocks: list[BlockRef] = field(default_factory=list)  # for hashes[0:len(blocks)]
     error: str = ""
 
 
@@ -382,7 +387,7 @@ class KVReserve:
     KVCommit; a reservation not committed within `ttl_s` is dropped."""
 
     call_id: int
-    hashes: list  # [bytes, ...]
+    hashes: list[bytes]
     nbytes: int  # per block
     owner: str
     ttl_s: float = 30.0
@@ -393,7 +398,7 @@ class KVReserveReply:
     call_id: int
     ok: bool
     arena: str = ""
-    blocks: list = field(default_factory=list)  # [BlockRef] to write; cached or in-flight hashes are left out
+    blocks: list[BlockRef] = field(default_factory=list)  # to write; cached or in-flight hashes are left out
     error: str = ""
 
 
@@ -405,7 +410,7 @@ class KVCommit:
     another writer has since reserved and not yet written."""
 
     call_id: int
-    hashes: list
+    hashes: list[bytes]
     owner: str = ""
 
 

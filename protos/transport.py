@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+import threading
+import time
+from typing import Any, Callable, Optional
 
 import zmq
 
 from protos.codec import ProtocolError, decode, encode
 
 log = logging.getLogger(__name__)
+
+_REJECTS_LOGGED = 10  # per window: a flood of bad frames must not fill the disk
+_REJECT_WINDOW_S = 60.0
 
 
 def ipc_address(run_dir: str, name: str) -> str:
@@ -46,19 +51,62 @@ def recv(sock: zmq.Socket, *, routed: bool = False, flags: int = 0):
     """Receive one message. With `routed`, returns (peer identity, message).
 
     Returns None (routed: (peer, None)) for a message that fails to decode; the
-    error is logged, never raised, so a bad peer cannot crash the receiver.
+    error is logged (at most _REJECTS_LOGGED a minute), never raised, so a bad
+    peer cannot crash the receiver. Only socket errors (zmq.ZMQError) raise.
     """
     return _unwrap(sock.recv_multipart(copy=False, flags=flags), routed)
 
 
-def _unwrap(frames: list, routed: bool):
+class RejectLog:
+    """Logs rejected messages, `limit` per `window_s` at most; the rest are
+    counted, and the count is logged when the next window opens."""
+
+    def __init__(self, limit: int = _REJECTS_LOGGED, window_s: float = _REJECT_WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.limit, self.window_s, self.clock = limit, window_s, clock
+        self.total = 0  # every rejected message since start
+        self._lock = threading.Lock()  # the router's loop and a worker's threads may share it
+        self._window_end = float("-inf")
+        self._logged = self._unlogged = 0
+
+    def __call__(self, peer: Optional[bytes], why: Exception) -> None:
+        with self._lock:
+            self.total += 1
+            now = self.clock()
+            if now >= self._window_end:
+                if self._unlogged:
+                    log.error("%d more rejected messages were not logged", self._unlogged)
+                self._window_end, self._logged, self._unlogged = now + self.window_s, 0, 0
+            if self._logged >= self.limit:
+                self._unlogged += 1
+                return
+            self._logged += 1
+        who = f" from {peer[:64]!r}" if peer else ""
+        if isinstance(why, ProtocolError):
+            log.error("rejected message%s: %s", who, why)
+        else:  # the codec promises ProtocolError: this is a bug in it, and still no reason to die
+            log.error("rejected message%s: %s: %s", who, type(why).__name__, why)
+
+
+rejects = RejectLog()
+
+
+def _unwrap(frames: Any, routed: bool):
+    """(peer, message) or message; None for the message whatever is wrong
+    with the frames: this never raises."""
     peer = None
-    if routed:
-        peer, frames = frames[0].bytes, frames[1:]
     try:
+        if routed:
+            if not frames:
+                raise ProtocolError("no identity frame")
+            peer = frames[0].bytes if hasattr(frames[0], "bytes") else frames[0]
+            if not isinstance(peer, bytes):
+                peer = None
+                raise ProtocolError("the identity frame is not bytes")
+            frames = frames[1:]
         msg = decode(frames)
-    except ProtocolError as exc:
-        log.error("rejected message%s: %s", f" from {peer!r}" if peer else "", exc)
+    except Exception as exc:  # noqa: BLE001 - see RejectLog
+        rejects(peer, exc)
         msg = None
     return (peer, msg) if routed else msg
 

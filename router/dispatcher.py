@@ -452,9 +452,14 @@ class Dispatcher:
 
     async def _free(self, handoff) -> None:
         """A handoff that no decode worker will take: its allocation and its
-        blocks' lease go back now rather than when their TTL ends."""
-        if handoff.local:
-            return
+        blocks' lease go back now rather than when their TTL ends, off the
+        receive loop (a slow cache service must not hold it)."""
+        if not handoff.local:
+            task = asyncio.create_task(self._give_back(handoff))
+            self._moving.add(task)
+            task.add_done_callback(self._moving.discard)
+
+    async def _give_back(self, handoff) -> None:
         try:
             if handoff.allocation >= 0:
                 await self._cache.free(allocations=[handoff.allocation], arena=handoff.arena)

@@ -17,7 +17,7 @@ import asyncio
 import math
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from router.errors import ApiError
 

@@ -122,7 +122,13 @@ class WorkerTable:
     # ------------------------------------------------------------ updates --
     def on_hello(self, wid: str, hello: WorkerHello) -> tuple[WorkerState | None, str]:
         """Record a hello; (the state dropped by it, why) or (None, ""). A hello
-        from a new pid under a known id means the old process died."""
+        from a new pid under a known id means the old process died. One that
+        makes no sense (an unknown role or state, negative load) is refused:
+        it would steer routing."""
+        if not _sane(hello):
+            log.warning("worker %s: refused a hello with roles %r, state %r, load %r/%r", wid, hello.roles,
+                        hello.state, hello.running, hello.waiting)
+            return None, ""
         w = self.workers.get(wid)
         if hello.state == "ready":
             self.seen_ready.update(hello.roles)
@@ -153,3 +159,12 @@ class WorkerTable:
             w = self.workers.get(wid)
             if w is not None:
                 w.assigned.discard(wire_id)
+
+
+ROLES = frozenset({"prefill", "decode", "vision"})
+STATES = frozenset({"loading", "ready", "stopping"})
+
+
+def _sane(hello: WorkerHello) -> bool:
+    return (bool(hello.roles) and set(hello.roles) <= ROLES and hello.state in STATES and hello.pid > 0
+            and min(hello.running, hello.waiting, hello.kv_bytes) >= 0)

@@ -49,6 +49,8 @@ def run(settings: Settings, roles: list[str], worker_id: str) -> None:
         worker.close()
         ctx.term() if not loop.is_alive() else None
         log.info("worker %s stopped", worker_id)
+    if loop.error is not None:  # its socket loop died: exit non-zero, the supervisor restarts us
+        raise SystemExit(1)
 
 
 def _serve_profiled(worker: Worker, profile_dir: str | None) -> None:

@@ -77,6 +77,11 @@ class SocketLoop(threading.Thread):
         self.interval_s = interval_s
         self.inbox: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
+        # What ended the loop when it was not asked to stop (None: it was asked,
+        # or runs). The process then stops and exits non-zero (workers/main.py),
+        # so the supervisor restarts it: a worker that is alive but deaf
+        # would hold its requests for ever.
+        self.error: BaseException | None = None
         # Bind before the MLX thread connects its Outbox (inproc needs bind first).
         self._pull = transport.make_socket(ctx, zmq.PULL)
         self._pull.bind(_OUTBOX_ADDR)
@@ -87,36 +92,45 @@ class SocketLoop(threading.Thread):
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(self._pull, zmq.POLLIN)
-        next_beat = 0.0
         try:
-            while not self.stopping.is_set():
-                now = time.monotonic()
-                if now >= next_beat:
-                    transport.send(dealer, replace(self.hello))
-                    next_beat = now + self.interval_s
-                events = dict(poller.poll(timeout=max(1, int((next_beat - now) * 1000))))
-                if dealer in events:
-                    while True:
-                        try:
-                            msg = transport.recv(dealer, flags=zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        if msg is not None:
-                            self.inbox.put(msg)
-                if self._pull in events:
-                    while True:
-                        try:
-                            frames = self._pull.recv_multipart(copy=False, flags=zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        dealer.send_multipart(frames, copy=False)
+            self._forward(dealer, poller)
+        except BaseException as exc:  # noqa: BLE001 - whatever it was, the worker must not live on deaf
+            self.error = exc
+            log.exception("the socket loop failed: the worker stops")
+            self.inbox.put(None)  # the MLX thread's stop signal
         finally:
             # One last heartbeat saying we are stopping lets the router fail
             # our requests at once instead of waiting for the timeout.
             try:
                 self.hello.state = "stopping"
                 transport.send(dealer, replace(self.hello), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
+            except Exception:  # noqa: BLE001 - a farewell at best: the close below must happen
                 pass
             dealer.close()
             self._pull.close()
+
+    def _forward(self, dealer: zmq.Socket, poller: zmq.Poller) -> None:
+        """Until asked to stop: heartbeats out, router -> inbox, outbox -> router.
+        A message that fails to decode is dropped (transport.recv logs it)."""
+        next_beat = 0.0
+        while not self.stopping.is_set():
+            now = time.monotonic()
+            if now >= next_beat:
+                transport.send(dealer, replace(self.hello))
+                next_beat = now + self.interval_s
+            events = dict(poller.poll(timeout=max(1, int((next_beat - now) * 1000))))
+            if dealer in events:
+                while True:
+                    try:
+                        msg = transport.recv(dealer, flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if msg is not None:
+                        self.inbox.put(msg)
+            if self._pull in events:
+                while True:
+                    try:
+                        frames = self._pull.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    dealer.send_multipart(frames, copy=False)

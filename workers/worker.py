@@ -217,7 +217,12 @@ class Worker:
     def handle(self, msg) -> None:
         role = self.takes.get(type(msg))
         if role is not None:
-            role.handle(msg)
+            # A request whose message cannot be taken in (a handoff naming an
+            # arena that is gone, say) fails alone, never the worker.
+            try:
+                role.handle(msg)
+            except Exception as exc:  # noqa: BLE001
+                self.fail(msg.request_id, exc)
         elif isinstance(msg, Cancel):
             self.cancel(msg.request_id)
         else:

@@ -28,7 +28,7 @@ from cache_service.arena import Arena, ArenaAttachment, new_arena_name, unlink_a
 from cache_service.client import AsyncCacheClient, CacheClient, CacheUnavailable
 from deploy.settings import Settings
 from protos.codec import encode
-from protos.messages import CacheAllocReply, CacheReply, CacheStats
+from protos.messages import CacheAlloc, CacheAllocReply, CacheReply, CacheStats, KVLookup, KVReserve
 from protos.transport import ipc_address, make_socket, recv, send
 
 SPAWN = mp.get_context("spawn")
@@ -455,18 +455,28 @@ def test_garbage_messages_do_not_kill_the_service(procs, make_settings):
         [msgpack.packb({"v": 1, "t": "KVCommit", "b": {"call_id": 61, "hashes": "not a list"}})],
         [msgpack.packb({"v": 1, "t": "KVRelease", "b": {"call_id": 62, "lease": "x"}})],
         [msgpack.packb({"v": 1, "t": "KVCommit", "b": {"call_id": 8, "hashes": [deep]}})],
+        # An array descriptor without "d" (a KeyError that once killed the router's loop).
+        [msgpack.packb({"v": 1, "t": "CacheAlloc", "b": {"call_id": 13, "nbytes": {"~a": 0, "s": [1]}, "owner": "o"}}),
+         b"x"],
+        # Well-typed, hostile values: each costs its own call an error reply.
+        encode(CacheAlloc(call_id=9, nbytes=64, owner="o", ttl_s=1e300)),  # would pin the space for ever
+        encode(KVLookup(call_id=10, hashes=[b"h" * 32], owner="o", lease_s=float("inf"))),
+        encode(KVReserve(call_id=11, hashes=[b"short"], nbytes=64, owner="o")),
+        encode(CacheAlloc(call_id=12, nbytes=-1, owner="o")),
     ]
     for frames in garbage:
         raw.send_multipart(frames)
-    # A bad CacheFree must cost only its own call: it gets an error reply.
+    # Bad field types (3, 6, 60, 61, 62, 8, 13: list elements included) are dropped
+    # by the codec; a bad value costs only its own call an error reply.
     send(raw, CacheStats(call_id=5))
     assert raw.poll(5000)
     replies = [recv(raw)]
     while raw.poll(200):
         replies.append(recv(raw))
-    assert [r.call_id for r in replies] == [3, 6, 7, 8, 5]
-    assert not any(r.ok for r in replies[:4]) and replies[4].ok
-    assert "hash" in replies[1].error and "nbytes" in replies[2].error, replies
+    assert [r.call_id for r in replies] == [7, 9, 10, 11, 12, 5]
+    assert not any(r.ok for r in replies[:5]) and replies[5].ok
+    assert "nbytes" in replies[0].error and "ttl_s" in replies[1].error and "lease_s" in replies[2].error, replies
+    assert "hash" in replies[3].error and "nbytes" in replies[4].error, replies
     raw.close()
     ctx.term()
     # Bytes that are not ZMTP at all, straight into the socket file.

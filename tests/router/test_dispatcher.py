@@ -274,3 +274,20 @@ def test_pictures_a_vision_worker_stored_go_straight_to_prefill():
         assert not await vis.sock.poll(100)  # "b" never reached the vision worker
 
     run(body)
+
+
+def test_a_hello_that_makes_no_sense_is_refused():
+    """Negative load would make a worker everyone's first choice; unknown
+    roles or states are no worker at all."""
+    async def body(disp, worker):
+        bad = [worker("w-neg", ["decode"]), worker("w-role", ["decode", "miner"]), worker("w-state", ["decode"])]
+        bad[0].hello.running = -5
+        bad[2].hello.state = "king"
+        good = worker("w-good", ["decode"])
+        for w in bad + [good]:
+            await w.beat()
+        await wait_for(lambda: "w-good" in disp.workers)
+        await asyncio.sleep(0.1)
+        assert sorted(disp.workers) == ["w-good"]
+
+    run(body)
