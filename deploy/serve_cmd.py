@@ -68,6 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="API keys, one a line (keeps them out of the process list)")
     p.add_argument("--cors-origins", type=_names, default=d.cors_origins, metavar="ORIGINS",
                    help="comma-separated browser Origins allowed to call the API ('*': any); none by default")
+    p.add_argument("--allowed-hosts", type=_names, default=d.allowed_hosts, metavar="HOSTS",
+                   help="comma-separated Host names the server answers to besides localhost and --host ('*': any)")
     p.add_argument("--client-timeout", type=_seconds, default=d.client_timeout_s,
                    help="seconds a client has to send its request headers and body")
     p.add_argument("--cache-memory", type=_bytes, default=d.cache_memory_bytes,
@@ -89,7 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "1: one at a time (default: 16 on a GPU, 1 where MLX runs on the CPU)")
     p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                    help="workers say ready without first running a short prompt (faster start, slower first request)")
-    p.add_argument("--max-queue", type=_positive, default=d.max_queue, help="queued requests beyond which clients get 429")
+    p.add_argument("--max-queue", type=_positive, default=d.max_queue,
+                   help="requests admitted beyond what the decode batches hold (--max-batch x decode workers); past them 429 with Retry-After")
     p.add_argument("--migrate-timeout", type=_seconds, default=d.migrate_timeout_s,
                    help="seconds a request whose worker died waits for another before it fails")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s, help="seconds in-flight streams get on shutdown")
@@ -119,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
     settings = Settings(
         model=args.model, model_dir=str(model_dir), model_id=model_id_for(args.model, model_dir),
         host=args.host, port=args.port, api_keys=api_keys(args), cors_origins=args.cors_origins,
+        allowed_hosts=args.allowed_hosts,
         client_timeout_s=args.client_timeout, cache_disk_ttl_s=args.cache_disk_ttl,
         migrate_timeout_s=args.migrate_timeout, allow_media_hosts=args.allow_media_hosts,
         media_budget_bytes=args.media_memory,

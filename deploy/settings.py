@@ -72,6 +72,9 @@ class Settings:
     max_request_bytes: int = 8 * 1024 * 1024
     # Browser safety (router/http_guard.py): Origins allowed cross-site, ["*"]: any.
     cors_origins: tuple = ()
+    # Host names the server also answers to besides localhost and --host
+    # (a name a proxy forwards, a LAN name); ["*"]: any (router/http_guard.py).
+    allowed_hosts: tuple = ()
     # A client must send its request headers and body within this (slow clients).
     client_timeout_s: float = 30.0
     # Process layout

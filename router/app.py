@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP API and Anthropic's Messages API (Starlette), in front of
 an `Engine`.
 
-Request path: read and validate the body (router.schemas; an Anthropic body first becomes
-its OpenAI chat equivalent, router.anthropic_request, and so does a Responses body,
-router.responses_request) -> tokenize -> Engine.generate
+Request path: read the body -> admitted or 429 (router.admission: nothing heavy runs for a
+refused request; what follows runs in its threads, off the event loop) -> decode and
+validate the body (router.schemas; an Anthropic body first becomes its OpenAI chat
+equivalent, router.anthropic_request, and so does a Responses body,
+router.responses_request) -> media fetched (a VLM's) -> template, tokenize -> Engine.generate
 -> token events -> text and tool calls (router.generation) -> JSON or SSE in the
 endpoint's shapes (router.openai_format, router.anthropic_format, router.responses_format,
 sent by router.http_stream, which also cancels the request when the client goes away).
@@ -11,33 +13,34 @@ sent by router.http_stream, which also cancels the request when the client goes 
 
 from __future__ import annotations
 
-import asyncio
-import hmac
 import logging
 import time
 import uuid
 
 from starlette.applications import Starlette
-from starlette.datastructures import Headers
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from deploy.model_folder import is_vlm
 from deploy.settings import Settings
+from router.admission import Admission, Ticket
 from router.anthropic_format import MessagesFormat
 from router.anthropic_request import chat_body as anthropic_chat_body
 from router.answer_tokens import AnswerTokens
+from router.cache_salt import request_salt, tenant_of
 from router.chat_output import ChatOutput
 from router.engine_api import Engine, GenerationRequest
-from router.errors import ApiError, exception_handlers, is_anthropic_path
+from router.errors import ApiError, exception_handlers
 from router.generation import Generation
+from router.http_guard import HttpGuard
 from router.http_stream import GenerationResponse
 from router.media import DecodedVideo, MediaLimits, RecentImages
 from router.media_parts import load_media_parts
-from router.schemas import MODEL_ALIAS, ParsedRequest, check_chat_fields, parse_chat, parse_completion, read_json
+from router.metrics import AdmissionMetrics
+from router.schemas import (MODEL_ALIAS, ParsedRequest, check_chat_fields, parse_chat, parse_completion,
+                            parse_json, read_body)
 from router.openai_format import ChatFormat, CompletionFormat
 from router.responses_format import ResponsesFormat
 from router.responses_request import ResponseStore, responses_turn
@@ -69,36 +72,9 @@ def create_app(engine: Engine, tokenizer, settings: Settings) -> Starlette:
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
     ]
-    middleware = [Middleware(ApiKeyMiddleware, api_key=settings.api_keys[0])] if settings.api_keys else []
+    # Host, Origin, API key and Content-Type checked before any handler reads a body.
+    middleware = [Middleware(HttpGuard, settings=settings)]
     return Starlette(routes=routes, middleware=middleware, exception_handlers=exception_handlers())
-
-
-class ApiKeyMiddleware:
-    """With an API key set, /v1 routes need `Authorization: Bearer <key>` (Anthropic's
-    /v1/messages also takes `x-api-key: <key>`); /health and /metrics stay open for
-    supervisors and scrapers."""
-
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-        self.key = api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            headers = Headers(scope=scope)
-            anthropic = is_anthropic_path(scope["path"])
-            # constant time: no key guessing by timing
-            valid = hmac.compare_digest(headers.get("authorization", "").encode(), self.expected)
-            if anthropic:
-                valid |= hmac.compare_digest(headers.get("x-api-key", "").encode(), self.key)
-            if not valid:
-                how = "'Authorization: Bearer <key>'"
-                how = "'x-api-key: <key>' or " + how if anthropic else how
-                error = ApiError(401, f"Invalid or missing API key: send {how}", code="invalid_api_key",
-                                 headers={"WWW-Authenticate": "Bearer"})
-                await error.response(anthropic)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 class _Api:
@@ -113,84 +89,113 @@ class _Api:
         self.vision = VisionPrompter(settings.model_dir) if settings.model_dir and is_vlm(settings.model_dir) else None
         self.media_limits = MediaLimits.from_settings(settings)
         self.recent_images = RecentImages() if self.vision is not None else None
+        self.admission = Admission.from_settings(settings)  # before any heavy work; that work off the loop
+        self.admission_metrics = AdmissionMetrics(self.admission)
+
+    async def _admit(self, request: Request) -> tuple[Ticket, dict]:
+        """The request admitted (429 past capacity) as soon as its body is
+        read, before any heavy work; then its JSON decoded off the loop."""
+        raw = await read_body(request, self.settings.max_request_bytes)
+        ticket = self.admission.admit(len(raw))
+        with ticket:
+            return ticket, await ticket.off_loop(parse_json, raw)
 
     async def chat_completions(self, request: Request) -> "GenerationResponse":
         t0 = time.perf_counter()
-        body = await read_json(request, self.settings.max_request_bytes)
-        t_read = time.perf_counter()
-        parsed = await self.parse_chat_body(body)
-        log.debug("chat request of %d prompt tokens: body read in %.2f ms, parsed in %.2f ms",
-                  len(parsed.prompt_tokens), (t_read - t0) * 1000, (time.perf_counter() - t_read) * 1000)
-        return self._generation_response(parsed, ChatFormat)
+        ticket, body = await self._admit(request)
+        with ticket:
+            t_read = time.perf_counter()
+            parsed = await self.parse_chat_body(ticket, body)
+            log.debug("chat request of %d prompt tokens: body read and decoded in %.2f ms, parsed in %.2f ms",
+                      len(parsed.prompt_tokens), (t_read - t0) * 1000, (time.perf_counter() - t_read) * 1000)
+            return self._generation_response(ticket, parsed, ChatFormat, request)
 
-    async def parse_chat_body(self, body: dict, max_context: int | None = None) -> ParsedRequest:
-        """An OpenAI chat body parsed (every chat-like endpoint's): images decoded
-        first, grammars compiled off the event loop. `max_context`: the engine's unless given."""
+    async def parse_chat_body(self, ticket: Ticket, body: dict, max_context: int | None = None) -> ParsedRequest:
+        """An OpenAI chat body parsed (every chat-like endpoint's) off the event
+        loop: checked, its media fetched and decoded (a VLM's), then templated and
+        tokenized. `max_context`: the engine's unless given."""
         max_context = max_context or self.engine.max_context
+        parsed = await ticket.off_loop(self._parse_text_chat, body, max_context)
+        return parsed if parsed is not None else await self._parse_vision_chat(ticket, body, max_context)
+
+    def _parse_text_chat(self, body: dict, max_context: int) -> ParsedRequest | None:
+        """(In a thread.) The chat parsed; None, its fields checked, when it has
+        media for the served VLM, which are fetched before it is templated."""
         if self.vision is not None and _has_media(body):
-            return await self._parse_vision_chat(body, max_context)
-        if body.get("tools") or body.get("response_format"):  # schemas compile: off the event loop
-            return await asyncio.to_thread(parse_chat, body, self.tokenizer, self.engine.model_id,
-                                           max_context, answers=self.answers)
+            check_chat_fields(body)  # a field Tandem does not honour: refused before any fetch
+            return None
         return parse_chat(body, self.tokenizer, self.engine.model_id, max_context, answers=self.answers)
 
     async def messages(self, request: Request) -> GenerationResponse:
         """Anthropic's Messages API: the body as its OpenAI chat equivalent
         (router/anthropic_request.py), the answer in Anthropic's shapes."""
-        body = await read_json(request, self.settings.max_request_bytes)
-        # Anthropic clients must send max_tokens and send large ones (32000)
-        # whatever the model: here it is a ceiling, and the answer ends at the
-        # context's end (stop_reason "max_tokens") rather than a 400.
-        parsed = await self.parse_chat_body(anthropic_chat_body(body), COUNT_ANY_LENGTH)
-        room = self.engine.max_context - len(parsed.prompt_tokens)
-        if room < 1:
-            raise ApiError(400, f"prompt is too long: {len(parsed.prompt_tokens)} tokens, and this model's "
-                           f"context is {self.engine.max_context} tokens", param="messages",
-                           code="context_length_exceeded")
-        parsed.sampling.max_tokens = min(parsed.sampling.max_tokens, room)
-        message_id = MessagesFormat.id_prefix + uuid.uuid4().hex
-        generation = self.generation(parsed, message_id)
-        fmt = MessagesFormat(message_id, self.engine.model_id, generation)
-        return GenerationResponse(generation, fmt, parsed.stream)
+        ticket, body = await self._admit(request)
+        with ticket:
+            # Anthropic clients must send max_tokens and send large ones (32000)
+            # whatever the model: here it is a ceiling, and the answer ends at the
+            # context's end (stop_reason "max_tokens") rather than a 400.
+            chat = await ticket.off_loop(anthropic_chat_body, body)
+            parsed = await self.parse_chat_body(ticket, chat, COUNT_ANY_LENGTH)
+            room = self.engine.max_context - len(parsed.prompt_tokens)
+            if room < 1:
+                raise ApiError(400, f"prompt is too long: {len(parsed.prompt_tokens)} tokens, and this model's "
+                               f"context is {self.engine.max_context} tokens", param="messages",
+                               code="context_length_exceeded")
+            parsed.sampling.max_tokens = min(parsed.sampling.max_tokens, room)
+            message_id = MessagesFormat.id_prefix + uuid.uuid4().hex
+            generation = self.generation(parsed, message_id, request)
+            fmt = MessagesFormat(message_id, self.engine.model_id, generation)
+            return GenerationResponse(generation, fmt, parsed.stream, ticket)
 
     async def count_tokens(self, request: Request) -> JSONResponse:
-        body = await read_json(request, self.settings.max_request_bytes)
-        # Counted whatever the context: a prompt too long to answer still has a length.
-        parsed = await self.parse_chat_body(anthropic_chat_body(body, count_only=True), COUNT_ANY_LENGTH)
+        ticket, body = await self._admit(request)
+        try:  # admitted while it is tokenized
+            chat = await ticket.off_loop(anthropic_chat_body, body, count_only=True)
+            # Counted whatever the context: a prompt too long to answer still has a length.
+            parsed = await self.parse_chat_body(ticket, chat, COUNT_ANY_LENGTH)
+        finally:
+            ticket.release()
         return JSONResponse({"input_tokens": len(parsed.prompt_tokens)})
 
     async def responses(self, request: Request) -> GenerationResponse:
         """OpenAI's Responses API: the body as its chat equivalent, after the
         conversation it continues (router/responses_request.py); the answer in
         the Responses shapes, kept for the next turn."""
-        body = await read_json(request, self.settings.max_request_bytes)
-        turn = responses_turn(body, self.stored_responses, images=self.vision is not None)
-        try:
-            parsed = await self.parse_chat_body(turn.chat)
-        except ApiError as exc:
-            raise turn.rename(exc)
-        response_id = ResponsesFormat.id_prefix + uuid.uuid4().hex
-        fmt = ResponsesFormat(response_id, self.engine.model_id, turn, self.stored_responses,
-                              lambda text: len(self.tokenizer.encode(text, add_special_tokens=False)))
-        return GenerationResponse(self.generation(parsed, response_id), fmt, parsed.stream)
+        ticket, body = await self._admit(request)
+        stored = self.stored_responses.of(tenant_of(request))  # another API key's responses are not found
+        with ticket:
+            turn = await ticket.off_loop(responses_turn, body, stored, images=self.vision is not None)
+            try:
+                parsed = await self.parse_chat_body(ticket, turn.chat)
+            except ApiError as exc:
+                raise turn.rename(exc)
+            response_id = ResponsesFormat.id_prefix + uuid.uuid4().hex
+            fmt = ResponsesFormat(response_id, self.engine.model_id, turn, stored,
+                                  lambda text: len(self.tokenizer.encode(text, add_special_tokens=False)))
+            return GenerationResponse(self.generation(parsed, response_id, request), fmt, parsed.stream, ticket)
 
     async def get_response(self, request: Request) -> JSONResponse:
-        return JSONResponse(self.stored_responses.get(request.path_params["response_id"]).response)
+        stored = self.stored_responses.of(tenant_of(request))
+        return JSONResponse(stored.get(request.path_params["response_id"]).response)
 
     async def delete_response(self, request: Request) -> JSONResponse:
         response_id = request.path_params["response_id"]
-        self.stored_responses.get(response_id)  # 404 when unknown
-        self.stored_responses.delete(response_id)
+        stored = self.stored_responses.of(tenant_of(request))
+        stored.get(response_id)  # 404 when unknown (or another API key's)
+        stored.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
-    async def _parse_vision_chat(self, body: dict, max_context: int) -> ParsedRequest:
-        """Decode the request's images and videos (router/media.py: 400 naming
-        the part on any refusal), then template and tokenize in a thread. A
-        video stays one video where the model takes video (Qwen-VL), else it
-        becomes its frames, each an image. A field Tandem does not honour is
-        refused before any picture is fetched."""
-        check_chat_fields(body)
+    async def _parse_vision_chat(self, ticket: Ticket, body: dict, max_context: int) -> ParsedRequest:
+        """Fetch and decode the request's images and videos (router/media.py:
+        400 naming the part on any refusal), then template and tokenize in a
+        thread."""
         media = await load_media_parts(body["messages"], self.media_limits, self.recent_images)
+        return await ticket.off_loop(self._parse_with_media, body, media, max_context)
+
+    def _parse_with_media(self, body: dict, media: list, max_context: int) -> ParsedRequest:
+        """(In a thread.) The chat with its decoded media in place. A video
+        stays one video where the model takes video (Qwen-VL), else it becomes
+        its frames, each an image."""
         native = self.vision.native_video
         items, it = [], iter(media)
         for message in body["messages"]:
@@ -206,25 +211,29 @@ class _Api:
                     else:
                         part["_frames"] = 1
                         items.append(item)
-        return await asyncio.to_thread(parse_chat, body, self.tokenizer, self.engine.model_id,
-                                       max_context, (self.vision, items))
+        return parse_chat(body, self.tokenizer, self.engine.model_id, max_context, (self.vision, items))
 
     async def completions(self, request: Request) -> "GenerationResponse":
-        body = await read_json(request, self.settings.max_request_bytes)
-        parsed = parse_completion(body, self.tokenizer, self.engine.model_id, self.engine.max_context)
-        return self._generation_response(parsed, CompletionFormat)
+        ticket, body = await self._admit(request)
+        with ticket:
+            parsed = await ticket.off_loop(parse_completion, body, self.tokenizer, self.engine.model_id,
+                                           self.engine.max_context)
+            return self._generation_response(ticket, parsed, CompletionFormat, request)
 
-    def _generation_response(self, parsed: ParsedRequest, format_class: type) -> GenerationResponse:
+    def _generation_response(self, ticket: Ticket, parsed: ParsedRequest, format_class: type,
+                             request: Request) -> GenerationResponse:
         request_id = format_class.id_prefix + uuid.uuid4().hex
-        generation = self.generation(parsed, request_id)
+        generation = self.generation(parsed, request_id, request)
         fmt = format_class(request_id, self.engine.model_id, parsed, self.token_bytes)
-        return GenerationResponse(generation, fmt, parsed.stream)
+        return GenerationResponse(generation, fmt, parsed.stream, ticket)
 
-    def generation(self, parsed: ParsedRequest, request_id: str) -> Generation:
-        """A parsed request's run through the engine (every endpoint's)."""
+    def generation(self, parsed: ParsedRequest, request_id: str, request: Request) -> Generation:
+        """A parsed request's run through the engine (every endpoint's), in
+        the prefix cache of its tenant and `cache_salt` (router/cache_salt.py)."""
         return Generation(
             self.engine,
-            GenerationRequest(request_id, parsed.prompt_tokens, parsed.sampling, parsed.images),
+            GenerationRequest(request_id, parsed.prompt_tokens, parsed.sampling, parsed.images,
+                              cache_salt=request_salt(request, parsed.cache_salt)),
             TextStream(self.tokenizer, parsed.stop, keep_leading_space=parsed.kind == "completion"),
             self.settings.request_timeout_s + DEADLINE_BACKSTOP_S,
             self.answers if parsed.kind == "chat" else None,
@@ -255,7 +264,8 @@ class _Api:
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def metrics(self, request: Request) -> Response:
-        return Response(await self.engine.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        text = await self.engine.metrics_text() + self.admission_metrics.text()
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 def _has_media(body) -> bool:

@@ -162,11 +162,7 @@ class Dispatcher:
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[EngineEvent]:
         st = RequestState(req, asyncio.Queue(), "", wire_id=req.request_id)
-        try:
-            waiting = sum(1 for s in self.requests.values() if s.phase in ("vision", "prefill"))
-            if waiting >= self.settings.max_queue:
-                raise EngineError(429, f"server busy: {waiting} requests are queued for prefill; retry later",
-                                  retry_after=1.0)
+        try:  # admitted already (router/admission.py): only a worker is needed
             keys = self._keys(st)
             prefill = await self._prefill_worker(keys)
         except EngineError as exc:  # refused at admission: counted, never queued

@@ -19,6 +19,7 @@ from typing import Coroutine, Protocol
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from router.admission import Ticket
 from router.engine_api import EngineError
 from router.errors import ApiError
 from router.generation import Generation, Piece
@@ -70,16 +71,21 @@ class GenerationResponse:
 
     A stream's status is decided by the first engine event: an error before it (queue full,
     no worker) is a plain HTTP error; an error after it is an SSE error event, then the end.
+    The request's admission `ticket` is released when the response ends, however it ends.
     """
 
-    def __init__(self, generation: Generation, shapes: ResponseShapes, stream: bool):
+    def __init__(self, generation: Generation, shapes: ResponseShapes, stream: bool, ticket: Ticket):
         self.generation = generation
         self.shapes = shapes
         self.stream = stream
+        self.ticket = ticket
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         respond = self._stream if self.stream else self._complete
-        await run_until_disconnect(receive, respond(scope, receive, send))
+        try:
+            await run_until_disconnect(receive, respond(scope, receive, send))
+        finally:
+            self.ticket.release()
 
     def _error_response(self, exc: Exception) -> Response:
         error = as_api_error(exc)

@@ -27,7 +27,7 @@ from typing import Callable
 from router.errors import ApiError
 from router.generation import Generation, Piece
 from router.http_stream import sse
-from router.responses_request import ResponseStore, ResponsesTurn, StoredResponse
+from router.responses_request import ResponsesTurn, StoredResponse, TenantResponses
 
 
 def _new_id(prefix: str) -> str:
@@ -161,7 +161,7 @@ class ResponsesFormat:
 
     id_prefix = "resp_"
 
-    def __init__(self, response_id: str, model: str, turn: ResponsesTurn, store: ResponseStore,
+    def __init__(self, response_id: str, model: str, turn: ResponsesTurn, store: TenantResponses,
                  count_tokens: Callable[[str], int]):
         self.id = response_id
         self.model = model

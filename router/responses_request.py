@@ -28,12 +28,13 @@ from router.errors import ApiError, invalid, only
 RESPONSE_FIELDS = frozenset((
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "max_output_tokens",
     "temperature", "top_p", "stream", "store", "previous_response_id", "metadata", "user",
-    "truncation", "include", "background"))
+    "truncation", "include", "background", "cache_salt"))
 # Fields whose only value accepted is what Tandem does anyway.
 ONLY_VALUES = {"truncation": ("disabled",), "include": ([],), "background": (False,)}
 # Chat fields a Responses field maps to under another name.
 CHAT_NAMES = {"max_output_tokens": "max_completion_tokens", "temperature": "temperature", "top_p": "top_p",
-              "user": "user", "parallel_tool_calls": "parallel_tool_calls", "stream": "stream"}
+              "user": "user", "parallel_tool_calls": "parallel_tool_calls", "stream": "stream",
+              "cache_salt": "cache_salt"}
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 ITEM_FIELDS = {
     "message": frozenset(("type", "role", "content", "id", "status", "phase")),
@@ -89,39 +90,66 @@ class StoredResponse:
 
 class ResponseStore:
     """Recent responses by id, least recently used dropped first, bounded by
-    count and by their conversations' tokens. In memory: a restart forgets."""
+    count and by their conversations' tokens. In memory: a restart forgets.
+    Each response belongs to the API key's tenant that made it (`tenant`,
+    router/http_guard.py): another key's caller cannot read, delete or
+    continue it, and is told it does not exist."""
 
     def __init__(self, max_responses: int = MAX_STORED_RESPONSES, max_tokens: int = MAX_STORED_TOKENS):
         self.max_responses = max_responses
         self.max_tokens = max_tokens
-        self._by_id: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._by_id: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
         self._tokens = 0
 
-    def put(self, stored: StoredResponse) -> None:
-        self.delete(stored.response["id"])
-        self._by_id[stored.response["id"]] = stored
+    def of(self, tenant: str) -> "TenantResponses":
+        """The responses of one tenant ("": no API keys configured)."""
+        return TenantResponses(self, tenant)
+
+    def put(self, stored: StoredResponse, tenant: str = "") -> None:
+        self.delete(stored.response["id"], tenant)
+        self._by_id[tenant, stored.response["id"]] = stored
         self._tokens += stored.tokens
         while self._by_id and (len(self._by_id) > self.max_responses or self._tokens > self.max_tokens):
             _, dropped = self._by_id.popitem(last=False)
             self._tokens -= dropped.tokens
 
-    def get(self, response_id: str, param: str | None = None) -> StoredResponse:
-        stored = self._by_id.get(response_id)
+    def get(self, response_id: str, param: str | None = None, tenant: str = "") -> StoredResponse:
+        stored = self._by_id.get((tenant, response_id))
         if stored is None:
             raise ApiError(404, f"Response with id '{response_id}' not found. Tandem keeps recent responses in "
                            "memory only (not after a restart, nor with store=false).", param=param,
                            code="response_not_found")
-        self._by_id.move_to_end(response_id)
+        try:
+            self._by_id.move_to_end((tenant, response_id))
+        except KeyError:  # dropped meanwhile by the event loop (responses_turn runs in a thread)
+            pass
         return stored
 
-    def delete(self, response_id: str) -> bool:
-        dropped = self._by_id.pop(response_id, None)
+    def delete(self, response_id: str, tenant: str = "") -> bool:
+        dropped = self._by_id.pop((tenant, response_id), None)
         if dropped is not None:
             self._tokens -= dropped.tokens
         return dropped is not None
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+
+@dataclass
+class TenantResponses:
+    """ResponseStore's put / get / delete for one tenant."""
+
+    store: ResponseStore
+    tenant: str
+
+    def put(self, stored: StoredResponse) -> None:
+        self.store.put(stored, self.tenant)
+
+    def get(self, response_id: str, param: str | None = None) -> StoredResponse:
+        return self.store.get(response_id, param, self.tenant)
+
+    def delete(self, response_id: str) -> bool:
+        return self.store.delete(response_id, self.tenant)
 
 
 # --------------------------------------------------------------------------- #

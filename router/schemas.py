@@ -11,6 +11,7 @@ Every error names the offending parameter in `param`.
 from __future__ import annotations
 
 import json
+import re
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ import jinja2
 from starlette.requests import Request
 
 from protos.messages import SamplingParams
+from router.cache_salt import check_cache_salt
 from router.chat_output import OutputShape
 from router.errors import ApiError, invalid, only
 from router.structured import build_grammar, response_schema
@@ -41,6 +43,7 @@ class ParsedRequest:
     include_usage: bool = False
     images: list = field(default_factory=list)  # protos.messages.ImageInput, prompt order
     output: OutputShape | None = None  # a chat answer's reasoning and tool calls, when it may have them
+    cache_salt: str = ""  # the body's `cache_salt` ("": none); router/cache_salt.py adds the tenant
 
 
 # --------------------------------------------------------------------------- #
@@ -48,8 +51,8 @@ class ParsedRequest:
 # --------------------------------------------------------------------------- #
 
 
-async def read_json(request: Request, max_bytes: int) -> dict:
-    """The body as a JSON object; 413 past max_bytes (declared or actually sent)."""
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The body's bytes; 413 past max_bytes (declared or actually sent)."""
     too_large = ApiError(
         413, f"Request body is larger than the limit of {max_bytes} bytes", code="request_too_large"
     )
@@ -62,13 +65,43 @@ async def read_json(request: Request, max_bytes: int) -> dict:
         if size > max_bytes:  # a missing or lying Content-Length
             raise too_large
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(raw: bytes) -> dict:
+    """A body's bytes as a JSON object (up to ~1 s of work for 8 MiB of tiny
+    values: router/admission.py runs it off the event loop)."""
     try:
-        body = json.loads(b"".join(chunks), parse_constant=_reject_constant)
+        body = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:
         raise ApiError(400, f"Request body is not valid JSON: {exc}", code="invalid_json")
     if not isinstance(body, dict):
         raise ApiError(400, "Request body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(raw):
+        _refuse_lone_surrogates(body)
     return body
+
+
+# A JSON escape of a UTF-16 surrogate: a pair is one character once parsed, a
+# lone one is a string no tokenizer takes and no response can encode.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _refuse_lone_surrogates(body: dict) -> None:
+    stack = [body]
+    while stack:
+        value = stack.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            for text in (key, item):
+                if isinstance(text, str):
+                    try:
+                        text.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise ApiError(400, "Request body is not valid JSON: a string holds a lone UTF-16 "
+                                       "surrogate (\\ud800-\\udfff not in a pair)", code="invalid_json") from None
+            if isinstance(item, (dict, list)):
+                stack.append(item)
 
 
 def _reject_constant(name: str) -> Any:
@@ -143,7 +176,7 @@ def _number_in(body: dict, name: str, default: float, low: float, high: float, l
 # is taken as not sent (clients echo back whole message objects).
 _SAMPLING_FIELDS = ("model", "n", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "logit_bias", "user", "stop", "stream",
-                    "stream_options", "max_tokens")
+                    "stream_options", "max_tokens", "cache_salt")
 CHAT_FIELDS = frozenset(_SAMPLING_FIELDS + ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                              "tool_choice", "parallel_tool_calls", "response_format"))
 COMPLETION_FIELDS = frozenset(_SAMPLING_FIELDS + ("prompt", "logprobs", "echo", "suffix", "best_of"))
@@ -230,6 +263,10 @@ def _stop(body: dict) -> list[str]:
     return list(stops)
 
 
+def _cache_salt(body: dict) -> str:
+    return check_cache_salt(_field(body, "cache_salt", "a string", ""))
+
+
 def _stream_options(body: dict) -> tuple[bool, bool]:
     stream = _field(body, "stream", "a boolean", False)
     options = _field(body, "stream_options", "an object", {})
@@ -284,6 +321,7 @@ def parse_chat(body: dict, tokenizer, model_id: str, max_context: int, vision=No
         raise invalid("top_logprobs", "requires 'logprobs' to be true")
     stop = _stop(body)
     stream, include_usage = _stream_options(body)
+    cache_salt = _cache_salt(body)
     messages = _messages(body, media=vision is not None)
     check_model(body, model_id)
 
@@ -311,7 +349,7 @@ def parse_chat(body: dict, tokenizer, model_id: str, max_context: int, vision=No
     sampling.logprobs, sampling.top_logprobs = logprobs, top_logprobs
     output = OutputShape.of(tokenizer, tokens, fmt if shown is not None else None,
                             template_tools(shown) if shown is not None else [])
-    return ParsedRequest("chat", tokens, sampling, stop, stream, include_usage, images, output)
+    return ParsedRequest("chat", tokens, sampling, stop, stream, include_usage, images, output, cache_salt)
 
 
 def _messages(body: dict, media: bool = False) -> list[dict]:
@@ -407,6 +445,7 @@ def parse_completion(body: dict, tokenizer, model_id: str, max_context: int) -> 
         raise ApiError(400, "best_of > 1 is not supported", param="best_of", code="unsupported_value")
     stop = _stop(body)
     stream, include_usage = _stream_options(body)
+    cache_salt = _cache_salt(body)
     prompt = _field(body, "prompt", "a string or an array", required=True)
     check_model(body, model_id)
 
@@ -414,7 +453,7 @@ def parse_completion(body: dict, tokenizer, model_id: str, max_context: int) -> 
     sampling.max_tokens = _resolve_max_tokens(body, ("max_tokens",), "prompt", len(tokens), max_context)
     # Legacy logprobs: an int, the number of alternatives; 0 still returns the chosen token's.
     sampling.logprobs, sampling.top_logprobs = logprobs is not None, logprobs or 0
-    return ParsedRequest("completion", tokens, sampling, stop, stream, include_usage)
+    return ParsedRequest("completion", tokens, sampling, stop, stream, include_usage, cache_salt=cache_salt)
 
 
 def _prompt_tokens(prompt: str | list, tokenizer) -> list[int]:

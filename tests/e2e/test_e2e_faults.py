@@ -127,7 +127,7 @@ def test_sigterm_drains_streams_and_leaves_nothing_behind(server_factory):
 
 
 def test_api_key_and_queue_limit(server_factory):
-    srv = server_factory("--api-key", "sekrit", "--max-queue", "1", "--prefill-chunk", "16")
+    srv = server_factory("--api-key", "sekrit", "--max-batch", "1", "--max-queue", "1", "--prefill-chunk", "16")
     with pytest.raises(openai.AuthenticationError):
         client_for(srv, api_key="wrong").models.list()
     assert httpx.get(srv.base_url + "/health", timeout=5).status_code == 200  # health stays open

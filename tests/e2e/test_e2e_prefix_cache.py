@@ -5,6 +5,7 @@ output identical to mlx_lm's and the reuse visible in usage and /metrics."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import re
 import time
 
@@ -103,6 +104,18 @@ def test_reuse_across_requests_turns_and_restart(server_factory, embedded_model,
     text, usage = ask(client_for(srv2), turn1)
     assert text == ref1
     assert usage.prompt_tokens_details.cached_tokens == (n1 - 1) // BLOCK * BLOCK
+
+    # Another tenant (a cache_salt) finds none of it, then its own.
+    for expected_hit in (0, (n1 - 1) // BLOCK * BLOCK):
+        r = client_for(srv2).chat.completions.create(model="default", messages=turn1, max_tokens=24, temperature=0,
+                                                     extra_body={"cache_salt": "tenant-b"})
+        assert r.choices[0].message.content == ref1
+        assert r.usage.prompt_tokens_details.cached_tokens == expected_hit
+    # The KV on disk (prompts can be read back from it) is the user's alone.
+    modes = {os.path.join(d, n): os.stat(os.path.join(d, n)).st_mode & 0o777
+             for d, dirs, files in os.walk(cache_dir) for n in dirs + files}
+    assert modes and set(modes.values()) <= {0o600, 0o700}, modes
+    assert os.stat(cache_dir).st_mode & 0o777 == 0o700
 
 
 def test_tiny_cache_evicts_without_failing_or_changing_output(server_factory, embedded_model):

@@ -288,7 +288,8 @@ def test_missing_fields_unknown_model_route_and_bad_json(server, client):
     status, error = post("/v1/messages", json={"model": MODEL, "max_tokens": "5",
                                                "messages": [{"role": "user", "content": "Hi"}]})
     assert status == 400 and "max_tokens" in error["message"]  # OpenAI's 422, Anthropic's 400
-    status, error = post("/v1/messages", content=b'{"model": "tandem-test", "mess')
+    status, error = post("/v1/messages", content=b'{"model": "tandem-test", "mess',
+                         headers={"content-type": "application/json"})
     assert status == 400 and "JSON" in error["message"]
     status, error = post("/v1/messages/batches", json={})
     assert status == 404 and error["type"] == "not_found_error"

@@ -512,7 +512,21 @@ def test_malformed_json_is_400(server):
     assert response.status_code == 400
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and "JSON" in error["message"]
-    assert httpx.post(server.url + "/v1/completions", content=b"[1, 2]").status_code == 400
+    assert httpx.post(server.url + "/v1/completions", content=b"[1, 2]",
+                      headers={"content-type": "application/json"}).status_code == 400
+
+
+@pytest.mark.parametrize("path,raw", [
+    ("/v1/chat/completions", b'{"model": "tandem-test", "messages": [{"role": "user", "content": "hi \\ud800"}]}'),
+    ("/v1/chat/completions", b'{"model": "tandem-test", "messages": [], "\\udfffx": 1}'),  # echoed by the 400
+    ("/v1/messages", b'{"model": "tandem-test", "max_tokens": 5, "system": "\\uDBFF",'
+                     b' "messages": [{"role": "user", "content": "hi"}]}'),
+])
+def test_a_lone_surrogate_is_a_400_not_a_500(server, path, raw):
+    """JSON may escape half a UTF-16 pair: no tokenizer takes it and no JSON
+    response can echo it (Starlette's encoder raised: a 500)."""
+    response = httpx.post(server.url + path, content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "surrogate" in response.text
 
 
 def test_body_too_large_is_413(client, server):
@@ -524,16 +538,18 @@ def test_body_too_large_is_413(client, server):
         for _ in range(4):
             yield b" " * (MAX_BODY // 2)
 
-    response = httpx.post(server.url + "/v1/chat/completions", content=chunked_body())
+    response = httpx.post(server.url + "/v1/chat/completions", content=chunked_body(),
+                          headers={"content-type": "application/json"})
     assert response.status_code == 413
 
 
-def test_api_key_required_on_v1_only(auth_server):
+def test_api_key_required_on_all_but_health_and_metrics(auth_server):
     anonymous = openai.OpenAI(base_url=auth_server.url + "/v1", api_key="wrong", max_retries=0, timeout=10)
     with pytest.raises(openai.AuthenticationError) as caught:
         chat(anonymous)
     assert caught.value.status_code == 401 and caught.value.body["code"] == "invalid_api_key"
     assert httpx.get(auth_server.url + "/v1/models").status_code == 401
+    assert httpx.get(auth_server.url + "/v2/anything").status_code == 401  # closed unless named open
     assert httpx.get(auth_server.url + "/health").status_code == 200
     assert httpx.get(auth_server.url + "/metrics").status_code == 200
     authorized = openai.OpenAI(base_url=auth_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=10)
@@ -604,7 +620,7 @@ def test_disconnect_while_engine_is_silent_cancels_promptly(server, engine, stre
     body = json.dumps({"model": "tandem-test", "messages": [{"role": "user", "content": "hi"}], "stream": stream})
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as conn:
         conn.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             + f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
         )
         wait_for(lambda: engine.requests, 5, "the request did not reach the engine")
