@@ -395,7 +395,9 @@ class Dispatcher:
     async def _on_prefill_done(self, wid: str, done: PrefillDone) -> None:
         st = self.requests.get(done.request_id)
         if st is None or st.phase != "prefill" or st.prefill_worker != wid:  # the client left, or it moved
-            if done.handoff is not None:
+            if done.handoff is not None and done.handoff.local:  # the worker keeps that KV until told
+                await self._send(wid, Cancel(done.request_id), quiet=True)
+            elif done.handoff is not None:
                 await self._free(done.handoff)
             return
         self.metrics.prefix_queries.inc()

@@ -170,3 +170,17 @@ def test_a_new_request_waits_for_a_restarting_worker_instead_of_a_503():
         assert tokens == [7]
 
     run(body)
+
+
+def test_a_colocated_prefill_nobody_waits_for_is_cancelled():
+    """With --colocate the worker keeps a prompt's KV for the decode that
+    follows; for a request the router no longer has, it must be told to drop it."""
+    async def body(disp, worker):
+        w = worker("worker-0", ["prefill", "decode"])
+        await ready(w)
+        await wait_for(lambda: len(disp.workers) == 1)
+        await transport.asend(w.sock, PrefillDone("gone", 7, KVHandoff("gone", 3, 3, local=True)))
+        msg = await w.next()
+        assert isinstance(msg, Cancel) and msg.request_id == "gone"
+
+    run(body, colocate=True)
