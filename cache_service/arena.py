@@ -3,8 +3,9 @@
 The cache service creates it; workers attach to it by name and read or write
 the byte ranges the service hands out. Data never crosses a socket.
 
-Lifetime is explicit: the service unlinks the segment when it stops, and the
-supervisor calls `unlink_arena` after a service that was killed. Python's
+Lifetime is explicit: the service unlinks the segment when it stops, the
+supervisor calls `unlink_arena` after a service that was killed, and at its
+start `sweep_arenas` for servers killed whole (deploy/run_dir.py). Python's
 resource_tracker is kept out of it entirely (before 3.13 it would unlink a
 segment when any process that merely attached to it exits, and print "leaked
 shared_memory" warnings); on 3.13+ that is `track=False`.
@@ -226,6 +227,41 @@ def unlink_arena(name: str) -> bool:
     finally:
         _try_close(shm)
     return True
+
+
+# `tandem serve` names its arenas tandem-<supervisor pid>-<hex> (deploy/supervisor.py):
+# the pid says whose an arena is once nothing references it any more.
+SERVER_ARENA_RE = re.compile(r"^tandem-(\d+)-[0-9a-f]+$")
+SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory, one file per name
+
+
+def server_arenas() -> list[tuple[str, int]] | None:
+    """(name, supervisor pid) of every server arena of this user; None where
+    shared-memory names cannot be listed (macOS: the run dir records them)."""
+    if not os.path.isdir(SHM_DIR):
+        return None
+    out = []
+    for entry in os.scandir(SHM_DIR):
+        match = SERVER_ARENA_RE.match(entry.name)
+        try:
+            ours = match is not None and entry.is_file(follow_symlinks=False) \
+                and entry.stat(follow_symlinks=False).st_uid == os.geteuid()
+        except OSError:  # removed while listing
+            continue
+        if ours:
+            out.append((entry.name, int(match.group(1))))
+    return out
+
+
+def sweep_arenas(owner_alive) -> list[str]:
+    """Unlink the server arenas whose supervisor is gone (`owner_alive(pid)`
+    says); a server killed with its process group ran no clean-up, and its
+    arena would hold memory until reboot. Returns the names removed."""
+    removed = []
+    for name, pid in server_arenas() or []:
+        if not owner_alive(pid) and unlink_arena(name):
+            removed.append(name)
+    return removed
 
 
 class ArenaAttachment:

@@ -4,7 +4,6 @@ hands a copy to every process it spawns."""
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass, field
 
 from deploy.backend import on_cpu
@@ -81,7 +80,8 @@ class Settings:
     prefill_workers: int = 1
     decode_workers: int = 1
     colocate: bool = False
-    run_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="tandem-"))
+    # The processes' ipc sockets; the supervisor makes one per run (deploy/run_dir.py).
+    run_dir: str = ""
     # Cache service
     arena_name: str = ""  # shared-memory segment; the supervisor picks a fresh one per start
     cache_memory_bytes: int = field(default_factory=default_cache_memory)

@@ -6,6 +6,10 @@ the supervisor, which then stops them in order: the router first (it drains
 in-flight streams while the workers still run), then workers and the cache
 service. Each child also watches its parent and stops itself if the
 supervisor vanishes (kill -9), so no orphan outlives it.
+
+The run dir (the sockets) and the shared-memory arena are removed on every
+normal or signalled exit; what a server killed whole left behind is swept at
+the next start (deploy/run_dir.py).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field, replace
 
 from cache_service.arena import unlink_arena
 from deploy.blas import calm_blas_threads
+from deploy.run_dir import RunDir, sweep_leftovers
 from deploy.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -66,6 +71,7 @@ class Supervisor:
         self.children: list[Child] = []
         self.stopping = threading.Event()
         self.failed: str | None = None
+        self.run_dir: RunDir | None = None  # the one this supervisor made (settings.run_dir unset)
         self._new_arena_name()
 
     def _new_arena_name(self) -> None:
@@ -85,6 +91,8 @@ class Supervisor:
         if child.name == "cache":
             self._cleanup_arena()
             self._new_arena_name()
+            if self.run_dir is not None:
+                self.run_dir.record_arena(self.settings.arena_name)
         child.process = self.ctx.Process(target=_child_main, args=(child.target, child.args_fn()),
                                          name=f"tandem-{child.name}", daemon=False)
         child.process.start()
@@ -97,15 +105,20 @@ class Supervisor:
     # -------------------------------------------------------------- run --
     def run(self) -> int:
         """Start everything, keep it alive until asked to stop. Returns an exit code."""
-        os.makedirs(self.settings.run_dir, exist_ok=True)
-        self._plan()
-        if calm_blas_threads():
-            log.info("OpenBLAS: idle threads sleep at once (OPENBLAS_THREAD_TIMEOUT=4)")
-        for child in self.children:
-            self._spawn(child)
-        log.info("tandem serving %s on http://%s:%d (run dir %s)", self.settings.model_id, self.settings.host,
-                 self.settings.port, self.settings.run_dir)
+        left = sweep_leftovers()
+        if left:
+            log.info("removed %d run dirs and arenas left behind by servers that are gone: %s%s", len(left),
+                     ", ".join(left[:8]), ", ..." if len(left) > 8 else "")
+        self._make_run_dir()
+        self._stop_on_hangup()
         try:
+            self._plan()
+            if calm_blas_threads():
+                log.info("OpenBLAS: idle threads sleep at once (OPENBLAS_THREAD_TIMEOUT=4)")
+            for child in self.children:
+                self._spawn(child)
+            log.info("tandem serving %s on http://%s:%d (run dir %s)", self.settings.model_id, self.settings.host,
+                     self.settings.port, self.settings.run_dir)
             while not self.stopping.is_set():
                 sentinels = {c.process.sentinel: c for c in self.children if c.process is not None}
                 ready = mp.connection.wait(list(sentinels), timeout=0.5)
@@ -116,6 +129,21 @@ class Supervisor:
         finally:
             self.shutdown()
         return 1 if self.failed else 0
+
+    def _make_run_dir(self) -> None:
+        if self.settings.run_dir:  # given: used as it is
+            os.makedirs(self.settings.run_dir, mode=0o700, exist_ok=True)
+            return
+        self.run_dir = RunDir.create()
+        self.settings = replace(self.settings, run_dir=self.run_dir.path)
+
+    def _stop_on_hangup(self) -> None:
+        """A closed terminal (SIGHUP) stops the server as Ctrl-C does, clean-up
+        included, instead of killing the supervisor outright. Left alone
+        when ignored (nohup) or handled already."""
+        if threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:
+            signal.signal(signal.SIGHUP, self.request_stop)
 
     def _on_exit(self, child: Child) -> None:
         child.process.join(timeout=1)
@@ -152,5 +180,8 @@ class Supervisor:
                     p.kill()
                     p.join(timeout=2)
         self._cleanup_arena()
-        shutil.rmtree(self.settings.run_dir, ignore_errors=True)
+        if self.run_dir is not None:
+            self.run_dir.remove()
+        elif self.settings.run_dir:
+            shutil.rmtree(self.settings.run_dir, ignore_errors=True)
         log.info("tandem stopped")

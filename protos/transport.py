@@ -23,6 +23,8 @@ _REJECT_WINDOW_S = 60.0
 
 
 def ipc_address(run_dir: str, name: str) -> str:
+    if not run_dir:  # else the socket lands in the working directory, reachable by whoever can read it
+        raise ValueError("no run folder: the supervisor (deploy/run_dir.py) makes one per server")
     return f"ipc://{os.path.join(run_dir, name)}.sock"
 
 

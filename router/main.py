@@ -3,13 +3,17 @@
 Owns the tokenizer (chat template, incremental detokenizer) and the
 Dispatcher that talks to the workers. SIGTERM or Ctrl-C starts uvicorn's
 graceful shutdown: no new connections, in-flight streams get up to
-`drain_timeout_s` to finish.
+`drain_timeout_s` to finish. A dispatcher loop that ends (it never should)
+stops the process with exit code 1, so the supervisor starts a fresh one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import resource
+import sys
 import threading
 from pathlib import Path
 
@@ -21,13 +25,25 @@ from deploy.settings import Settings
 from protos.grammar import ll_tokenizer
 from router.app import create_app
 from router.dispatcher import Dispatcher
+from router.slow_clients import BodyDeadline, client_deadline_protocol
 
 log = logging.getLogger(__name__)
 
+WATCH_INTERVAL_S = 1.0  # how often the dispatcher's loops are checked
+EXIT_BACKSTOP_S = 10.0  # after a dead loop, past the drain: the process exits even if shutdown hangs
+# Each client connection is a file descriptor: the usual soft limit (1024, 256
+# on macOS) would refuse clients long before memory or the queue does.
+OPEN_FILES = 65536
+
 
 def uvicorn_config(app, settings: Settings) -> uvicorn.Config:
+    """No limit_concurrency: uvicorn would count idle keep-alive connections and
+    answer past it with a plain-text 503; admission (max_queue, 429 with
+    Retry-After) bounds the work, the client deadline and keep-alive how long a
+    connection that sends nothing is kept."""
     return uvicorn.Config(
-        app,
+        BodyDeadline(app, settings.client_timeout_s),
+        http=client_deadline_protocol(settings.client_timeout_s),
         host=settings.host,
         port=settings.port,
         log_level="warning" if settings.log_level == "info" else settings.log_level,
@@ -37,24 +53,70 @@ def uvicorn_config(app, settings: Settings) -> uvicorn.Config:
     )
 
 
+def raise_open_files_limit(wanted: int = OPEN_FILES) -> None:
+    """The soft limit on open files up to `wanted`, within the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
+    for limit in (target, 10240):  # macOS refuses more than its per-process maximum (OPEN_MAX 10240)
+        if soft >= limit:
+            return
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+            return
+        except (ValueError, OSError):
+            continue
+
+
+async def watch_loops(dispatcher: Dispatcher, server: uvicorn.Server, exit_backstop_s: float | None,
+                      interval_s: float = WATCH_INTERVAL_S) -> list[str]:
+    """Until one of the dispatcher's background loops ends (a bug no handler
+    caught: without its receive loop the router hears no worker again), then
+    stop serving and return their names. Without the receive loop no stream
+    gets another token: no drain then; otherwise in-flight streams may finish.
+    `exit_backstop_s`: the process exits (code 1) this long after, whatever hangs."""
+    while True:
+        await asyncio.sleep(interval_s)
+        dead = dispatcher.dead_loops()
+        if dead:
+            break
+    log.error("dispatcher loop%s %s ended; stopping the router so that the supervisor restarts it",
+              "s" if len(dead) > 1 else "", ", ".join(dead))
+    server.should_exit = True
+    server.force_exit = "receive" in dead
+    if exit_backstop_s is not None:
+        backstop = threading.Timer(exit_backstop_s, os._exit, args=(1,))
+        backstop.daemon = True
+        backstop.start()
+    return dead
+
+
+async def serve(dispatcher: Dispatcher, server: uvicorn.Server, exit_backstop_s: float | None = None,
+                interval_s: float = WATCH_INTERVAL_S) -> list[str]:
+    """Serve until shutdown; returns the dispatcher loops that ended, if that is why."""
+    await dispatcher.start()
+    watchdog = asyncio.create_task(watch_loops(dispatcher, server, exit_backstop_s, interval_s))
+    try:
+        await server.serve()
+    finally:
+        watchdog.cancel()  # a no-op if it ended the serving
+        outcome = (await asyncio.gather(watchdog, return_exceptions=True))[0]
+        await dispatcher.stop()
+    return outcome if isinstance(outcome, list) else []
+
+
 def run(settings: Settings) -> None:
     """Process main for the router (a `spawn` target)."""
     setup_logging(settings.log_level, "router")
     from mlx_lm.utils import load_tokenizer
 
+    raise_open_files_limit()
     tokenizer = load_tokenizer(Path(settings.model_dir))
     # llguidance's view of it (~0.5 s) is built now, not by the first request with a schema.
     threading.Thread(target=ll_tokenizer, args=(tokenizer,), name="grammar-tokenizer", daemon=True).start()
     dispatcher = Dispatcher(settings, max_context=context_length(settings.model_dir))
     app = create_app(dispatcher, tokenizer, settings)
     server = uvicorn.Server(uvicorn_config(app, settings))
-
-    async def main() -> None:
-        await dispatcher.start()
-        try:
-            await server.serve()
-        finally:
-            await dispatcher.stop()
-
-    asyncio.run(main())
+    dead = asyncio.run(serve(dispatcher, server, settings.drain_timeout_s + EXIT_BACKSTOP_S))
+    if dead:
+        sys.exit(1)
     log.info("router stopped")

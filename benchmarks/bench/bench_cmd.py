@@ -15,7 +15,9 @@
 Workloads (--workload, comma-separated, or `all` for the text ones): sweep,
 interference, prefix, swarm (see benchmarks/bench/workloads.py), vision (a
 VLM only, see benchmarks/bench/vision_workload.py), agents (tool calls, see
-benchmarks/bench/agents_workload.py). Output: a progress line
+benchmarks/bench/agents_workload.py), soak (many clients for minutes, every
+process's memory over time, see benchmarks/bench/soak_workload.py; not in
+`all`). Output: a progress line
 on stderr while it runs, tables on stdout at the end, --json for machines
 (fields in benchmarks/bench/report.py), --plot for a PNG.
 """
@@ -34,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.bench import agents_workload, bandwidth, vision_workload
+from benchmarks.bench import agents_workload, bandwidth, chaos_workload, soak_workload, vision_workload
 from benchmarks.bench import report as report_mod
 from benchmarks.bench import workloads as wl
 from benchmarks.bench.memory import ProcessTreeMemory
@@ -44,7 +46,7 @@ from deploy.model_folder import is_vlm
 from workers.models.store import models_dir, resolve_model
 
 TEXT_WORKLOADS = ("sweep", "interference", "prefix", "swarm")
-WORKLOADS = (*TEXT_WORKLOADS, "vision", "agents")
+WORKLOADS = (*TEXT_WORKLOADS, "vision", "agents", "soak", "chaos")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -128,6 +130,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--vision-repeats", type=int, default=d.vision_repeats,
                    help="vision: conversations (and videos per frame count), each with new media")
     w.add_argument("--vision-max-tokens", type=int, default=d.vision_max_tokens, help="vision: answer length")
+    soak_workload.add_arguments(p)
+    chaos_workload.add_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument("--json", default=None, help="write the results as JSON to this path")
     o.add_argument("--plot", default=None, help="write a PNG of throughput and p99 latency vs clients")
@@ -229,7 +233,9 @@ def _bench_started(name: str, opts: Options, port: int, cfg: wl.WorkloadConfig, 
         target = wl.Target(name, spec.base_url, spec.request_model)
         metrics_url = spec.base_url + spec.metrics_path if spec.metrics_path else None
         entry["results"], entry["warmup_failed"] = asyncio.run(
-            _measure(target, cfg, workloads, t0 + args.start_timeout, metrics_url))
+            _measure(target, cfg, workloads, t0 + args.start_timeout, metrics_url, soak_workload.SoakRun(
+                soak_workload.config(args), server.proc.pid, lambda: _roles(server.log_tail(1 << 20))),
+                (chaos_workload.config(args), server.proc.pid)))
         if not server.alive():
             entry["error"] = f"{name} exited during the run; log {server.log_path}"
     except Exception as e:  # recorded: the other systems still run
@@ -254,7 +260,8 @@ def _bench_url(name: str, url: str, pid: int | None, cfg: wl.WorkloadConfig, wor
         target = wl.Target(name, url, model, headers)
         metrics_url = url.rstrip("/") + "/metrics"
         entry["results"], entry["warmup_failed"] = asyncio.run(
-            _measure(target, cfg, workloads, time.monotonic() + 60, metrics_url))
+            _measure(target, cfg, workloads, time.monotonic() + 60, metrics_url,
+                     soak_workload.SoakRun(soak_workload.config(args), pid), (chaos_workload.config(args), pid)))
     except Exception as e:  # recorded: the other systems still run
         entry["error"] = str(e) if isinstance(e, (RuntimeError, TimeoutError)) else f"{type(e).__name__}: {e}"
         print(f"tandem bench: {name}: {entry['error']}", file=sys.stderr)
@@ -266,7 +273,8 @@ def _bench_url(name: str, url: str, pid: int | None, cfg: wl.WorkloadConfig, wor
 
 
 async def _measure(target: wl.Target, cfg: wl.WorkloadConfig, workloads, ready_deadline: float,
-                   metrics_url: str | None) -> tuple[dict, int]:
+                   metrics_url: str | None, soak: soak_workload.SoakRun | None = None,
+                   chaos: tuple | None = None) -> tuple[dict, int]:
     warmup_failed = await wl.warm_up(target, cfg, ready_deadline)
     out: dict = {}
     for name in workloads:
@@ -282,6 +290,10 @@ async def _measure(target: wl.Target, cfg: wl.WorkloadConfig, workloads, ready_d
             out["vision"] = await vision_workload.vision(target, cfg, metrics_url)
         elif name == "agents":
             out["agents"] = await agents_workload.agents(target, cfg, metrics_url)
+        elif name == "chaos":
+            out["chaos"] = await chaos_workload.chaos(target, *(chaos or (chaos_workload.ChaosConfig(), None)))
+        elif name == "soak":
+            out["soak"] = await soak_workload.soak(target, soak or soak_workload.SoakRun(soak_workload.SoakConfig()))
     return out, warmup_failed
 
 
@@ -314,7 +326,7 @@ def _first_model(url: str, headers: dict | None) -> str | None:
 
 def _labelled(memory: dict, log: str, root_pid: int) -> dict:
     """Name Tandem's processes by role from the supervisor's 'started X (pid N)' lines."""
-    roles = {int(pid): role for role, pid in re.findall(r"started (\S+) \(pid (\d+)\)", log)}
+    roles: dict[int, str | None] = dict(_roles(log))
     roles.setdefault(root_pid, None)
     for p in memory["processes"]:
         if p["pid"] in roles and roles[p["pid"]]:
@@ -322,6 +334,11 @@ def _labelled(memory: dict, log: str, root_pid: int) -> dict:
         elif p["pid"] == root_pid and "deploy.cli" in p["name"]:
             p["name"] = "supervisor"
     return memory
+
+
+def _roles(log: str) -> dict[int, str]:
+    """pid -> role, from the supervisor's 'started X (pid N)' lines (restarts included)."""
+    return {int(pid): role for role, pid in re.findall(r"started (\S+) \(pid (\d+)\)", log)}
 
 
 def main(argv: list[str] | None = None) -> int:
