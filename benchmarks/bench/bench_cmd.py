@@ -16,8 +16,9 @@ Workloads (--workload, comma-separated, or `all` for the text ones): sweep,
 interference, prefix, swarm (see benchmarks/bench/workloads.py), vision (a
 VLM only, see benchmarks/bench/vision_workload.py), agents (tool calls, see
 benchmarks/bench/agents_workload.py), soak (many clients for minutes, every
-process's memory over time, see benchmarks/bench/soak_workload.py; not in
-`all`). Output: a progress line
+process's memory over time, see benchmarks/bench/soak_workload.py), chaos
+(greedy streams while workers are killed, see benchmarks/bench/chaos_workload.py;
+`--chaos`); soak and chaos are not in `all`. Output: a progress line
 on stderr while it runs, tables on stdout at the end, --json for machines
 (fields in benchmarks/bench/report.py), --plot for a PNG.
 """
@@ -103,6 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--workload", type=_name_list(WORKLOADS, TEXT_WORKLOADS), default=("sweep",),
                    help=f"comma-separated from {','.join(WORKLOADS)}, or all: the text ones (default: sweep)")
     w.add_argument("--interference", action="store_true", help="shorthand for --workload interference")
+    w.add_argument("--chaos", action="store_true", help="shorthand for --workload chaos (Tandem only)")
     w.add_argument("--concurrency", type=_int_list, default=d.concurrency, help="sweep levels (default: 1,4,16,64)")
     w.add_argument("--requests-per-level", type=int, default=None, help="default: 2 x clients, at least 8")
     w.add_argument("--duration", type=float, default=None, help="seconds per level instead of a request count")
@@ -151,7 +153,7 @@ def workload_config(args: argparse.Namespace) -> wl.WorkloadConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    workloads = ("interference",) if args.interference else args.workload
+    workloads = ("interference",) if args.interference else ("chaos",) if args.chaos else args.workload
     if args.name and len(args.name) != len(args.url):
         print("tandem bench: give one --name per --url", file=sys.stderr)
         return 2

@@ -184,3 +184,29 @@ def test_a_colocated_prefill_nobody_waits_for_is_cancelled():
         assert isinstance(msg, Cancel) and msg.request_id == "gone"
 
     run(body, colocate=True)
+
+
+def test_the_vision_worker_dies_and_prefill_encodes_the_picture_itself():
+    from protos.messages import ImageInput, VisionRequest
+
+    async def body(disp, worker):
+        vis, pre = worker("vision-0", ["vision"]), worker("prefill-0", ["prefill", "decode"])
+        await ready(vis, pre)
+        await wait_for(lambda: len(disp.workers) == 2)
+        req = request("r1", n=1)
+        req.images = [ImageInput("h1", None, 0, 1)]
+
+        async def play():
+            assert isinstance(await vis.next(), VisionRequest)
+            vis.hello.state = "stopping"  # it goes away without answering
+            await vis.beat()
+            msg = await pre.next()
+            assert isinstance(msg, PrefillRequest) and msg.request_id == "r1" and msg.images[0].content_hash == "h1"
+            await transport.asend(pre.sock, PrefillDone("r1", 7, KVHandoff("r1", 3, 3, local=True),
+                                                        finish_reason="length"))
+
+        player = asyncio.create_task(play())
+        assert [e.token async for e in disp.generate(req)] == [7]
+        await player
+
+    run(body, colocate=True)
