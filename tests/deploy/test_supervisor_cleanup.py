@@ -29,6 +29,9 @@ SUPERVISOR = textwrap.dedent("""
         def _plan(self):
             self.children.append(Child("cache", "time:sleep", lambda: (120,)))
 
+    # As in a terminal: the test may run under nohup, whose ignored SIGHUP
+    # the supervisor (rightly) leaves alone.
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     supervisor = OneSleeper(Settings(model_id="m", drain_timeout_s=1.0))
     signal.signal(signal.SIGTERM, supervisor.request_stop)
     sys.exit(supervisor.run())
