@@ -67,6 +67,8 @@ class RequestState:
     wire_id: str = ""
     answer: list = field(default_factory=list)  # tokens received so far, in order
     moves: int = 0  # times it moved to another worker after one died
+    strikes: int = 0  # workers that died running it, no token gained between (max_migrations)
+    struck_at: int = -1  # len(answer) at the last strike
     resumed: int = 0  # answer tokens at the end of the prompt it was last prefilled with
 
     def prompt(self) -> list:
@@ -111,10 +113,8 @@ class Dispatcher:
         self._tasks = [asyncio.create_task(c) for c in (self._receive_loop(), self._watch_loop(), self._cache_loop())]
 
     def dead_loops(self) -> list[str]:
-        """The background loops that ended (they never should): the router
-        process cannot serve without them and must be restarted."""
-        names = ("receive", "watch", "cache")
-        return [name for name, task in zip(names, self._tasks) if task.done()]
+        """The background loops that ended (they never should): the router must be restarted."""
+        return [name for name, task in zip(("receive", "watch", "cache"), self._tasks) if task.done()]
 
     async def stop(self) -> None:
         for task in self._tasks + list(self._moving):
@@ -212,14 +212,14 @@ class Dispatcher:
         any went without."""
         w = self.workers.get(st.prefill_worker)
         if w is None:  # it died meanwhile (during the vision step): move on at once
-            self._relocate(st, "prefill worker went away before the prompt reached it")
+            self._relocate(st, "prefill worker went away before the prompt reached it", strike=False)
             return False
         local = self.settings.colocate and "decode" in w.hello.roles  # the KV stays where it was computed
         images = self._stored_images.for_prefill(st.req.images, pixels)
         if not await self._send(st.prefill_worker, PrefillRequest(
                 st.wire_id, st.prompt(), st.req.sampling, st.prefill_worker if local else "", images,
                 generated=st.resumed, cache_salt=st.req.cache_salt)):
-            self._relocate(st, "prefill worker unreachable")
+            self._relocate(st, "prefill worker unreachable", strike=False)
         return any(a is not b for a, b in zip(images, st.req.images))
 
     async def _next_event(self, st: RequestState):
@@ -279,9 +279,10 @@ class Dispatcher:
             await self._send(target, Cancel(st.wire_id))
 
     # ---------------------------------------------------------- migration --
-    def _relocate(self, st: RequestState, why: str, wid: str = "") -> None:
+    def _relocate(self, st: RequestState, why: str, wid: str = "", strike: bool = True) -> None:
         """A worker holding `st` died (`wid`; "" when it was never reached):
-        resume the request elsewhere (`_move`), unless it is over."""
+        resume the request elsewhere (`_move`), unless it is over. `strike`:
+        the worker died running it (not: it never got there)."""
         if st.phase == "done" or self.requests.get(st.wire_id) is not st:
             return
         if st.phase == "vision":
@@ -295,6 +296,9 @@ class Dispatcher:
         self._orphans[old_wire] = None  # cancelled below, not again as an orphan
         self.table.unassign(old_wire, st.prefill_worker, st.decode_worker)
         st.moves += 1
+        if strike:
+            st.strikes = 1 if len(st.answer) > st.struck_at else st.strikes + 1
+            st.struck_at = len(st.answer)
         st.wire_id = f"{st.req.request_id}~{st.moves}"
         st.phase, st.first_token, st.prefill_worker, st.decode_worker = "prefill", None, "", ""
         self.requests[st.wire_id] = st
@@ -303,16 +307,14 @@ class Dispatcher:
         task.add_done_callback(self._moving.discard)
 
     async def _move(self, st: RequestState, why: str, role: str, old: tuple | str) -> None:
-        """Resume `st` on live workers: its prompt and the answer so far are
-        prefilled again (mostly from the prefix cache) and the next token
-        continues the answer, so the client sees one unbroken stream. It
-        waits up to migrate_timeout_s for a worker of each role it needs;
-        only then, or after max_migrations moves, does the client get an error."""
+        """Resume `st` on live workers: its prompt and answer so far prefilled
+        again (mostly from the prefix cache), the next token continuing the
+        stream. It waits up to migrate_timeout_s for a worker of each role."""
         if old:  # a worker declared dead may be alive and still running it
             await self._send(old[0], Cancel(old[1]), quiet=True)
-        if st.moves > self.settings.max_migrations:
-            st.events.put_nowait(EngineError(502, f"{why}; this request was moved {st.moves - 1} times, "
-                                                  "and is not moved again"))
+        if st.strikes > self.settings.max_migrations:
+            st.events.put_nowait(EngineError(502, f"{why}; {st.strikes} workers died running this request with no "
+                                                  "token gained between, so it is not moved again"))
             return
         log.info("request %s: %s; resuming after %d token(s) (move %d)", st.req.request_id, why,
                  len(st.answer), st.moves)
@@ -436,7 +438,7 @@ class Dispatcher:
             decode = self.table.least("decode")
         if decode is None:  # the decode worker died: prefill again once one is back
             await self._free(h)
-            self._relocate(st, "no decode worker was ready for its KV")
+            self._relocate(st, "no decode worker was ready for its KV", strike=False)
             return
         st.phase, st.decode_worker = "decode", decode.hello.worker_id
         self.table.unassign(st.wire_id, st.prefill_worker)
@@ -446,7 +448,7 @@ class Dispatcher:
             media=[im.content_hash for im in st.req.images], cache_salt=st.req.cache_salt))
         if not ok:
             await self._free(h)
-            self._relocate(st, "decode worker unreachable", st.decode_worker)
+            self._relocate(st, "decode worker unreachable", st.decode_worker, strike=False)
 
     async def _free(self, handoff) -> None:
         """A handoff that no decode worker will take: its allocation and its

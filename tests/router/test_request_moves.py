@@ -108,7 +108,10 @@ def test_prefill_worker_dies_and_the_prompt_goes_to_another():
     run(body)
 
 
-def test_a_request_that_keeps_losing_its_worker_fails_after_max_migrations():
+def test_a_request_that_keeps_killing_its_worker_fails_after_max_migrations():
+    """A poison request: every worker that runs it dies before it gains a
+    token. After max_migrations such deaths it fails instead of taking the
+    server down restart after restart."""
     async def body(disp, worker):
         pre, dec = worker("prefill-0", ["prefill"]), worker("decode-0", ["decode"])
         await ready(pre, dec)
@@ -120,14 +123,49 @@ def test_a_request_that_keeps_losing_its_worker_fails_after_max_migrations():
                 while isinstance(msg, Cancel):  # the dead process's copy, sent to its id
                     msg = await pre.next()
                 assert isinstance(msg, PrefillRequest) and msg.request_id == ("r1~%d" % move if move else "r1")
-                await restart(pre)  # every prefill of it kills the worker (a poison request)
+                await restart(pre)  # every prefill of it kills the worker
 
         player = asyncio.create_task(play())
         with pytest.raises(EngineError) as e:
             async for _ in disp.generate(request()):
                 pass
         await player
-        assert e.value.status == 502 and "moved 2 times" in str(e.value)
+        assert e.value.status == 502 and "3 workers died running this request" in str(e.value)
+
+    run(body, max_migrations=2)
+
+
+def test_deaths_between_which_the_request_gained_tokens_do_not_add_up():
+    """Chaos, not poison: the decode worker dies again and again, but the
+    request gains a token on each worker, so it is moved every time."""
+    async def body(disp, worker):
+        pre, dec = worker("prefill-0", ["prefill"]), worker("decode-0", ["decode"])
+        await ready(pre, dec)
+        await wait_for(lambda: len(disp.workers) == 2)
+
+        async def next_of(w, kind):
+            msg = await w.next()
+            while not isinstance(msg, kind):
+                msg = await w.next()
+            return msg
+
+        async def play():
+            token = 7
+            for move in range(4):
+                msg = await next_of(pre, PrefillRequest)
+                await transport.asend(pre.sock, PrefillDone(msg.request_id, token, KVHandoff(msg.request_id, 3, 3)))
+                msg = await next_of(dec, DecodeRequest)
+                await transport.asend(dec.sock, TokenBatch([TokenUpdate(msg.request_id, token + 1)]))
+                await wait_for(lambda: len(disp.requests[msg.request_id].answer) == 2 * (move + 1))
+                token += 2
+                await restart(dec)
+            msg = await next_of(pre, PrefillRequest)
+            await transport.asend(pre.sock, PrefillDone(msg.request_id, token, None, finish_reason="length"))
+
+        player = asyncio.create_task(play())
+        tokens = [e.token async for e in disp.generate(request(n=9))]
+        await player
+        assert tokens == list(range(7, 16))
 
     run(body, max_migrations=2)
 
