@@ -109,8 +109,9 @@ class Settings:
     cache_call_timeout_s: float = 5.0
     request_timeout_s: float = 600.0
     # A request whose worker died resumes on another (router/dispatcher.py);
-    # it fails only if no worker of the role is ready within this, or after
-    # max_migrations moves (a request that keeps killing workers).
+    # it fails only if no worker of the role is ready within this, or once
+    # more than max_migrations workers died running it with no token gained
+    # between (a request that keeps killing workers).
     migrate_timeout_s: float = 60.0
     max_migrations: int = 3
     drain_timeout_s: float = 30.0
