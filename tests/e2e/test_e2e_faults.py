@@ -175,18 +175,20 @@ def test_children_do_not_outlive_a_killed_supervisor(server_factory):
 
 
 def test_chaos_streams_survive_killed_workers(server_factory):
-    """The chaos workload, small: greedy streams while the decode worker and
-    then the prefill worker are killed with SIGKILL; no request fails, every
-    output is the undisturbed run's, and no shared memory is left after."""
+    """The chaos workload, small: greedy streams while the split layout's
+    decode worker is killed with SIGKILL (the prefill worker's death:
+    test_kill_prefill_worker_during_prefill_...; many kills: the bench); no
+    request fails, every output is the undisturbed run's, and no shared
+    memory is left after."""
     import asyncio
 
     from benchmarks.bench.chaos_workload import ChaosConfig, arena_segments, chaos
     from benchmarks.bench.workloads import Target
 
     srv = server_factory()
-    cfg = ChaosConfig(streams=6, max_tokens=32, interval_s=1.0, kills=2, timeout_s=120)
+    cfg = ChaosConfig(streams=4, max_tokens=32, interval_s=1.0, kills=1, timeout_s=120)
     result = asyncio.run(chaos(Target("tandem", srv.base_url, "default"), cfg, srv.proc.pid))
-    assert [k["role"] for k in result["kills"]] == ["decode", "prefill"], result
+    assert [k["role"] for k in result["kills"]] == ["decode"], result
     assert result["reference_failed"] == 0 and result["failed"] == 0, result["errors"]
     assert result["outputs_differing"] == 0
     assert result["moves"] >= 1
