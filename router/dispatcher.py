@@ -94,8 +94,7 @@ class Dispatcher:
         self._moving: set[asyncio.Task] = set()
         self.metrics = Metrics(self)
         self._stored_images = StoredImages()
-        # Wire ids a worker sent tokens for that no request here has (its
-        # client left, it moved, or this router restarted): cancelled once.
+        # Wire ids no request here has (client gone, moved, router restarted): cancelled once.
         self._orphans: OrderedDict[str, None] = OrderedDict()
 
     @property
@@ -239,11 +238,9 @@ class Dispatcher:
         return item
 
     async def _vision(self, st: RequestState) -> None:
-        """Have a vision worker store the images' embeddings (encoding those
-        the cache service lacks) before prefill. Without one alive, or when
-        a vision worker already stored every one of them, prefill takes what
-        it needs from the cache service (encoding only what was evicted);
-        so it does when the vision worker dies meanwhile."""
+        """Have a vision worker store the images' embeddings before prefill.
+        Without one alive (or if it dies), or with all stored already, prefill
+        takes them from the cache service, encoding only what is missing."""
         w = self.table.least("vision")
         hashes = [im.content_hash for im in st.req.images]
         if w is None or self._stored_images.all_stored(hashes):
@@ -280,9 +277,8 @@ class Dispatcher:
 
     # ---------------------------------------------------------- migration --
     def _relocate(self, st: RequestState, why: str, wid: str = "", strike: bool = True) -> None:
-        """A worker holding `st` died (`wid`; "" when it was never reached):
-        resume the request elsewhere (`_move`), unless it is over. `strike`:
-        the worker died running it (not: it never got there)."""
+        """Worker `wid` holding `st` died: resume it elsewhere (`_move`) unless
+        it is over. `strike`: it died running it (not: it never got there)."""
         if st.phase == "done" or self.requests.get(st.wire_id) is not st:
             return
         if st.phase == "vision":
@@ -293,7 +289,7 @@ class Dispatcher:
         old_wire, old_worker = st.wire_id, st.decode_worker if st.phase == "decode" else st.prefill_worker
         role = st.phase
         self.requests.pop(old_wire, None)
-        self._orphans[old_wire] = None  # cancelled below, not again as an orphan
+        self._orphaned(old_wire)  # cancelled below, not again as an orphan
         self.table.unassign(old_wire, st.prefill_worker, st.decode_worker)
         st.moves += 1
         if strike:
@@ -375,8 +371,7 @@ class Dispatcher:
             log.error("unexpected %s from worker %s", type(msg).__name__, wid)
 
     async def _on_tokens(self, wid: str, batch: TokenBatch) -> None:
-        """A decode step's tokens. Only the worker decoding a request speaks
-        for it: a worker that was declared dead and moved on from is not heard."""
+        """A decode step's tokens; only the worker decoding a request speaks for it."""
         orphans = []
         for u in batch.updates:
             st = self.requests.get(u.request_id)
@@ -388,11 +383,17 @@ class Dispatcher:
                     st.phase = "done"
                 st.events.put_nowait(EngineEvent(u.token, u.logprob, u.finish_reason))
         for wire_id in orphans:  # nobody reads these: stop them (a router restart leaves many)
-            if wire_id not in self._orphans:
-                self._orphans[wire_id] = None
-                while len(self._orphans) > ORPHANS_KEPT:
-                    self._orphans.popitem(last=False)
+            if self._orphaned(wire_id):
                 await self._send(wid, Cancel(wire_id), quiet=True)
+
+    def _orphaned(self, wire_id: str) -> bool:
+        """Remember a wire id nobody reads (the newest ORPHANS_KEPT); False if known already."""
+        if wire_id in self._orphans:
+            return False
+        self._orphans[wire_id] = None
+        while len(self._orphans) > ORPHANS_KEPT:
+            self._orphans.popitem(last=False)
+        return True
 
     async def _on_prefill_done(self, wid: str, done: PrefillDone) -> None:
         st = self.requests.get(done.request_id)
