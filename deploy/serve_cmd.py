@@ -109,6 +109,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="VLMs: seconds an http(s) image download may take")
     p.add_argument("--max-video-frames", type=_positive, default=d.max_video_frames,
                    help="VLMs: frames sampled per video at most")
+    p.add_argument("--power-policy", default=d.power_policy, choices=["auto", "performance", "balanced", "saver"],
+                   help="auto: performance on AC power, balanced on battery, saver in Low Power Mode, under 20%% "
+                        "or when hot; the others pin one (docs: README 'On battery')")
+    p.add_argument("--power-poll", type=_seconds, default=d.power_poll_s, help="seconds between power readings")
+    p.add_argument("--power-state-file", default=None, metavar="FILE",
+                   help="read the power state from this JSON file instead of the machine (testing a policy)")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
 
 
@@ -133,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         allow_local_media=args.allow_local_media, max_images=args.max_images,
         max_image_pixels=args.max_image_pixels, media_fetch_timeout_s=args.media_fetch_timeout,
         max_video_frames=args.max_video_frames,
+        power_policy=args.power_policy, power_poll_s=args.power_poll, power_state_file=args.power_state_file,
     )
     logging.getLogger(__name__).info(
         "KV cache: %.0f MiB of shared memory, disk tier %s", settings.cache_memory_bytes / 2**20,

@@ -132,6 +132,13 @@ class Settings:
     # hold at once while being fetched and decoded; a request past it waits.
     media_budget_bytes: int = 1 << 30
     max_video_frames: int = 32
+    # Power (deploy/power/): "auto" follows the power source, Low Power Mode and
+    # the thermal state; "performance", "balanced" and "saver" pin a policy.
+    power_policy: str = "auto"
+    power_poll_s: float = 5.0  # how often the power state is read
+    # Power states read from this JSON file instead of the machine (tests; trying
+    # a policy on a desktop): {"source": "battery", "percent": 15, ...}.
+    power_state_file: str | None = None
 
     def worker_plan(self) -> list[tuple[str, list[str]]]:
         """The model worker processes these settings ask for: (name, roles),

@@ -138,6 +138,22 @@ class WorkerHello:
     hot_kv_bytes: int = 0  # prefix-cache blocks it keeps as MLX arrays (workers/kv/hot_blocks.py)
     hot_kv_hits: int = 0  # blocks it took from there instead of the arena, since start
     batched_prompts: int = 0  # prompts it prefilled in a pass with others (workers/prefill/batch.py), since start
+    limits_version: int = 0  # the WorkerLimits it applies (0: none yet: the settings' own)
+    max_batch: int = 0  # decode rows per step it allows now (0: no decode role)
+
+
+@dataclass
+class WorkerLimits:
+    """Router -> model worker: what the power policy in force allows
+    (deploy/power/policy.py). Sent again while the worker's hello does not
+    echo `version`, so a restarted worker, or one that missed it, gets it."""
+
+    version: int
+    policy: str  # "performance" | "balanced" | "saver"
+    max_batch: int  # decode rows per step (rows beyond finish; none join)
+    prefill_batch: int  # prompts per prefill pass
+    pace_tokens_per_s: float = 0.0  # decode steps per second at most; 0: unpaced
+    defer_warm_up: bool = False  # a worker that has not warmed up waits for a policy that allows it
 
 
 @dataclass
@@ -421,6 +437,7 @@ ALL_MESSAGES = [
     KVHandoff,
     TokenLogprob,
     WorkerHello,
+    WorkerLimits,
     PrefillRequest,
     ImageInput,
     VisionRequest,

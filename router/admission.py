@@ -29,6 +29,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, TypeVar
 
+from deploy.power.policy import THERMAL_RETRY_AFTER_S
 from deploy.settings import Settings
 from router.errors import ApiError
 
@@ -64,7 +65,9 @@ class Admission:
     request's wait for a thread."""
 
     def __init__(self, capacity: int, timeout_s: float):
-        self.capacity = capacity
+        self.configured = capacity  # the settings' capacity
+        self.capacity = capacity  # in force: the power policy may lower it (follow)
+        self.refusing = ""  # why every new request is refused now (a critically hot machine), or ""
         self.timeout_s = timeout_s
         self.admitted = 0
         self.refused = 0  # since start
@@ -75,12 +78,31 @@ class Admission:
     def from_settings(cls, settings: Settings) -> "Admission":
         return cls(capacity(settings), settings.request_timeout_s)
 
+    def follow(self, power) -> None:
+        """Apply the power policy in force now and at every change (router/power_watch.py)."""
+        self.apply_power(power.policy)
+        power.listeners.append(self.apply_power)
+
+    def apply_power(self, policy) -> None:
+        """A deploy.power.policy.PowerPolicy: its admission cap and whether it refuses new requests.
+        Admitted requests are never dropped: a lower cap only refuses new ones until enough end."""
+        self.capacity = min(self.configured, policy.max_admitted or self.configured)
+        self.refusing = policy.reason if policy.refuse_new else ""
+
     def admit(self, body_bytes: int) -> "Ticket":
-        """A ticket for a request of `body_bytes`; 429 when `capacity` are admitted."""
+        """A ticket for a request of `body_bytes`; 429 when `capacity` are admitted
+        or while the power policy refuses new requests."""
+        if self.refusing:
+            self.refused += 1
+            raise ApiError(429, f"Server paused by its power policy: {self.refusing}; retry after "
+                           f"{THERMAL_RETRY_AFTER_S} s", code="power_policy",
+                           headers={"Retry-After": str(THERMAL_RETRY_AFTER_S)})
         if self.admitted >= self.capacity:
             self.refused += 1
-            raise ApiError(429, f"Server busy: {self.admitted} requests are admitted, as many as the decode "
-                           f"batches hold plus --max-queue; retry after {RETRY_AFTER_S} s", code="queue_full",
+            bound = "the decode batches hold plus --max-queue" if self.capacity == self.configured \
+                else "the power policy in force allows"
+            raise ApiError(429, f"Server busy: {self.admitted} requests are admitted, as many as {bound}; "
+                           f"retry after {RETRY_AFTER_S} s", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
         self.admitted += 1
         return Ticket(self, self._lanes[body_bytes > LARGE_BODY_BYTES])

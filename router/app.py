@@ -90,7 +90,10 @@ class _Api:
         self.media_limits = MediaLimits.from_settings(settings)
         self.recent_images = RecentImages() if self.vision is not None else None
         self.admission = Admission.from_settings(settings)  # before any heavy work; that work off the loop
-        self.admission_metrics = AdmissionMetrics(self.admission)
+        power = getattr(engine, "power", None)  # the dispatcher's PowerWatch; a test's engine may have none
+        if power is not None:
+            self.admission.follow(power)
+        self.admission_metrics = AdmissionMetrics(self.admission, power)
 
     async def _admit(self, request: Request) -> tuple[Ticket, dict]:
         """The request admitted (429 past capacity) as soon as its body is

@@ -27,20 +27,11 @@ import zmq.asyncio
 from cache_service.client import AsyncCacheClient, CacheUnavailable
 from deploy.settings import Settings
 from protos import transport
-from protos.messages import (
-    Cancel,
-    DecodeRequest,
-    KVHandoff,
-    PrefillDone,
-    PrefillRequest,
-    RequestFailed,
-    TokenBatch,
-    VisionDone,
-    VisionRequest,
-    WorkerHello,
-)
+from protos.messages import (Cancel, DecodeRequest, KVHandoff, PrefillDone, PrefillRequest, RequestFailed, TokenBatch,
+                             VisionDone, VisionRequest, WorkerHello)
 from router.engine_api import EngineError, EngineEvent, GenerationRequest
 from router.metrics import Metrics
+from router.power_watch import PowerWatch
 from router.prefix_affinity import prefix_keys
 from router.stored_images import StoredImages
 from router.worker_table import WorkerState, WorkerTable
@@ -92,6 +83,8 @@ class Dispatcher:
         self._cache: Optional[AsyncCacheClient] = None
         self._tasks: list[asyncio.Task] = []
         self._moving: set[asyncio.Task] = set()
+        self.started = time.monotonic()  # this router process's; /health's uptime_s
+        self.power = PowerWatch(settings)  # the power policy in force; sent to workers with their heartbeats
         self.metrics = Metrics(self)
         self._stored_images = StoredImages()
         # Wire ids no request here has (client gone, moved, router restarted): cancelled once.
@@ -109,11 +102,12 @@ class Dispatcher:
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._sock.bind(transport.ipc_address(self.settings.run_dir, "router"))
         self._cache = AsyncCacheClient(self.settings, ctx=self._ctx)
-        self._tasks = [asyncio.create_task(c) for c in (self._receive_loop(), self._watch_loop(), self._cache_loop())]
+        self._tasks = [asyncio.create_task(c) for c in (self._receive_loop(), self._watch_loop(), self._cache_loop(),
+                                                        self.power.run())]
 
     def dead_loops(self) -> list[str]:
         """The background loops that ended (they never should): the router must be restarted."""
-        return [name for name, task in zip(("receive", "watch", "cache"), self._tasks) if task.done()]
+        return [name for name, task in zip(("receive", "watch", "cache", "power"), self._tasks) if task.done()]
 
     async def stop(self) -> None:
         for task in self._tasks + list(self._moving):
@@ -130,7 +124,8 @@ class Dispatcher:
 
     # ------------------------------------------------------------- health --
     def health(self) -> tuple[bool, dict]:
-        return self.table.health(self.model_id, self.cache_ok, self.cache_stats, len(self.requests))
+        ready, body = self.table.health(self.model_id, self.cache_ok, self.cache_stats, len(self.requests))
+        return ready, {**body, "uptime_s": round(time.monotonic() - self.started, 1), "power": self.power.health()}
 
     async def metrics_text(self) -> str:
         return self.metrics.text()
@@ -353,6 +348,9 @@ class Dispatcher:
             dropped, why = self.table.on_hello(wid, msg)
             if dropped is not None:
                 self._moved_off(wid, dropped, why)
+            limits = self.power.limits_for(msg) if wid in self.workers else None
+            if limits is not None:
+                await self._send(wid, limits, quiet=True)
         elif isinstance(msg, TokenBatch):
             await self._on_tokens(wid, msg)
         elif isinstance(msg, VisionDone):

@@ -11,6 +11,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from deploy.power.policy import POLICIES
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -36,6 +38,9 @@ class _LiveState:
         batched = CounterMetricFamily("tandem_worker_batched_prompts",
                                       "Prompts a worker prefilled in one pass with others",
                                       labels=["role", "pid"])
+        batch_limit = GaugeMetricFamily("tandem_worker_decode_batch_limit",
+                                        "Decode rows per step a worker allows now (the power policy's)",
+                                        labels=["role", "pid"])
         for w in d.workers.values():
             labels = ["+".join(w.hello.roles), str(w.hello.pid)]
             running.add_metric(labels, w.hello.running)
@@ -44,7 +49,9 @@ class _LiveState:
             hot.add_metric(labels, w.hello.hot_kv_bytes)
             hot_hits.add_metric(labels, w.hello.hot_kv_hits)
             batched.add_metric(labels, w.hello.batched_prompts)
-        yield from (running, waiting, kv, hot, hot_hits, batched)
+            if "decode" in w.hello.roles:
+                batch_limit.add_metric(labels, w.hello.max_batch)
+        yield from (running, waiting, kv, hot, hot_hits, batched, batch_limit)
 
         in_prefill = sum(1 for st in d.requests.values() if st.phase in ("vision", "prefill"))
         yield GaugeMetricFamily("tandem_requests_running", "Requests decoding", value=len(d.requests) - in_prefill)
@@ -64,10 +71,12 @@ class _LiveState:
 
 
 class AdmissionMetrics:
-    """The router's admission (router/admission.py), read at scrape time."""
+    """The router's admission (router/admission.py) and the power policy
+    (router/power_watch.py), read at scrape time."""
 
-    def __init__(self, admission):
+    def __init__(self, admission, power=None):
         self.admission = admission
+        self.power = power
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
@@ -79,9 +88,38 @@ class AdmissionMetrics:
                                 value=a.capacity)
         yield CounterMetricFamily("tandem_requests_refused", "Requests refused with 429 by admission",
                                   value=a.refused)
+        if self.power is not None:
+            yield from _power_families(self.power)
 
     def text(self) -> str:
         return generate_latest(self.registry).decode()
+
+
+THERMAL_LEVELS = {"nominal": 0, "fair": 1, "serious": 2, "critical": 3}
+
+
+def _power_families(power):
+    state, policy = power.state, power.policy
+    in_force = GaugeMetricFamily("tandem_power_policy", "The power policy in force (1) among all (0)",
+                                 labels=["policy"])
+    for name in POLICIES:
+        in_force.add_metric([name], 1 if name == policy.name else 0)
+    yield in_force
+    yield GaugeMetricFamily("tandem_power_on_battery", "1 when running on battery", value=state.source == "battery")
+    yield GaugeMetricFamily("tandem_power_battery_percent", "Battery charge (-1: none or unknown)",
+                            value=-1 if state.percent is None else state.percent)
+    yield GaugeMetricFamily("tandem_power_low_power_mode", "1 when Low Power Mode is on", value=state.low_power)
+    yield GaugeMetricFamily("tandem_power_thermal_state", "0 nominal, 1 fair, 2 serious, 3 critical",
+                            value=THERMAL_LEVELS.get(state.thermal, 0))
+    yield GaugeMetricFamily("tandem_power_decode_batch_limit", "Decode rows per worker the policy allows",
+                            value=policy.max_batch)
+    yield GaugeMetricFamily("tandem_power_prefill_batch_limit", "Prompts per prefill pass the policy allows",
+                            value=policy.prefill_batch)
+    yield GaugeMetricFamily("tandem_power_pace_tokens_per_second", "Decode pace per stream (0: unpaced)",
+                            value=policy.pace_tokens_per_s)
+    yield GaugeMetricFamily("tandem_power_refusing_new_requests", "1 while new requests get 429 (critical heat)",
+                            value=policy.refuse_new)
+    yield CounterMetricFamily("tandem_power_policy_changes", "Power policy changes since start", value=power.changes)
 
 
 class Metrics:

@@ -31,7 +31,9 @@ from cache_service.client import CacheClient
 from deploy.backend import on_cpu, on_cuda
 from deploy.model_folder import context_length, is_vlm
 from deploy.settings import Settings
-from protos.messages import Cancel, DecodeRequest, PrefillRequest, VisionRequest
+from deploy.power.policy import decide
+from deploy.power.readers import read_power
+from protos.messages import Cancel, DecodeRequest, PrefillRequest, VisionRequest, WorkerLimits
 from workers.decode.engine import DecodeEngine
 from workers.decode.role import DecodeRole
 from workers.grammar import Grammars, logits_width
@@ -82,6 +84,9 @@ class Worker:
         self.local_kv: dict[str, list] = {}  # colocated handoffs: the KV never leaves the process
         self.stopping = False
         self.clock = LoopClock(f"worker {worker_id}")
+        self.model = None
+        self.cold = False  # the warm-up has not run (deferred by the power policy)
+        self.defer_warm_up = False
 
     # ------------------------------------------------------------ set-up --
     def load(self) -> None:
@@ -105,16 +110,24 @@ class Worker:
             vision = load_vision(self.settings.model_dir, model, self.prefix_client, self.arena_buf)
         if "decode" in names:
             decode = DecodeEngine(model, max_batch=self.settings.max_batch, prefix=self.prefix, grammars=grammars)
-        if model is not None and self.settings.warm_up:
-            batch = prefill is not None and self.settings.prefill_batch > 1
-            log.info("worker %s warmed up in %.2fs", self.worker_id, warm_up(model, decode, batch))
+        self.model, self.cold = model, model is not None and self.settings.warm_up
+        # On battery in saver (deploy/power/policy.py) the warm-up waits for a policy that allows it.
+        self.defer_warm_up = self.cold and decide(read_power(self.settings), self.settings).defer_warm_up
+        if self.cold and not self.defer_warm_up:
+            self.warm_up(prefill, decode)
         self.outbox = Outbox(self.ctx)
         self.start_stores(prefill, decode)
         self.build_roles(prefill, decode, vision)
         self.hello.max_context = context_length(self.settings.model_dir)
+        self.hello.max_batch = self.settings.max_batch if decode is not None else 0
         self.hello.state = "ready"
         log.info("worker %s %s ready in %.1fs (pid %d)", self.worker_id, "+".join(names),
                  time.perf_counter() - t0, os.getpid())
+
+    def warm_up(self, prefill: PrefillEngine | None, decode: DecodeEngine | None) -> None:
+        batch = prefill is not None and self.settings.prefill_batch > 1
+        log.info("worker %s warmed up in %.2fs", self.worker_id, warm_up(self.model, decode, batch))
+        self.cold = False
 
     def make_prefix(self, model):
         hot = self.settings.hot_kv_bytes
@@ -189,7 +202,14 @@ class Worker:
                 busy = self.decode.engine.has_work or (self.prefill is not None and self.prefill.has_work())
                 self.decode.take_reads(wait=not busy)
             if self.decode is not None and self.decode.engine.has_work:
-                self.decode.step()
+                delay = self.decode.pace_delay()  # the power policy's pace
+                if delay > 0:
+                    if not (self.prefill is not None and self.prefill.has_work()):
+                        self.drain_inbox(block=True, timeout=delay)
+                else:
+                    self.decode.step()
+            elif self.cold and not self.defer_warm_up and not self.has_work():
+                self.warm_up(self.prefill.engine if self.prefill else None, self.decode.engine if self.decode else None)
             if self.stores is not None:
                 self.stores.release_done()  # what its finished jobs read, freed on this (MLX) thread
             self.update_load()
@@ -198,8 +218,8 @@ class Worker:
     def has_work(self) -> bool:
         return any(role.has_work() for role in self.roles)
 
-    def drain_inbox(self, block: bool) -> None:
-        timeout = 0.25 if block else None
+    def drain_inbox(self, block: bool, timeout: float = 0.25) -> None:
+        timeout = timeout if block else None
         while True:
             try:
                 with self.clock.phase("wait"):
@@ -225,8 +245,27 @@ class Worker:
                 self.fail(msg.request_id, exc)
         elif isinstance(msg, Cancel):
             self.cancel(msg.request_id)
+        elif isinstance(msg, WorkerLimits):
+            self.apply_limits(msg)
         else:
             log.error("worker %s (%s) ignores %s", self.worker_id, "+".join(self.role_names), type(msg).__name__)
+
+    def apply_limits(self, limits: WorkerLimits) -> None:
+        """The power policy's limits (router/power_watch.py), never above the settings'.
+        A smaller decode batch lets the rows beyond it finish; none join until below."""
+        pace = limits.pace_tokens_per_s
+        if self.decode is not None:
+            self.decode.engine.max_batch = max(1, min(limits.max_batch, self.settings.max_batch))
+            self.decode.pace_s = 1.0 / pace if 0.0 < pace < 1e6 else 0.0
+            self.hello.max_batch = self.decode.engine.max_batch
+        if self.prefill is not None:
+            self.prefill.batch_limit = max(1, min(limits.prefill_batch, self.settings.prefill_batch))
+        self.defer_warm_up = bool(limits.defer_warm_up)
+        if limits.version != self.hello.limits_version:
+            log.info("worker %s: power policy %s (decode batch %d, prefill batch %d, pace %s)", self.worker_id,
+                     limits.policy, self.hello.max_batch, self.prefill.batch_limit if self.prefill else 0,
+                     f"{pace:g} tok/s" if self.decode and self.decode.pace_s else "off")
+        self.hello.limits_version = limits.version
 
     def fail(self, request_id: str, exc: Exception) -> None:
         """Drop a request that `exc` broke, and tell the router why."""

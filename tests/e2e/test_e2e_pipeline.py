@@ -5,6 +5,9 @@ driven through the `openai` client and checked against `mlx_lm.generate`."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
+import os
+import re
 import time
 
 import httpx
@@ -13,7 +16,7 @@ import pytest
 from mlx_lm.generate import stream_generate
 
 from tests.support.embedded_chat import LONG_SYSTEM, reference
-from tests.support.server import module_server
+from tests.support.server import metric, module_server
 
 CONVERSATIONS = {
     "short": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
@@ -31,10 +34,17 @@ CONVERSATIONS = {
 
 @pytest.fixture(scope="module", params=["split", "colocate"])
 def server(request, tmp_path_factory, embedded_model_dir):
-    flags = ["--prefill-chunk", "32", "--log-level", "debug"]
+    # The machine's power readings come from this file (a double for macOS's
+    # and a laptop's readings: this box has no battery); on AC power, as the box is.
+    power_file = tmp_path_factory.mktemp("power") / "power.json"
+    power_file.write_text('{"source": "ac"}')
+    flags = ["--prefill-chunk", "32", "--log-level", "debug", "--power-state-file", str(power_file),
+             "--power-poll", "0.2"]
     # Split: two decode workers, so concurrent requests spread over both.
     flags += ["--colocate"] if request.param == "colocate" else ["--decode-workers", "2"]
-    return module_server(request, tmp_path_factory, *flags)
+    srv = module_server(request, tmp_path_factory, *flags)
+    srv.power_file, srv.decoders = power_file, 1 if request.param == "colocate" else 2
+    return srv
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +195,66 @@ def test_logprobs_match_mlx_lm(client, embedded_model):
         assert got.logprob == pytest.approx(want.logprobs[want.token].item(), abs=1e-3)
         assert got.top_logprobs[0].logprob == pytest.approx(got.logprob, abs=1e-6)  # greedy picks the top one
         assert len(got.top_logprobs) == 3
+
+
+def _set_power(server, **state) -> None:
+    tmp = server.power_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, server.power_file)  # the reader never sees half a file
+
+
+def _batch_limits(server) -> list[float]:
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    return [float(v) for v in re.findall(r"^tandem_worker_decode_batch_limit\{[^}]*\} (\S+)$", text, re.M)]
+
+
+def _wait_policy(server, name: str, batch_limit: int, timeout: float = 20.0) -> dict:
+    """Until /health says `name` is in force and every decode worker applies its batch limit."""
+    deadline = time.monotonic() + timeout
+    while True:
+        power = server.health()[1].get("power", {})
+        limits = _batch_limits(server)
+        if power.get("policy") == name and len(limits) == server.decoders and set(limits) == {batch_limit}:
+            return power
+        assert time.monotonic() < deadline, (name, power, limits)
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def power_refs(embedded_model):
+    return [reference(embedded_model, c, 40)[1] for c in _SIXTEEN[:4]]
+
+
+def test_power_policy_follows_the_machine_live(server, client, power_refs):
+    """AC -> battery -> Low Power Mode -> critical heat -> AC, read from the
+    state file while streams decode: each policy's limits reach every worker,
+    critical heat refuses new requests with 429 and Retry-After, and the
+    streams admitted before all finish with mlx-lm's greedy answers."""
+    _set_power(server, source="ac")
+    _wait_policy(server, "performance", 32)
+    with cf.ThreadPoolExecutor(4) as pool:
+        answers = [pool.submit(client.chat.completions.create, model="default", messages=c, max_tokens=40,
+                               temperature=0) for c in _SIXTEEN[:4]]
+        _set_power(server, source="battery", percent=55)
+        assert "on battery at 55%" in _wait_policy(server, "balanced", 8)["reason"]
+        _set_power(server, source="battery", percent=55, low_power=True)
+        power = _wait_policy(server, "saver", 4)
+        assert power["pace_tokens_per_s"] > 0 and power["admitted_limit"] == 4 * server.decoders + 8
+        assert metric(server, "tandem_requests_admitted_limit") == 4 * server.decoders + 8
+        assert metric(server, "tandem_power_low_power_mode") == 1
+        _set_power(server, source="battery", percent=55, low_power=True, thermal="critical")
+        deadline = time.monotonic() + 20
+        while metric(server, "tandem_power_refusing_new_requests") != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.chat.completions.create(model="default", messages=CONVERSATIONS["short"], max_tokens=4)
+        assert refused.value.response.headers["retry-after"] == "30"
+        assert refused.value.code == "power_policy" and "critical" in refused.value.message
+        assert [a.result(timeout=120).choices[0].message.content for a in answers] == power_refs
+    _set_power(server, source="ac")
+    _wait_policy(server, "performance", 32)
+    assert metric(server, "tandem_power_policy", '{policy="performance"}') == 1
+    assert metric(server, "tandem_power_policy_changes_total") >= 4
+    again = client.chat.completions.create(model="default", messages=_SIXTEEN[0], max_tokens=40, temperature=0)
+    assert again.choices[0].message.content == power_refs[0]

@@ -184,7 +184,7 @@ def test_first_token_streams_before_the_kv_handoff_arrives():
             await pre.next()
             await transport.asend(pre.sock, PrefillDone("r1", 7, None))
             await asyncio.wait_for(first_seen.wait(), 5)
-            assert not await dec.sock.poll(100), "decode was asked before the KV was handed over"
+            assert await dec.silent_for(0.1), "decode was asked before the KV was handed over"
             await transport.asend(pre.sock, KVHandoff("r1", 3, 3))
             msg = await dec.next()
             assert isinstance(msg, DecodeRequest) and msg.first_token == 7

@@ -11,7 +11,7 @@ import zmq.asyncio
 
 from deploy.settings import Settings
 from protos import transport
-from protos.messages import SamplingParams, WorkerHello
+from protos.messages import SamplingParams, WorkerHello, WorkerLimits
 from router.dispatcher import Dispatcher
 from router.engine_api import GenerationRequest
 
@@ -23,13 +23,34 @@ class ScriptedWorker:
         self.hello = WorkerHello(wid, roles, pid=1000 + len(wid), state="ready")
         self.sock = transport.make_socket(ctx, zmq.DEALER, identity=wid)
         self.sock.connect(transport.ipc_address(settings.run_dir, "router"))
+        self.limits: list[WorkerLimits] = []  # what the power policy sent it
 
     async def beat(self):
         await transport.asend(self.sock, self.hello)
 
     async def next(self, timeout=5.0):
-        assert await self.sock.poll(int(timeout * 1000)), "nothing arrived"
-        return await transport.arecv(self.sock)
+        """The next message other than WorkerLimits, which it applies as a
+        worker does: its heartbeats echo the version from then on."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            assert await self.sock.poll(int(left * 1000)), "nothing arrived"
+            msg = await transport.arecv(self.sock)
+            if not isinstance(msg, WorkerLimits):
+                return msg
+            self.limits.append(msg)
+            self.hello.limits_version = msg.version
+
+    async def silent_for(self, seconds: float) -> bool:
+        """True when nothing but WorkerLimits arrives within `seconds`."""
+        deadline = time.monotonic() + seconds
+        while await self.sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
+            msg = await transport.arecv(self.sock)
+            if not isinstance(msg, WorkerLimits):
+                return False
+            self.limits.append(msg)
+            self.hello.limits_version = msg.version
+        return True
 
 
 def run(coro_fn, **overrides):

@@ -17,6 +17,7 @@ when two threads touch it) and the copy is ~1 ms on a CPU.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from concurrent.futures import wait as wait_for
 from typing import Callable
@@ -50,6 +51,8 @@ class DecodeRole(Role):
         self.local_kv = local_kv
         self.reader = reader
         self.reading: deque[tuple] = deque()  # (DecodeRequest, its copy's future or None), arrival order
+        self.pace_s = 0.0  # seconds between steps at least (the power policy's pace); 0: unpaced
+        self.last_step = 0.0  # time.monotonic() of the last step
 
     # ------------------------------------------------------------ the loop --
     def handle(self, msg: DecodeRequest) -> None:
@@ -121,7 +124,12 @@ class DecodeRole(Role):
             self.engine.add(req, cache)
 
     # -------------------------------------------------------------- a step --
+    def pace_delay(self) -> float:
+        """Seconds until the paced batch may step again (0: now)."""
+        return max(0.0, self.last_step + self.pace_s - time.monotonic()) if self.pace_s else 0.0
+
     def step(self) -> None:
+        self.last_step = time.monotonic()
         try:
             with self.clock.phase("decode step"):
                 updates = self.engine.step()

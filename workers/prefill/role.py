@@ -43,6 +43,7 @@ class PrefillRole(Role):
                  outbox, clock, hello, local_kv: dict, colocated: bool = False, stores=None, vision=None,
                  fail=None):
         super().__init__(worker_id, outbox, clock, fail)
+        self.batch_limit = settings.prefill_batch  # prompts per pass; the power policy may lower it
         self.settings = settings
         self.engine = engine
         self.prefix = prefix
@@ -88,7 +89,7 @@ class PrefillRole(Role):
         if self.current is None:
             req = self.queue.popleft()
             self.current = (req, self.start_prefill(req))
-        if self.queue and self.settings.prefill_batch > 1 and self.prefill_batch():
+        if self.queue and self.batch_limit > 1 and self.prefill_batch():
             return
         req, job = self.current
         result = job.step()
@@ -126,7 +127,7 @@ class PrefillRole(Role):
         # prompt's used to be gone before the next was made): together they
         # take at most an eighth of it.
         room = self.settings.cache_memory_bytes // 8 - self.handoff_bytes(req, job)
-        while self.queue and len(rows) < self.settings.prefill_batch and not self.queue[0].images:
+        while self.queue and len(rows) < self.batch_limit and not self.queue[0].images:
             nxt = self.queue.popleft()
             try:
                 other = self.start_prefill(nxt)
