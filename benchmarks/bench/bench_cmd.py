@@ -11,6 +11,8 @@
     tandem bench --systems tandem,mlx_vlm,vllm-mlx --workload vision --model DIR --image-size 1024
     # agents in tool loops over one system prompt and tool set: turns/s, calls that validate
     tandem bench --systems tandem,mlx_lm --workload agents --agents 8 --turns 4
+    # Tandem once per power policy, side by side: tok/s and joules per output token
+    tandem bench --systems tandem,mlx_lm --tandem-power-policies performance,saver
 
 Workloads (--workload, comma-separated, or `all` for the text ones): sweep,
 interference, prefix, swarm (see benchmarks/bench/workloads.py), vision (a
@@ -20,7 +22,10 @@ process's memory over time, see benchmarks/bench/soak_workload.py), chaos
 (greedy streams while workers are killed, see benchmarks/bench/chaos_workload.py;
 `--chaos`); soak and chaos are not in `all`. Output: a progress line
 on stderr while it runs, tables on stdout at the end, --json for machines
-(fields in benchmarks/bench/report.py), --plot for a PNG.
+(fields in benchmarks/bench/report.py), --plot for a PNG. Energy: where the
+machine exposes it (RAPL, nvidia-smi, powermetrics as root; see
+benchmarks/bench/energy.py), every system's joules per output token,
+machine-wide, with the machine's idle draw measured before each start.
 """
 
 from __future__ import annotations
@@ -38,11 +43,14 @@ from pathlib import Path
 import httpx
 
 from benchmarks.bench import agents_workload, bandwidth, chaos_workload, soak_workload, vision_workload
+from benchmarks.bench import energy as energy_mod
 from benchmarks.bench import report as report_mod
 from benchmarks.bench import workloads as wl
+from benchmarks.bench.energy_run import EnergyRun
 from benchmarks.bench.memory import ProcessTreeMemory
 from benchmarks.bench.peer_weights import needs_float32_copy, peer_model_folder
-from benchmarks.bench.systems import SYSTEMS, ManagedServer, Options, pick_port, server_spec
+from benchmarks.bench.systems import (POWER_POLICIES, SYSTEMS, ManagedServer, Options, file_label, pick_port,
+                                      server_spec, with_power_policies)
 from deploy.model_folder import is_vlm
 from workers.models.store import models_dir, resolve_model
 
@@ -95,6 +103,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--peer-weights", choices=("auto", "as-is", "float32"), default="auto",
                    help="auto: on MLX's CPU backend the peers load a float32 copy, as Tandem computes")
     s.add_argument("--tandem-args", default="", help='extra `tandem serve` flags, e.g. "--max-batch 64"')
+    s.add_argument("--tandem-power-policies", type=_name_list(POWER_POLICIES), default=(),
+                   help="run each Tandem system once per `--power-policy`, as rows named e.g. tandem[saver]: "
+                        f"comma-separated from {','.join(POWER_POLICIES)}")
     s.add_argument("--mlx-lm-args", default="", help="extra mlx_lm.server flags")
     s.add_argument("--mlx-vlm-args", default="", help="extra mlx_vlm.server flags")
     s.add_argument("--vllm-mlx-args", default="", help="extra `vllm-mlx serve` flags")
@@ -134,6 +145,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--vision-max-tokens", type=int, default=d.vision_max_tokens, help="vision: answer length")
     soak_workload.add_arguments(p)
     chaos_workload.add_arguments(p)
+    e = p.add_argument_group("energy")
+    e.add_argument("--energy", choices=("auto", "off"), default="auto",
+                   help="auto: measure with every meter the machine has (RAPL, nvidia-smi, powermetrics as root)")
+    e.add_argument("--energy-idle", type=float, default=3.0,
+                   help="seconds of the machine's idle draw measured before each system starts (0: none)")
     o = p.add_argument_group("output")
     o.add_argument("--json", default=None, help="write the results as JSON to this path")
     o.add_argument("--plot", default=None, help="write a PNG of throughput and p99 latency vs clients")
@@ -157,32 +173,42 @@ def run(args: argparse.Namespace) -> int:
     if args.name and len(args.name) != len(args.url):
         print("tandem bench: give one --name per --url", file=sys.stderr)
         return 2
-    systems = args.systems or (() if args.url else ("tandem",))
+    systems = with_power_policies(args.systems or (() if args.url else ("tandem",)), args.tandem_power_policies)
     cfg = workload_config(args)
     run_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-bench-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"tandem bench: {', '.join([*systems, *(args.name or args.url)])}; workloads {', '.join(workloads)}; "
           f"logs in {run_dir}", file=sys.stderr)
+    if args.tandem_power_policies and not any(s.startswith("tandem") for s in systems):
+        print("tandem bench: --tandem-power-policies applies to the Tandem systems started, and none is",
+              file=sys.stderr)
+    recorder, no_energy = _energy_recorder(args)
     results: list[dict] = []
     try:
         if systems:
             opts = _options(args, systems, run_dir, workloads)
             taken: set[int] = set()
             for name in systems:
-                results.append(_bench_started(name, opts, pick_port(args.port_base, taken), cfg, workloads, args))
+                results.append(_bench_started(name, opts, pick_port(args.port_base, taken), cfg, workloads, args,
+                                              recorder))
         for i, url in enumerate(args.url):
             name = args.name[i] if args.name else f"server{i + 1}"
             pid = args.pid[i] if i < len(args.pid) else None
-            results.append(_bench_url(name, url, pid, cfg, workloads, args))
+            results.append(_bench_url(name, url, pid, cfg, workloads, args, recorder))
     except KeyboardInterrupt:
         print("\ntandem bench: interrupted; servers stopped", file=sys.stderr)
         return 130
     except Exception as e:  # model resolution and the like: one line
         print(f"tandem bench: {e}", file=sys.stderr)
         return 2
+    finally:
+        if recorder:
+            recorder.stop()
     _add_single_stream(results, args)
     config = {**dataclasses.asdict(cfg), "workloads": list(workloads), "model": args.model,
-              "peer_weights": args.peer_weights}
+              "peer_weights": args.peer_weights, "tandem_power_policies": list(args.tandem_power_policies),
+              "energy": {"meters": recorder.describe() if recorder else [], "unavailable": no_energy,
+                         "idle_seconds": args.energy_idle, "scope": energy_mod.SCOPE}}
     rep = report_mod.build_report(results, config, shlex.join(["tandem", "bench", *sys.argv[2:]])
                                   if len(sys.argv) > 1 and sys.argv[1] == "bench" else shlex.join(sys.argv))
     print(report_mod.render(rep))
@@ -193,6 +219,19 @@ def run(args: argparse.Namespace) -> int:
         problem = report_mod.plot(rep, args.plot)
         print(f"plot: {problem}" if problem else f"plot: {args.plot}")
     return 1 if any(r.get("error") for r in results) else 0
+
+
+def _energy_recorder(args: argparse.Namespace):
+    """(the started recorder, or None; {meter: why it is not used})."""
+    if args.energy == "off":
+        return None, {"all": "--energy off"}
+    recorder, missing = energy_mod.EnergyRecorder.open()
+    if recorder is None:
+        print("tandem bench: energy: none on this machine (" + "; ".join(f"{k}: {v}" for k, v in missing.items())
+              + ")", file=sys.stderr)
+        return None, missing
+    print(f"tandem bench: energy: {', '.join(recorder.domains)} (machine-wide)", file=sys.stderr)
+    return recorder.start(), missing
 
 
 def _options(args: argparse.Namespace, systems: tuple[str, ...], run_dir: Path,
@@ -216,18 +255,22 @@ def _options(args: argparse.Namespace, systems: tuple[str, ...], run_dir: Path,
                    vllm_mlx_bin=args.vllm_mlx_bin, vllm_mlx_mllm="vision" in workloads)
 
 
-def _bench_started(name: str, opts: Options, port: int, cfg: wl.WorkloadConfig, workloads, args) -> dict:
+def _bench_started(name: str, opts: Options, port: int, cfg: wl.WorkloadConfig, workloads, args,
+                   recorder: energy_mod.EnergyRecorder | None = None) -> dict:
     entry: dict = {"name": name, "url": None, "command": None, "model_dir": None, "log": None, "error": None,
-                   "memory": None, "results": {}}
+                   "memory": None, "energy": None, "results": {}}
     try:
         spec = server_spec(name, port, opts)
     except (RuntimeError, ValueError) as e:
         entry["error"] = str(e)
         print(f"tandem bench: {name}: {e}", file=sys.stderr)
         return entry
-    server = ManagedServer(spec, opts.run_dir / f"{name}.log")
+    server = ManagedServer(spec, opts.run_dir / f"{file_label(name)}.log")
     entry.update(url=spec.base_url, command=server.command, log=str(server.log_path),
                  model_dir=str(opts.model_dir if name.startswith("tandem") else opts.peer_model_dir))
+    energy = EnergyRun(recorder) if recorder else None
+    if energy:
+        energy.measure_idle(args.energy_idle)  # before the start: the machine without this system
     print(f"tandem bench: starting {name}: {server.command}", file=sys.stderr)
     try:
         t0 = time.monotonic()
@@ -237,7 +280,7 @@ def _bench_started(name: str, opts: Options, port: int, cfg: wl.WorkloadConfig, 
         entry["results"], entry["warmup_failed"] = asyncio.run(
             _measure(target, cfg, workloads, t0 + args.start_timeout, metrics_url, soak_workload.SoakRun(
                 soak_workload.config(args), server.proc.pid, lambda: _roles(server.log_tail(1 << 20))),
-                (chaos_workload.config(args), server.proc.pid)))
+                (chaos_workload.config(args), server.proc.pid), energy))
         if not server.alive():
             entry["error"] = f"{name} exited during the run; log {server.log_path}"
     except Exception as e:  # recorded: the other systems still run
@@ -247,13 +290,18 @@ def _bench_started(name: str, opts: Options, port: int, cfg: wl.WorkloadConfig, 
         server.stop()
         if server.memory:
             entry["memory"] = _labelled(server.memory.report(), server.log_tail(1 << 20), server.proc.pid)
+        entry["energy"] = energy.report() if energy else None
     return entry
 
 
-def _bench_url(name: str, url: str, pid: int | None, cfg: wl.WorkloadConfig, workloads, args) -> dict:
+def _bench_url(name: str, url: str, pid: int | None, cfg: wl.WorkloadConfig, workloads, args,
+               recorder: energy_mod.EnergyRecorder | None = None) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     entry: dict = {"name": name, "url": url, "command": None, "model_dir": None, "log": None, "error": None,
-                   "memory": None, "results": {}}
+                   "memory": None, "energy": None, "results": {}}
+    energy = EnergyRun(recorder) if recorder else None
+    if energy:
+        energy.measure_idle(args.energy_idle)  # the machine with the server running, idle
     memory = ProcessTreeMemory(pid) if pid else None
     if memory:
         memory.start()
@@ -263,7 +311,8 @@ def _bench_url(name: str, url: str, pid: int | None, cfg: wl.WorkloadConfig, wor
         metrics_url = url.rstrip("/") + "/metrics"
         entry["results"], entry["warmup_failed"] = asyncio.run(
             _measure(target, cfg, workloads, time.monotonic() + 60, metrics_url,
-                     soak_workload.SoakRun(soak_workload.config(args), pid), (chaos_workload.config(args), pid)))
+                     soak_workload.SoakRun(soak_workload.config(args), pid), (chaos_workload.config(args), pid),
+                     energy))
     except Exception as e:  # recorded: the other systems still run
         entry["error"] = str(e) if isinstance(e, (RuntimeError, TimeoutError)) else f"{type(e).__name__}: {e}"
         print(f"tandem bench: {name}: {entry['error']}", file=sys.stderr)
@@ -271,32 +320,42 @@ def _bench_url(name: str, url: str, pid: int | None, cfg: wl.WorkloadConfig, wor
         if memory:
             memory.stop()
             entry["memory"] = memory.report()
+        entry["energy"] = energy.report() if energy else None
     return entry
 
 
 async def _measure(target: wl.Target, cfg: wl.WorkloadConfig, workloads, ready_deadline: float,
                    metrics_url: str | None, soak: soak_workload.SoakRun | None = None,
-                   chaos: tuple | None = None) -> tuple[dict, int]:
+                   chaos: tuple | None = None, energy: EnergyRun | None = None) -> tuple[dict, int]:
+    """Warm up, then each workload in turn; with `energy`, each workload's window (after the warm-up)."""
     warmup_failed = await wl.warm_up(target, cfg, ready_deadline)
     out: dict = {}
     for name in workloads:
-        if name == "sweep":
-            out["sweep"] = await wl.sweep(target, cfg)
-        elif name == "interference":
-            out["interference"] = await wl.interference(target, cfg)
-        elif name == "prefix":
-            out["prefix"] = await wl.prefix(target, cfg)
-        elif name == "swarm":
-            out["swarm"] = await wl.swarm(target, cfg, metrics_url)
-        elif name == "vision":
-            out["vision"] = await vision_workload.vision(target, cfg, metrics_url)
-        elif name == "agents":
-            out["agents"] = await agents_workload.agents(target, cfg, metrics_url)
-        elif name == "chaos":
-            out["chaos"] = await chaos_workload.chaos(target, *(chaos or (chaos_workload.ChaosConfig(), None)))
-        elif name == "soak":
-            out["soak"] = await soak_workload.soak(target, soak or soak_workload.SoakRun(soak_workload.SoakConfig()))
+        start = energy.mark() if energy else None
+        await _workload(name, out, target, cfg, metrics_url, soak, chaos, energy)
+        if energy:
+            energy.workload(name, start, out.get(name))
     return out, warmup_failed
+
+
+async def _workload(name: str, out: dict, target: wl.Target, cfg: wl.WorkloadConfig, metrics_url: str | None,
+                    soak: soak_workload.SoakRun | None, chaos: tuple | None, energy: EnergyRun | None) -> None:
+    if name == "sweep":
+        out["sweep"] = await wl.sweep(target, cfg, energy)
+    elif name == "interference":
+        out["interference"] = await wl.interference(target, cfg)
+    elif name == "prefix":
+        out["prefix"] = await wl.prefix(target, cfg)
+    elif name == "swarm":
+        out["swarm"] = await wl.swarm(target, cfg, metrics_url)
+    elif name == "vision":
+        out["vision"] = await vision_workload.vision(target, cfg, metrics_url)
+    elif name == "agents":
+        out["agents"] = await agents_workload.agents(target, cfg, metrics_url)
+    elif name == "chaos":
+        out["chaos"] = await chaos_workload.chaos(target, *(chaos or (chaos_workload.ChaosConfig(), None)))
+    elif name == "soak":
+        out["soak"] = await soak_workload.soak(target, soak or soak_workload.SoakRun(soak_workload.SoakConfig()))
 
 
 def _add_single_stream(results: list[dict], args: argparse.Namespace) -> None:

@@ -7,7 +7,9 @@ JSON (--json PATH), schema "tandem-bench/1":
       "created": "2026-11-22T10:00:00+00:00",
       "machine": {"platform", "machine", "cpus", "python"},
       "command": "tandem bench ...",
-      "config": {...the workload settings...},
+      "config": {...the workload settings..., "tandem_power_policies": [...],
+                 "energy": {"meters": [{"meter", "method", "domains", "errors", "last_error"}],
+                            "unavailable": {meter: why}, "idle_seconds", "scope"}},
       "systems": [{
           "name": "tandem", "url": "http://127.0.0.1:18100", "command": "..." | null,
           "model_dir": "..." | null, "log": "path" | null,
@@ -15,12 +17,20 @@ JSON (--json PATH), schema "tandem-bench/1":
           "warmup_failed": 0,
           "memory": null | {"processes": [{"pid", "name", "peak_rss_bytes"}],
                             "sum_of_peaks_bytes", "peak_total_rss_bytes", "peak_total_pss_bytes", "method"},
+          "energy": null (no meter) | {"scope": "machine-wide: ...", "meters": [...], "domains": ["rapl:package-0",
+                     "nvidia-smi:gpu0 board", ...], "idle": null | {"seconds", "watts", "joules"},
+                     "joules", "seconds", "watts", "by_domain": {domain: joules}  (every workload after warm-up),
+                     "output_tokens", "joules_per_output_token", "joules_per_output_token_above_idle"
+                     (the workloads that count output tokens), "workloads": {name: {"joules", "seconds", "watts",
+                     "by_domain", "output_tokens", "joules_per_output_token", "..._above_idle"}}}
+                    (benchmarks/bench/energy_run.py),
           "results": {
             "sweep": [{"concurrency", "requests", "ok", "errors": {status: n}, "error_count",
                        "rejected_429", "rejected_latency_p99_s", "wall_s", "output_tokens", "output_tok_s",
                        "requests_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "itl_max_s",
                        "latency_p50_s", "goodput", "goodput_requests_s", "prompt_tokens",
-                       "cached_tokens", "first_error"}],
+                       "cached_tokens", "first_error", "energy" (with a meter): {"joules", "seconds", "watts",
+                       "output_tokens", "joules_per_output_token", "joules_per_output_token_above_idle"}}],
             "interference": {"streams", "stream_tokens", "quiet": {...},
                              "loud": {... "itl_p99_during_long_s", "gaps_during_long", "long_prompts_sent",
                                       "long_prompts_ok", "long_prompt_tokens"},
@@ -58,7 +68,8 @@ JSON (--json PATH), schema "tandem-bench/1":
     }
 
 Ratios are always Tandem / peer: above 1 is better for throughput, below 1
-is better for latencies, times, computed tokens and memory.
+is better for latencies, times, computed tokens, memory and energy. A system
+named tandem[saver] is Tandem under `--power-policy saver` (--tandem-power-policies).
 """
 
 from __future__ import annotations
@@ -69,6 +80,9 @@ import os
 import platform
 import sys
 from pathlib import Path
+
+from benchmarks.bench.energy_run import energy_table
+from benchmarks.bench.text_table import mib, num, table, times
 
 SCHEMA = "tandem-bench/1"
 
@@ -147,6 +161,9 @@ def ratios(systems: list[dict]) -> list[dict]:
                 key = "peak_total_pss_bytes" if t["memory"].get("peak_total_pss_bytes") and \
                     p["memory"].get("peak_total_pss_bytes") else "peak_total_rss_bytes"
                 row["memory_peak_total"] = _ratio(t["memory"][key], p["memory"][key])
+            if t.get("energy") and p.get("energy"):
+                row["joules_per_output_token"] = _ratio(t["energy"]["joules_per_output_token"],
+                                                        p["energy"]["joules_per_output_token"])
             out.append(row)
     return out
 
@@ -160,24 +177,6 @@ def write_json(report: dict, path: str | os.PathLike) -> None:
 
 # ------------------------------------------------------------------ text
 
-def _f(v, fmt: str = "{:.3f}", none: str = "-") -> str:
-    return none if v is None else fmt.format(v)
-
-
-def _x(v) -> str:
-    return "-" if v is None else f"{v:.2f}x"
-
-
-def _mib(v) -> str:
-    return "-" if v is None else f"{v / 2**20:,.0f} MiB"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    fmt = lambda r: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
-    return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *map(fmt, rows)])
-
-
 def render(report: dict) -> str:
     systems = report["systems"]
     parts = [f"{s['name']}: did not run: {s['error'].splitlines()[0]}" for s in systems if s.get("error")]
@@ -190,22 +189,29 @@ def render(report: dict) -> str:
     parts += _vision_tables(systems)
     parts += _single_stream_table(systems)
     parts += _memory_table(systems)
+    parts += energy_table(systems, report.get("config", {}).get("energy"))
     parts += _ratios_table(report["ratios"])
     return "\n\n".join(parts)
 
 
 def _sweep_tables(systems: list[dict]) -> list[str]:
-    rows = [[s["name"], lv["concurrency"], lv["requests"], lv["ok"], lv["error_count"], lv["rejected_429"],
-             _f(lv["output_tok_s"], "{:.1f}"), _f(lv["requests_s"], "{:.2f}"), _f(lv["ttft_p50_s"]),
-             _f(lv["ttft_p99_s"]), _f(lv["itl_p50_s"]), _f(lv["itl_p99_s"]), f"{lv['goodput'] * 100:.0f}%"]
-            for s in systems for lv in s.get("results", {}).get("sweep", [])]
-    if not rows:
+    levels = [(s["name"], lv) for s in systems for lv in s.get("results", {}).get("sweep", [])]
+    if not levels:
         return []
-    parts = ["Sweep (closed loop; seconds)\n" + _table(
-        ["system", "clients", "reqs", "ok", "errors", "429", "tok/s", "req/s", "TTFT p50", "TTFT p99",
-         "ITL p50", "ITL p99", "goodput"], rows)]
-    errs = [f"  {s['name']} c={lv['concurrency']}: {lv['errors']} first: {lv['first_error']}"
-            for s in systems for lv in s.get("results", {}).get("sweep", []) if lv["error_count"]]
+    # Joules per output token next to tok/s, where a meter measured them (machine-wide).
+    energy = any(lv.get("energy") for _, lv in levels)
+    rows = []
+    for name, lv in levels:
+        j_tok = [num((lv.get("energy") or {}).get("joules_per_output_token"), "{:.4f}")] if energy else []
+        rows.append([name, lv["concurrency"], lv["requests"], lv["ok"], lv["error_count"], lv["rejected_429"],
+                     num(lv["output_tok_s"], "{:.1f}"), *j_tok, num(lv["requests_s"], "{:.2f}"), num(lv["ttft_p50_s"]),
+                     num(lv["ttft_p99_s"]), num(lv["itl_p50_s"]), num(lv["itl_p99_s"]), f"{lv['goodput'] * 100:.0f}%"])
+    header = ["system", "clients", "reqs", "ok", "errors", "429", "tok/s", *(["J/tok"] if energy else []), "req/s",
+              "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "goodput"]
+    parts = [f"Sweep (closed loop; seconds{'; J/tok: joules per output token, machine-wide' if energy else ''})\n"
+             + table(header, rows)]
+    errs = [f"  {name} c={lv['concurrency']}: {lv['errors']} first: {lv['first_error']}"
+            for name, lv in levels if lv["error_count"]]
     if errs:
         parts.append("Errors by status\n" + "\n".join(errs))
     return parts
@@ -217,14 +223,15 @@ def _interference_table(systems: list[dict]) -> list[str]:
         it = s.get("results", {}).get("interference")
         if it:
             q, loud = it["quiet"], it["loud"]
-            rows.append([s["name"], it["streams"], _f(q["itl_p99_s"]), _f(loud["itl_p99_s"]), _x(it["itl_p99_ratio"]),
-                         _f(loud.get("itl_p99_during_long_s")), _x(it.get("itl_p99_during_long_ratio")),
-                         _f(loud["itl_max_s"]), f"{loud.get('long_prompts_ok', 0)}/{loud.get('long_prompts_sent', 0)}",
-                         _f(loud.get("long_prompt_tokens"), "{:.0f}"), q["error_count"] + loud["error_count"]])
+            rows.append([s["name"], it["streams"], num(q["itl_p99_s"]), num(loud["itl_p99_s"]),
+                         times(it["itl_p99_ratio"]),
+                         num(loud.get("itl_p99_during_long_s")), times(it.get("itl_p99_during_long_ratio")),
+                         num(loud["itl_max_s"]), f"{loud.get('long_prompts_ok', 0)}/{loud.get('long_prompts_sent', 0)}",
+                         num(loud.get("long_prompt_tokens"), "{:.0f}"), q["error_count"] + loud["error_count"]])
     if not rows:
         return []
     return ["Interference: decode streams' inter-token latency (s), quiet vs while long prompts arrive\n"
-            + _table(["system", "streams", "quiet p99", "loud p99", "loud/quiet", "during-long p99",
+            + table(["system", "streams", "quiet p99", "loud p99", "loud/quiet", "during-long p99",
                       "during/quiet", "loud max", "long ok", "long tokens", "errors"], rows)]
 
 
@@ -233,13 +240,14 @@ def _prefix_table(systems: list[dict]) -> list[str]:
     for s in systems:
         p = s.get("results", {}).get("prefix")
         if p:
-            rows.append([s["name"], _f(p["cold_prompt_tokens"], "{:.0f}"), _f(p["cold_ttft_s"]), _f(p["warm_ttft_s"]),
-                         _x(p["warm_speedup"]), _f(p["warm_cached_tokens"], "{:.0f}", "not reported"),
-                         _f(p["next_turn_ttft_s"]), _f(p["next_turn_cached_tokens"], "{:.0f}", "not reported"),
-                         _f(p["suffix_alone_ttft_s"]), p["errors"]])
+            rows.append([s["name"], num(p["cold_prompt_tokens"], "{:.0f}"), num(p["cold_ttft_s"]),
+                         num(p["warm_ttft_s"]),
+                         times(p["warm_speedup"]), num(p["warm_cached_tokens"], "{:.0f}", "not reported"),
+                         num(p["next_turn_ttft_s"]), num(p["next_turn_cached_tokens"], "{:.0f}", "not reported"),
+                         num(p["suffix_alone_ttft_s"]), p["errors"]])
     if not rows:
         return []
-    return ["Prefix: long system prompt, time to first token (s), median of repeats\n" + _table(
+    return ["Prefix: long system prompt, time to first token (s), median of repeats\n" + table(
         ["system", "prompt", "cold", "warm", "cold/warm", "warm cached", "next turn", "next cached",
          "suffix alone", "errors"], rows)]
 
@@ -250,13 +258,13 @@ def _swarm_table(systems: list[dict]) -> list[str]:
         w = s.get("results", {}).get("swarm")
         if w:
             computed = w["computed_prompt_tokens"]
-            rows.append([s["name"], f"{w['agents']}x{w['turns']}", _f(w["wall_s"], "{:.1f}"), w["turns_ok"],
+            rows.append([s["name"], f"{w['agents']}x{w['turns']}", num(w["wall_s"], "{:.1f}"), w["turns_ok"],
                          w["turns_failed"], w["rejected_429"], w["prompt_tokens"],
                          "not reported" if computed is None else f"{computed:.0f} ({w['computed_source']})",
-                         _f(w["ttft_p99_s"])])
+                         num(w["ttft_p99_s"])])
     if not rows:
         return []
-    return ["Swarm: agents x turns, shared system prompt + own history\n" + _table(
+    return ["Swarm: agents x turns, shared system prompt + own history\n" + table(
         ["system", "agents", "wall s", "ok", "failed", "429", "prompt tok", "computed prompt tok",
          "TTFT p99"], rows)]
 
@@ -269,19 +277,19 @@ def _agents_table(systems: list[dict]) -> list[str]:
             continue
         computed = a["computed_prompt_tokens"]
         share = "-" if a["valid_share"] is None else f"{a['valid_share'] * 100:.0f}%"
-        rows.append([s["name"], f"{a['agents']}x{a['turns']}", _f(a["turns_s"], "{:.2f}"), a["turns_ok"],
+        rows.append([s["name"], f"{a['agents']}x{a['turns']}", num(a["turns_s"], "{:.2f}"), a["turns_ok"],
                      a["turns_failed"], a["rejected_429"], a["prompt_tokens"],
-                     _f(a["cached_tokens"], "{:.0f}", "not reported"),
+                     num(a["cached_tokens"], "{:.0f}", "not reported"),
                      "not reported" if computed is None else f"{computed:.0f} ({a['computed_source']})",
                      f"{a['calls_expected']} / {a['calls_parsed']} / {a['calls_valid']} ({share})",
-                     a["final_answers"], a["output_tokens"], _f(a["wall_s"], "{:.1f}")])
+                     a["final_answers"], a["output_tokens"], num(a["wall_s"], "{:.1f}")])
         if a.get("first_error"):
             notes.append(f"  {s['name']}: first error {a['first_error']}"[:300])
         notes += [f"  {s['name']}: {p}"[:200] for p in a.get("call_problems", [])[:3]]
     if not rows:
         return []
     return ["Agents: tool loops over one shared system prompt and tool set (calls: required steps answered "
-            "/ with parsed calls / schema-valid)\n" + _table(
+            "/ with parsed calls / schema-valid)\n" + table(
                 ["system", "agents", "turns/s", "ok", "failed", "429", "prompt tok", "cached tok",
                  "computed prompt tok", "calls exp / parsed / valid", "answers", "out tok", "wall s"], rows)
             + ("\n" + "\n".join(notes) if notes else "")]
@@ -295,12 +303,12 @@ def _chaos_table(systems: list[dict]) -> list[str]:
             continue
         kills = ", ".join(f"{k['role']}@{k['at_s']:g}s" for k in c["kills"]) or "none"
         rows.append([s["name"], c["streams"], c["max_tokens"], kills, c["moves"], c["failed"],
-                     c["outputs_differing"], c["reference_failed"], c["output_tokens"], _f(c["wall_s"], "{:.1f}"),
+                     c["outputs_differing"], c["reference_failed"], c["output_tokens"], num(c["wall_s"], "{:.1f}"),
                      "-" if c["arena_segments"] is None else len(c["arena_segments"])])
     if not rows:
         return []
     return ["Chaos: greedy streams while workers are killed with SIGKILL (failed and differing must be 0)\n"
-            + _table(["system", "streams", "max tok", "kills", "moves", "failed", "differing", "ref failed",
+            + table(["system", "streams", "max tok", "kills", "moves", "failed", "differing", "ref failed",
                       "out tok", "wall s", "arenas"], rows)]
 
 
@@ -309,13 +317,13 @@ def _single_stream_table(systems: list[dict]) -> list[str]:
     for s in systems:
         b = s.get("results", {}).get("single_stream")
         if b:
-            rows.append([s["name"], _f(b["decode_tok_s"], "{:.1f}"), _mib(b["weight_bytes"]),
-                         _f(b["copy_bandwidth_bytes_s"] and b["copy_bandwidth_bytes_s"] / 1e9, "{:.1f}"),
-                         _f(b["limit_tok_s"], "{:.1f}"), _f(b["bandwidth_share"], "{:.2f}")])
+            rows.append([s["name"], num(b["decode_tok_s"], "{:.1f}"), mib(b["weight_bytes"]),
+                         num(b["copy_bandwidth_bytes_s"] and b["copy_bandwidth_bytes_s"] / 1e9, "{:.1f}"),
+                         num(b["limit_tok_s"], "{:.1f}"), num(b["bandwidth_share"], "{:.2f}")])
     if not rows:
         return []
     return ["Single-stream decode vs the memory-bandwidth limit (1 / median inter-token gap at 1 client)\n"
-            + _table(["system", "decode tok/s", "weights", "copy GB/s", "limit tok/s", "share"], rows)]
+            + table(["system", "decode tok/s", "weights", "copy GB/s", "limit tok/s", "share"], rows)]
 
 
 def _memory_table(systems: list[dict]) -> list[str]:
@@ -323,15 +331,15 @@ def _memory_table(systems: list[dict]) -> list[str]:
     for s in systems:
         m = s.get("memory")
         if m:
-            procs = ", ".join(f"{p['name']} {_mib(p['peak_rss_bytes'])}" for p in m["processes"])
+            procs = ", ".join(f"{p['name']} {mib(p['peak_rss_bytes'])}" for p in m["processes"])
             pss = m.get("peak_total_pss_bytes")
-            rows.append([s["name"], _mib(pss) if pss else "-", _mib(m["peak_total_rss_bytes"]),
-                         _mib(m["sum_of_peaks_bytes"]), procs])
+            rows.append([s["name"], mib(pss) if pss else "-", mib(m["peak_total_rss_bytes"]),
+                         mib(m["sum_of_peaks_bytes"]), procs])
     if not rows:
         return []
     return ["Peak memory: summed PSS (shared pages counted once: what ratios compare), summed RSS "
             "(shared pages once per process), sum of per-process RSS peaks, each process's RSS peak\n"
-            + _table(["system", "peak PSS", "peak RSS", "sum of peaks", "processes"], rows)]
+            + table(["system", "peak PSS", "peak RSS", "sum of peaks", "processes"], rows)]
 
 
 _RATIO_LABELS = (("interference_loud_itl_p99", "interference loud ITL p99"),
@@ -345,36 +353,37 @@ _RATIO_LABELS = (("interference_loud_itl_p99", "interference loud ITL p99"),
                  ("swarm_computed_per_turn", "swarm computed tokens per served turn"),
                  ("agents_turns_s", "agents turns/s"),
                  ("agents_computed_prompt_tokens", "agents computed prompt tokens"),
-                 ("memory_peak_total", "peak memory"))
+                 ("memory_peak_total", "peak memory"), ("joules_per_output_token", "joules per output token"))
 
 
 def _ratios_table(ratio_rows: list[dict]) -> list[str]:
     rows = []
     for r in ratio_rows:
         for c, m in (r.get("sweep") or {}).items():
-            rows.append([f"{r['tandem']} / {r['peer']}", f"sweep c={c}", _x(m["output_tok_s"]), _x(m["ttft_p99_s"]),
-                         _x(m["itl_p99_s"])])
+            rows.append([f"{r['tandem']} / {r['peer']}", f"sweep c={c}", times(m["output_tok_s"]),
+                         times(m["ttft_p99_s"]),
+                         times(m["itl_p99_s"])])
         for key, label in _RATIO_LABELS:
             if key in r:
-                rows.append([f"{r['tandem']} / {r['peer']}", label, _x(r[key]), "", ""])
+                rows.append([f"{r['tandem']} / {r['peer']}", label, times(r[key]), "", ""])
         for n, m in (r.get("video") or {}).items():
             rows.append([f"{r['tandem']} / {r['peer']}", f"video {n} frames cold / cached TTFT",
-                         f"{_x(m['cold'])} / {_x(m['cached'])}", "", ""])
+                         f"{times(m['cold'])} / {times(m['cached'])}", "", ""])
     if not rows:
         return []
-    return ["Ratios, Tandem / peer (throughput: higher is better; times, tokens, memory: lower)\n"
-            + _table(["pair", "measure", "value / tok/s", "TTFT p99", "ITL p99"], rows)]
+    return ["Ratios, Tandem / peer (throughput: higher is better; times, tokens, memory, energy: lower)\n"
+            + table(["pair", "measure", "value / tok/s", "TTFT p99", "ITL p99"], rows)]
 
 
 def _vision_tables(systems: list[dict]) -> list[str]:
     parts, rows, errs = [], [], []
     runs = [(s["name"], s["results"]["vision"]) for s in systems if s.get("results", {}).get("vision")]
     for name, v in runs:
-        rows.append([name, _f(v["turn1_prompt_tokens"], "{:.0f}"), _f(v["turn1_ttft_s"]), _f(v["turn2_ttft_s"]),
-                     _f(v["turn3_ttft_s"]), (f"{_f(v['turn3_prompt_tokens'], '{:.0f}')}/"
-                                             f"{_f(v['turn3_cached_tokens'], '{:.0f}', 'not reported')}"),
-                     _f(v["turn3_computed_tokens"], "{:.0f}"), _f(v["text_ttft_s"]),
-                     _f(v["text_prompt_tokens"], "{:.0f}"), _x(v["turn1_over_turn3"]), _x(v["turn3_over_text"]),
+        rows.append([name, num(v["turn1_prompt_tokens"], "{:.0f}"), num(v["turn1_ttft_s"]), num(v["turn2_ttft_s"]),
+                     num(v["turn3_ttft_s"]), (f"{num(v['turn3_prompt_tokens'], '{:.0f}')}/"
+                                             f"{num(v['turn3_cached_tokens'], '{:.0f}', 'not reported')}"),
+                     num(v["turn3_computed_tokens"], "{:.0f}"), num(v["text_ttft_s"]),
+                     num(v["text_prompt_tokens"], "{:.0f}"), times(v["turn1_over_turn3"]), times(v["turn3_over_text"]),
                      v["errors"]])
         if v["errors"]:
             errs.append(f"  {name} image: {v['errors']} failed; first: {v['first_error']}")
@@ -384,23 +393,23 @@ def _vision_tables(systems: list[dict]) -> list[str]:
         v0 = runs[0][1]
         parts.append(f"Vision: one {v0['image_size']}x{v0['image_size']} picture, 3 turns (each resends the whole "
                      f"conversation), then text-only with as many new tokens as turn 3 adds; time to first token "
-                     f"(s), median of {len(v0['repeats'])} repeats\n" + _table(
+                     f"(s), median of {len(v0['repeats'])} repeats\n" + table(
                          ["system", "turn1 tok", "turn 1", "turn 2", "turn 3", "t3 prompt/cached", "t3 computed",
                           "text-only", "text tok", "turn1/turn3", "turn3/text", "errors"], rows))
     rows = []
     for name, v in runs:
         for row in v.get("video") or []:
-            rows.append([name, v.get("video_transport") or "-", row["frames"], _f(row["cold_prompt_tokens"], "{:.0f}"),
-                         _f(row["cold_ttft_s"]),
-                         _f(row["cached_ttft_s"]), _f(row["cached_cached_tokens"], "{:.0f}", "not reported"),
-                         _x(row["cold_over_cached"]), row["errors"]])
+            rows.append([name, v.get("video_transport") or "-", row["frames"], num(row["cold_prompt_tokens"], "{:.0f}"),
+                         num(row["cold_ttft_s"]),
+                         num(row["cached_ttft_s"]), num(row["cached_cached_tokens"], "{:.0f}", "not reported"),
+                         times(row["cold_over_cached"]), row["errors"]])
             if row["errors"]:
                 errs.append(f"  {name} video {row['frames']} frames: {row['errors']} failed; "
                             f"first: {row['first_error']}")
     if rows:
         v0 = runs[0][1]
         parts.append(f"Video: {v0['video_size']}x{v0['video_size']} frames at 1 fps, cold then the same video with "
-                     "a new question; time to first token (s), median of repeats\n" + _table(
+                     "a new question; time to first token (s), median of repeats\n" + table(
                          ["system", "sent as", "frames", "prompt tok", "cold", "cached", "cached tok", "cold/cached",
                           "errors"],
                          rows))
@@ -408,7 +417,7 @@ def _vision_tables(systems: list[dict]) -> list[str]:
              for name, v in runs if v.get("vision_cache")]
     if cache:
         parts.append("Vision embedding cache (Tandem's /metrics over the workload, warm-up included)\n"
-                     + _table(["system", "hits/queries"], cache))
+                     + table(["system", "hits/queries"], cache))
     if errs:
         parts.append("Vision errors\n" + "\n".join(errs))
     return parts

@@ -21,9 +21,32 @@ import httpx
 
 from benchmarks.bench.memory import ProcessTreeMemory
 from deploy.blas import openblas_path
+from deploy.power.policy import POLICIES
 from deploy.settings import default_cache_dir
 
 SYSTEMS = ("tandem", "tandem-colocate", "mlx_lm", "mlx_vlm", "vllm-mlx")
+POWER_POLICIES = ("auto", *POLICIES)  # `tandem serve --power-policy`
+
+
+def with_power_policies(systems: tuple[str, ...], policies: tuple[str, ...]) -> tuple[str, ...]:
+    """Each Tandem system once per power policy, as rows of their own: tandem -> tandem[performance],
+    tandem[saver]; the peers as they are."""
+    return tuple(row for s in systems
+                 for row in ([f"{s}[{p}]" for p in policies] if policies and s.startswith("tandem") else [s]))
+
+
+def split_policy(name: str) -> tuple[str, str | None]:
+    """"tandem[saver]" -> ("tandem", "saver"); "mlx_lm" -> ("mlx_lm", None)."""
+    if name.endswith("]") and "[" in name:
+        base, policy = name[:-1].split("[", 1)
+        return base, policy
+    return name, None
+
+
+def file_label(name: str) -> str:
+    """A system's name as it appears in file names: tandem[saver] -> tandem-saver."""
+    base, policy = split_policy(name)
+    return f"{base}-{policy}" if policy else base
 
 
 @dataclass
@@ -71,17 +94,20 @@ def default_vllm_mlx_bin() -> Path:
 
 
 def server_spec(name: str, port: int, opts: Options) -> ServerSpec:
-    if name in ("tandem", "tandem-colocate"):
+    base, policy = split_policy(name)
+    if base in ("tandem", "tandem-colocate") and policy in (None, *POWER_POLICIES):
         argv = [sys.executable, "-m", "deploy.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                 # A fresh disk tier per start: every system begins with an empty cache, as the peers do.
-                "--cache-dir", str(opts.run_dir / f"{name}-kv"),
+                "--cache-dir", str(opts.run_dir / f"{file_label(name)}-kv"),
                 # The vision workload serves its media from 127.0.0.1 (vision_workload.MediaServer).
                 "--allow-media-hosts", "127.0.0.1"]
         if opts.model_spec:
             argv += ["--model", opts.model_spec]
-        if name == "tandem-colocate":
+        if base == "tandem-colocate":
             argv.append("--colocate")
-        return ServerSpec(name, argv + opts.tandem_args, dict(os.environ), "default", port, "/metrics")
+        # After --tandem-args, so that the row's name says the policy that ran.
+        argv += opts.tandem_args + (["--power-policy", policy] if policy else [])
+        return ServerSpec(name, argv, dict(os.environ), "default", port, "/metrics")
     if name == "mlx_lm":
         argv = [sys.executable, "-m", "mlx_lm.server", "--model", str(opts.peer_model_dir),
                 "--host", "127.0.0.1", "--port", str(port)]

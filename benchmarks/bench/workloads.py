@@ -140,10 +140,13 @@ def level_requests(cfg: WorkloadConfig, concurrency: int) -> int:
     return cfg.requests_per_level or max(8, 2 * concurrency)
 
 
-async def sweep(target: Target, cfg: WorkloadConfig) -> list[dict]:
+async def sweep(target: Target, cfg: WorkloadConfig, energy=None) -> list[dict]:
+    """Each concurrency level in turn; with `energy` (benchmarks/bench/energy_run.EnergyRun)
+    each level also gets its joules and joules per output token."""
     levels = []
     async with _client(max(cfg.concurrency)) as client:
         for c in cfg.concurrency:
+            start = energy.mark() if energy else None
             n = None if cfg.duration_s else level_requests(cfg, c)
             progress = Progress(f"{target.name} c={c}", n, cfg.duration_s)
 
@@ -155,6 +158,8 @@ async def sweep(target: Target, cfg: WorkloadConfig) -> list[dict]:
             progress.close()
             levels.append({"concurrency": c, **summarize(results, wall, ttft_budget=cfg.ttft_budget_s,
                                                            itl_budget=cfg.itl_budget_s)})
+            if energy:
+                levels[-1]["energy"] = energy.level(start, levels[-1]["output_tokens"])
     return levels
 
 
