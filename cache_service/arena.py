@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import re
 import secrets
@@ -183,6 +184,28 @@ class Arena:
         # to (a segfault). frombuffer's memoryview base pins the mapping.
         count = nbytes // dtype.itemsize if dtype.itemsize else 0
         return np.frombuffer(self.buf, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+    def discard(self, offset: int, nbytes: int) -> int:
+        """Give the pages wholly inside [offset, offset + nbytes) back to the
+        system; they read as zeros afterwards. Only for ranges nobody holds
+        (memory pressure: blocks just evicted). Returns the bytes discarded,
+        0 where the system cannot (then the pages simply stay until reused).
+
+        An evicted block's pages stay resident otherwise: the segment is tmpfs
+        on Linux (MADV_REMOVE punches them out of it) and a shared VM object on
+        macOS (MADV_FREE_REUSABLE lets the kernel take them; unverified there)."""
+        self._check_range(offset, nbytes)
+        advice = getattr(mmap, "MADV_REMOVE", None) or getattr(mmap, "MADV_FREE_REUSABLE", None)
+        mapping = getattr(self._shm, "_mmap", None)  # SharedMemory's own mapping (CPython 3.8+)
+        start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (offset + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if advice is None or mapping is None or end <= start:
+            return 0
+        try:
+            mapping.madvise(advice, start, end - start)
+        except (OSError, ValueError):
+            return 0
+        return end - start
 
     def close(self) -> None:
         """Unmap. Idempotent. Arrays still pointing into the arena keep their

@@ -391,6 +391,20 @@ class BlockIndex:
         entry = self._entries[h]
         return entry.last_use if entry.evictable else None
 
+    def shrink(self, target_bytes: int) -> int:
+        """Evict evictable blocks, least recently used first, until the READY
+        blocks hold at most `target_bytes` (memory pressure); leased, pinned
+        and WRITING blocks stay. Returns the arena bytes freed."""
+        freed = 0
+        for h in list(self._lru):
+            if self._ready_bytes <= target_bytes:
+                break
+            entry = self._entries[h]
+            if entry.evictable:
+                freed += entry.size
+                self._evict(entry)
+        return freed
+
     def _evict(self, entry: BlockEntry) -> None:
         self._remove(entry)
         self.counters["evictions_total"] += 1

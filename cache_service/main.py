@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from typing import Any, Optional
 
 import zmq
@@ -22,6 +23,7 @@ from cache_service.arena import Arena, new_arena_name
 from cache_service.disk_tier import DiskTier
 from cache_service.service import CacheService, error_reply
 from deploy.logs import setup_logging
+from deploy.memory_pressure import PressurePoll, PressureReader
 from deploy.settings import Settings
 from protos.codec import ProtocolError
 from protos.transport import ipc_address, make_socket, recv, rejects, send
@@ -61,7 +63,8 @@ def run(settings: Settings, ready=None) -> None:
     ctx = zmq.Context()
     sock = service = None
     try:
-        service = CacheService(arena, settings.cache_memory_bytes, _open_disk_tier(settings))
+        pressure = PressurePoll(PressureReader(settings.memory_pressure_file), settings.memory_poll_s, time.monotonic)
+        service = CacheService(arena, settings.cache_memory_bytes, _open_disk_tier(settings), pressure)
         os.makedirs(settings.run_dir, exist_ok=True)
         sock = make_socket(ctx, zmq.ROUTER)
         address = ipc_address(settings.run_dir, "cache")

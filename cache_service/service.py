@@ -17,6 +17,8 @@ from cache_service.arena import Arena
 from cache_service.block_index import BlockEntry, BlockIndex
 from cache_service.block_store import BlockStore
 from cache_service.disk_tier import DiskTier
+from cache_service.pressure import PressureShrinker
+from deploy.memory_pressure import PressurePoll
 from protos.messages import (BlockRef, CacheAlloc, CacheAllocReply, CacheFree, CacheReply, CacheStats, KVCommit,
                              KVLookup, KVLookupReply, KVRelease, KVReserve, KVReserveReply)
 
@@ -32,11 +34,14 @@ _FLUSH_S = 1.0  # at stop, how long queued disk writes may take
 class CacheService:
     """The request handlers, apart from the socket loop (so tests can call them)."""
 
-    def __init__(self, arena: Arena, capacity: int, disk: Optional[DiskTier] = None):
+    def __init__(self, arena: Arena, capacity: int, disk: Optional[DiskTier] = None,
+                 pressure: Optional[PressurePoll] = None):
         self.arena = arena
         self.allocator = Allocator(min(capacity, arena.size))
         self.index = BlockIndex(self.allocator)
         self.blocks = BlockStore(arena, self.index, disk)
+        # Memory pressure shrinks the blocks (cache_service/pressure.py); None: never read.
+        self.pressure = PressureShrinker(pressure, self.index, arena) if pressure is not None else None
         self._handlers = {CacheAlloc: self._alloc, CacheFree: self._free, CacheStats: self._stats,
                           KVLookup: self._lookup, KVRelease: self._release, KVReserve: self._reserve,
                           KVCommit: self._commit}
@@ -53,7 +58,8 @@ class CacheService:
 
     def stats(self) -> dict:
         # pid: lets a health check tell a restarted service from the old one.
-        return {**self.allocator.stats(), **self.blocks.stats(), "pid": os.getpid()}
+        pressure = self.pressure.stats() if self.pressure is not None else {}
+        return {**self.allocator.stats(), **self.blocks.stats(), **pressure, "pid": os.getpid()}
 
     def _stats(self, msg: CacheStats) -> CacheReply:
         return CacheReply(call_id=msg.call_id, ok=True, stats=self.stats())
@@ -132,8 +138,10 @@ class CacheService:
     # ---------------------------------------------------------------- time --
 
     def tick(self) -> None:
-        """Housekeeping between bursts: deadlines, finished disk copies."""
+        """Housekeeping between bursts: deadlines, finished disk copies, memory pressure."""
         self.blocks.collect_disk_writes()
+        if self.pressure is not None:
+            self.pressure.tick()
         expired = self.index.expire()
         for alloc in expired.handoffs:
             log.warning("reservation %d of %r (%d bytes) expired unfreed", alloc.id, alloc.owner, alloc.nbytes)

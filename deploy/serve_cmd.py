@@ -115,6 +115,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--power-poll", type=_seconds, default=d.power_poll_s, help="seconds between power readings")
     p.add_argument("--power-state-file", default=None, metavar="FILE",
                    help="read the power state from this JSON file instead of the machine (testing a policy)")
+    p.add_argument("--memory-pressure-file", default=None, metavar="FILE",
+                   help="read the memory-pressure level (normal, warn, critical) from this file instead of the system")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
 
 
@@ -140,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         max_image_pixels=args.max_image_pixels, media_fetch_timeout_s=args.media_fetch_timeout,
         max_video_frames=args.max_video_frames,
         power_policy=args.power_policy, power_poll_s=args.power_poll, power_state_file=args.power_state_file,
+        memory_pressure_file=args.memory_pressure_file,
     )
     logging.getLogger(__name__).info(
         "KV cache: %.0f MiB of shared memory, disk tier %s", settings.cache_memory_bytes / 2**20,

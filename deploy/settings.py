@@ -21,12 +21,16 @@ def default_cache_dir() -> str:
     return os.path.join(base, "tandem")
 
 
-def default_cache_memory() -> int:
-    """A tenth of physical memory, between 256 MiB and 8 GiB: the KV arena."""
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        ram = 8 << 30
+def default_cache_memory(ram: int | None = None) -> int:
+    """A tenth of physical memory (`ram`: this machine's), between 256 MiB and
+    8 GiB: the KV arena. It is the KV cache's budget, the one share of memory
+    that grows with use (its pages are touched as conversations are cached);
+    memory pressure shrinks it (cache_service/pressure.py)."""
+    if ram is None:
+        try:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            ram = 8 << 30
     return max(256 << 20, min(8 << 30, ram // 10))
 
 
@@ -93,6 +97,12 @@ class Settings:
     # Blocks each model worker keeps as MLX arrays (workers/kv/hot_blocks.py);
     # None: sized by the device (workers.models.loading.hot_kv_bytes), 0: none.
     hot_kv_bytes: int | None = None
+    # Memory pressure (deploy/memory_pressure.py), read this often by the cache
+    # service and each model worker; under pressure they shrink their caches.
+    memory_poll_s: float = 2.0
+    # The level read from this file ("normal", "warn" or "critical") instead of
+    # PSI / macOS: tests drive a running server with it.
+    memory_pressure_file: str | None = None
     # Scheduling and admission
     max_batch: int = 32  # decode batch size per decode worker
     prefill_chunk: int = 512  # tokens per prefill step (bounds how long decode waits in --colocate)

@@ -137,6 +137,8 @@ class WorkerHello:
     max_context: int = 0
     hot_kv_bytes: int = 0  # prefix-cache blocks it keeps as MLX arrays (workers/kv/hot_blocks.py)
     hot_kv_hits: int = 0  # blocks it took from there instead of the arena, since start
+    memory_pressure: int = 0  # the level it last read: 0 normal, 1 warn, 2 critical (deploy/memory_pressure.py)
+    memory_freed_bytes: int = 0  # hot KV and MLX's freed buffers it let go under pressure, since start
     batched_prompts: int = 0  # prompts it prefilled in a pass with others (workers/prefill/batch.py), since start
     limits_version: int = 0  # the WorkerLimits it applies (0: none yet: the settings' own)
     max_batch: int = 0  # decode rows per step it allows now (0: no decode role)

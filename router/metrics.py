@@ -68,6 +68,21 @@ class _LiveState:
         evictions.add_metric(["memory"], stats.get("evictions_total", 0))
         evictions.add_metric(["disk"], stats.get("disk_evictions_total", 0))
         yield evictions
+        yield from _memory_pressure(d.workers, stats)
+
+
+def _memory_pressure(workers: dict, cache_stats: dict):
+    """Each process's memory-pressure level and what it let go (deploy/memory_pressure.py)."""
+    level = GaugeMetricFamily("tandem_memory_pressure", "Memory pressure a process reads: 0 normal, 1 warn, 2 critical",
+                              labels=["process"])
+    freed = CounterMetricFamily("tandem_memory_pressure_freed_bytes",
+                                "Bytes of cache a process let go under memory pressure", labels=["process"])
+    level.add_metric(["cache"], cache_stats.get("memory_pressure", 0))
+    freed.add_metric(["cache"], cache_stats.get("memory_pressure_freed_bytes_total", 0))
+    for wid, w in sorted(workers.items()):
+        level.add_metric([wid], w.hello.memory_pressure)
+        freed.add_metric([wid], w.hello.memory_freed_bytes)
+    yield from (level, freed)
 
 
 class AdmissionMetrics:

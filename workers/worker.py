@@ -40,6 +40,7 @@ from workers.grammar import Grammars, logits_width
 from workers.kv.prefix_cache import make_prefix_cache
 from workers.kv.store_thread import StoreThread
 from workers.loop_clock import LoopClock
+from workers.memory_relief import relieve_memory
 from workers.models.loading import hot_kv_bytes, load_model, size_buffer_cache
 from workers.prefill.engine import PrefillEngine
 from workers.prefill.role import PrefillRole
@@ -213,6 +214,7 @@ class Worker:
             if self.stores is not None:
                 self.stores.release_done()  # what its finished jobs read, freed on this (MLX) thread
             self.update_load()
+            relieve_memory(self.settings, self.prefix, self.hello)  # under memory pressure: hot KV, MLX's freed buffers
             self.clock.maybe_report()
 
     def has_work(self) -> bool:

@@ -38,12 +38,15 @@ def server(request, tmp_path_factory, embedded_model_dir):
     # and a laptop's readings: this box has no battery); on AC power, as the box is.
     power_file = tmp_path_factory.mktemp("power") / "power.json"
     power_file.write_text('{"source": "ac"}')
+    pressure_file = power_file.with_name("pressure")  # likewise for PSI / macOS memory pressure
+    pressure_file.write_text("normal")
     flags = ["--prefill-chunk", "32", "--log-level", "debug", "--power-state-file", str(power_file),
-             "--power-poll", "0.2"]
+             "--power-poll", "0.2", "--memory-pressure-file", str(pressure_file)]
     # Split: two decode workers, so concurrent requests spread over both.
     flags += ["--colocate"] if request.param == "colocate" else ["--decode-workers", "2"]
     srv = module_server(request, tmp_path_factory, *flags)
-    srv.power_file, srv.decoders = power_file, 1 if request.param == "colocate" else 2
+    srv.power_file, srv.pressure_file = power_file, pressure_file
+    srv.decoders = 1 if request.param == "colocate" else 2
     return srv
 
 
@@ -258,3 +261,32 @@ def test_power_policy_follows_the_machine_live(server, client, power_refs):
     assert metric(server, "tandem_power_policy_changes_total") >= 4
     again = client.chat.completions.create(model="default", messages=_SIXTEEN[0], max_tokens=40, temperature=0)
     assert again.choices[0].message.content == power_refs[0]
+
+
+def test_memory_pressure_shrinks_the_caches_and_metrics_say_so(server, client):
+    """Critical memory pressure (from the level file): the cache service drops
+    its unleased blocks and every model worker its hot tier, and /metrics says so;
+    the server still answers, and the caches refill once it is normal again."""
+    client.chat.completions.create(model="default", messages=CONVERSATIONS["long"], max_tokens=4, temperature=0)
+    assert metric(server, "tandem_cache_bytes", '{tier="memory"}') > 0
+    server.pressure_file.write_text("critical")
+    try:
+        deadline = time.monotonic() + 20
+        while not (metric(server, "tandem_memory_pressure", '{process="cache"}') == 2
+                   and metric(server, "tandem_cache_bytes", '{tier="memory"}') == 0):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert metric(server, "tandem_memory_pressure_freed_bytes_total", '{process="cache"}') > 0
+        worker = "worker-0" if server.decoders == 1 else "decode-0"
+        while metric(server, "tandem_memory_pressure", f'{{process="{worker}"}}') != 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        answer = client.chat.completions.create(model="default", messages=CONVERSATIONS["short"], max_tokens=8,
+                                                temperature=0)
+        assert answer.choices[0].message.content
+    finally:
+        server.pressure_file.write_text("normal")
+    deadline = time.monotonic() + 20
+    while metric(server, "tandem_memory_pressure", '{process="cache"}') != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)

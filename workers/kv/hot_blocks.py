@@ -105,6 +105,15 @@ class HotBlocks:
             self._blocks.popitem(last=False)
             self.evictions += 1
 
+    def drop(self) -> int:
+        """Let go of every block (memory pressure: workers/memory_relief.py);
+        the bytes let go. A prompt being built from some keeps those alive
+        until it is done; the arena still has them all."""
+        freed = self.nbytes
+        self.evictions += len(self._blocks)
+        self._blocks.clear()
+        return freed
+
 
 def block_of(keys: mx.array, values: mx.array, start: int, end: int) -> Block:
     """Tokens [start, end) of stacked (layers, heads, tokens, dim) KV as a

@@ -27,6 +27,31 @@ from deploy.model_folder import ModelError
 CPU_BUFFER_CACHE = 128 << 20
 
 
+def device_memory(device: dict) -> int | None:
+    """The bytes MLX may use on its device: on a Mac, Metal's recommended
+    working set (about two thirds to three quarters of RAM); on CUDA, the
+    card's memory."""
+    total = device.get("max_recommended_working_set_size") or device.get("total_memory") or device.get("memory_size")
+    return int(total) if total else None
+
+
+def unified_memory(device: dict) -> bool:
+    """Whether the GPU's memory IS the machine's memory (Apple silicon):
+    then every byte a worker keeps on the device is RAM the system lacks.
+    Only Metal reports a recommended working set; CUDA may report memory_size."""
+    return "max_recommended_working_set_size" in device
+
+
+# What MLX keeps of freed buffers on a GPU, per process, at least. What a
+# step frees and the next allocates again (a prefill chunk's activations, a
+# decode step's logits, a joining row's copy of the batch) is far less than
+# the device, and mlx_lm.server empties its cache after every prompt, so a
+# larger cache is memory only Tandem holds. On unified memory that memory is
+# RAM, hence the smaller floor there.
+DISCRETE_BUFFER_CACHE_MIN = 1 << 30
+UNIFIED_BUFFER_CACHE_MIN = 256 << 20
+
+
 def buffer_cache_bytes(cpu: bool, device: dict, processes: int = 1) -> int | None:
     """How many bytes of freed buffers one of `processes` model processes on
     this machine should let MLX keep for reuse (None: leave MLX's default).
@@ -34,12 +59,22 @@ def buffer_cache_bytes(cpu: bool, device: dict, processes: int = 1) -> int | Non
     sharing one GPU (or a Mac's unified memory) each hoarded freed buffers up
     to it until another's allocation failed (a 32-agent swarm on an H100 grew
     the decode worker to 78 GB in seconds; both workers then failed with out
-    of memory). There each keeps at most 1/(2 x processes) of the device's
-    memory."""
+    of memory). Half the device per process stopped the failures but still let
+    two workers on a 16 GB Mac keep 5 GB of RAM in freed buffers. Now each
+    keeps, of the device's memory, a sixteenth (at least 1 GiB) on a discrete
+    GPU, a thirty-second (at least 256 MiB) on unified memory, and never more
+    than 1/(2 x processes)."""
     if cpu:
         return CPU_BUFFER_CACHE
-    total = device.get("max_recommended_working_set_size") or device.get("total_memory") or device.get("memory_size")
-    return int(total) // (2 * max(1, processes)) if total else None
+    total = device_memory(device)
+    if not total:
+        return None
+    share = max(1, processes)
+    if unified_memory(device):
+        want = max(UNIFIED_BUFFER_CACHE_MIN, total // (32 * share))
+    else:
+        want = max(DISCRETE_BUFFER_CACHE_MIN, total // (16 * share))
+    return min(total // (2 * share), want)
 
 
 # A CPU worker's hot KV blocks: there an arena read is only a memcpy (a warm
@@ -50,14 +85,23 @@ CPU_HOT_KV = 64 << 20
 
 def hot_kv_bytes(cpu: bool, device: dict, processes: int = 1) -> int:
     """Bytes of prefix-cache blocks one of `processes` model processes keeps
-    as MLX arrays (workers/kv/hot_blocks.py). On a GPU, an eighth of the device's
-    memory per process: on a discrete GPU every block taken from the host
-    arena crosses PCIe from pageable memory (~3.5 GB/s measured on an H100),
-    and on a Mac it saves two copies per block."""
+    as MLX arrays (workers/kv/hot_blocks.py), copies of arena blocks.
+    - A discrete GPU: an eighth of its memory per process. Every block taken
+      from the host arena crosses PCIe from pageable memory (~3.5 GB/s
+      measured on an H100; a 32-agent swarm 60.1 -> 34.0 s with the tier),
+      and the copies sit in the card's memory, not the host's.
+    - Unified memory (a Mac): a thirty-second of the device's memory per
+      process. There the device's memory is RAM, so "an eighth per worker"
+      was a quarter of the working set for two workers on top of the arena
+      holding the same blocks; and a block taken from the arena costs two
+      memcpys at memory bandwidth, not a PCIe crossing.
+    - The CPU: 64 MiB (above)."""
     if cpu:
         return CPU_HOT_KV
-    total = device.get("max_recommended_working_set_size") or device.get("total_memory") or device.get("memory_size")
-    return int(total) // (8 * max(1, processes)) if total else CPU_HOT_KV
+    total = device_memory(device)
+    if not total:
+        return CPU_HOT_KV
+    return total // ((32 if unified_memory(device) else 8) * max(1, processes))
 
 
 def set_cuda_graphs(environ=os.environ) -> None:

@@ -65,13 +65,15 @@ def test_install_puts_the_cpu_functions_in_mlx_lm_place(embedded_model):
 def test_each_worker_process_keeps_a_bounded_share_of_freed_buffers():
     """CPU: 128 MB (MLX's 32 MB default made big prefill chunks page-fault fresh
     buffers). GPU: MLX's default is the whole memory limit in every process, so
-    workers sharing a device get 1/(2 x processes) of its memory each; the
-    platform call is MLX's, fed here with an H100's and an M-series Mac's info."""
+    workers sharing a device get a bounded share each (a sixteenth of a discrete
+    GPU, a thirty-second of a Mac's working set, per process; more cases in
+    tests/workers/models/test_memory_budgets.py); the platform call is MLX's,
+    fed here with an H100's and an M-series Mac's info."""
     assert buffer_cache_bytes(True, {}, 3) == CPU_BUFFER_CACHE
     h100 = {"total_memory": 85520809984, "device_name": "NVIDIA H100 80GB HBM3"}
-    assert buffer_cache_bytes(False, h100, 2) == 85520809984 // 4
+    assert buffer_cache_bytes(False, h100, 2) == 85520809984 // 32
     mac = {"memory_size": 68719476736, "max_recommended_working_set_size": 51539607552}
-    assert buffer_cache_bytes(False, mac, 3) == 51539607552 // 6  # the working set, not all RAM
+    assert buffer_cache_bytes(False, mac, 3) == 51539607552 // 96  # the working set, not all RAM
     assert buffer_cache_bytes(False, {"device_name": "?"}, 2) is None  # unknown: MLX's default stays
     mx.set_cache_limit(4 * CPU_BUFFER_CACHE)
     size_buffer_cache(5)  # this machine: MLX's CPU backend

@@ -234,12 +234,13 @@ def test_without_a_hot_tier_the_handoff_still_refers_to_blocks(model, tiny_dir):
 
 
 def test_hot_tier_size_per_worker():
-    """An eighth of the GPU's memory per model process (the working set on a
-    Mac), a small fixed tier on a CPU; fed an H100's and a Mac's device info."""
+    """An eighth of a discrete GPU's memory per model process, a thirty-second
+    of a Mac's working set (unified memory: that is RAM), a small fixed tier
+    on a CPU; fed an H100's and a Mac's device info."""
     from workers.models.loading import CPU_HOT_KV, hot_kv_bytes
 
     assert hot_kv_bytes(True, {}, 2) == CPU_HOT_KV
     assert hot_kv_bytes(False, {"total_memory": 85520809984}, 2) == 85520809984 // 16
     mac = {"memory_size": 68719476736, "max_recommended_working_set_size": 51539607552}
-    assert hot_kv_bytes(False, mac, 3) == 51539607552 // 24
+    assert hot_kv_bytes(False, mac, 3) == 51539607552 // 96
     assert hot_kv_bytes(False, {}, 1) == CPU_HOT_KV  # unknown device: the small tier
