@@ -12,6 +12,7 @@ def build_parser() -> argparse.ArgumentParser:
     from benchmarks.bench import bench_cmd
     from benchmarks.random_models import random_model_cmd
     from deploy import cache_cmd, generate_cmd, serve_cmd
+    from deploy.service import service_cmd
 
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving on MLX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -29,12 +30,19 @@ def build_parser() -> argparse.ArgumentParser:
     rand.set_defaults(run=random_model_cmd.run)
     cache = sub.add_parser("cache", help="manage the KV disk cache (clear)")
     cache_cmd.add_arguments(cache)
+    service = sub.add_parser("service", help="run `tandem serve` as a launchd or systemd service (install, status, logs...)")
+    service_cmd.add_arguments(service)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     blas.reexec_with_openblas()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # `tandem service install` takes `tandem serve`'s flags after its own.
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "takes_serve_flags", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     return args.run(args) or 0
 
 

@@ -7,6 +7,15 @@ in-flight streams while the workers still run), then workers and the cache
 service. Each child also watches its parent and stops itself if the
 supervisor vanishes (kill -9), so no orphan outlives it.
 
+The HTTP port is the supervisor's: it binds it once (or takes it from
+launchd or systemd socket activation) and hands the socket to every router it
+starts, so while a crashed router restarts, new connections wait in the
+kernel's backlog instead of being refused (deploy/service/listen_socket.py).
+
+Exit codes, for launchd's KeepAlive and systemd's Restart=on-failure: 0 only
+after a requested stop (SIGTERM, Ctrl-C, SIGHUP); 1 whenever it gives up (the
+port in use, a child dying too often).
+
 The run dir (the sockets) and the shared-memory arena are removed on every
 normal or signalled exit; what a server killed whole left behind is swept at
 the next start (deploy/run_dir.py).
@@ -29,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from cache_service.arena import unlink_arena
 from deploy.blas import calm_blas_threads
 from deploy.run_dir import RunDir, sweep_leftovers
+from deploy.service.listen_socket import Listeners, ListenError, open_listeners
 from deploy.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -36,6 +46,18 @@ log = logging.getLogger(__name__)
 # A child that dies this often within the window is broken, not unlucky.
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
+# Stopping: the router gets the drain plus STOP_GRACE_S, the rest STOP_GRACE_S;
+# a child still alive then is killed and waited for KILL_WAIT_S more.
+STOP_GRACE_S = 5.0
+KILL_WAIT_S = 2.0
+EXIT_STOPPED = 0  # a requested stop
+EXIT_GAVE_UP = 1  # launchd and systemd restart the service on it
+
+
+def longest_stop_s(drain_timeout_s: float) -> float:
+    """The longest `shutdown` can take: what a service manager must wait
+    (launchd's ExitTimeOut, systemd's TimeoutStopSec) before killing it."""
+    return (drain_timeout_s + STOP_GRACE_S + KILL_WAIT_S) + (STOP_GRACE_S + KILL_WAIT_S)
 
 
 def _watch_parent(parent: int) -> None:
@@ -72,6 +94,7 @@ class Supervisor:
         self.stopping = threading.Event()
         self.failed: str | None = None
         self.run_dir: RunDir | None = None  # the one this supervisor made (settings.run_dir unset)
+        self.listeners: Listeners | None = None  # the HTTP port, handed to every router
         self._new_arena_name()
 
     def _new_arena_name(self) -> None:
@@ -82,7 +105,7 @@ class Supervisor:
         self.children.append(Child("cache", "cache_service.main:run", lambda: (self.settings,)))
         for name, roles in self.settings.worker_plan():
             self._worker(name, roles)
-        self.children.append(Child("router", "router.main:run", lambda: (self.settings,)))
+        self.children.append(Child("router", "router.main:run", lambda: (self.settings, self.listeners.sockets)))
 
     def _worker(self, name: str, roles: list[str]) -> None:
         self.children.append(Child(name, "workers.main:run", lambda: (self.settings, roles, name)))
@@ -105,6 +128,8 @@ class Supervisor:
     # -------------------------------------------------------------- run --
     def run(self) -> int:
         """Start everything, keep it alive until asked to stop. Returns an exit code."""
+        if not self._listen():
+            return EXIT_GAVE_UP
         left = sweep_leftovers()
         if left:
             log.info("removed %d run dirs and arenas left behind by servers that are gone: %s%s", len(left),
@@ -117,8 +142,8 @@ class Supervisor:
                 log.info("OpenBLAS: idle threads sleep at once (OPENBLAS_THREAD_TIMEOUT=4)")
             for child in self.children:
                 self._spawn(child)
-            log.info("tandem serving %s on http://%s:%d (run dir %s)", self.settings.model_id, self.settings.host,
-                     self.settings.port, self.settings.run_dir)
+            log.info("tandem serving %s on http://%s (%s; run dir %s)", self.settings.model_id,
+                     self.listeners.addresses(), self.listeners.origin, self.settings.run_dir)
             while not self.stopping.is_set():
                 sentinels = {c.process.sentinel: c for c in self.children if c.process is not None}
                 ready = mp.connection.wait(list(sentinels), timeout=0.5)
@@ -128,7 +153,21 @@ class Supervisor:
                     self._on_exit(sentinels[sentinel])
         finally:
             self.shutdown()
-        return 1 if self.failed else 0
+        return EXIT_GAVE_UP if self.failed else EXIT_STOPPED
+
+    def _listen(self) -> bool:
+        """The HTTP port, before any child starts: one in use fails the start at
+        once (a router bound to it would only die and restart until the
+        restarts ran out)."""
+        try:
+            self.listeners = open_listeners(self.settings.host, self.settings.port)
+        except ListenError as exc:
+            self.failed = str(exc)
+            log.error("%s", exc)
+            return False
+        if self.listeners.origin == "bound" and self.settings.port == 0:  # the port the kernel chose
+            self.settings = replace(self.settings, port=self.listeners.port())
+        return True
 
     def _make_run_dir(self) -> None:
         if self.settings.run_dir:  # given: used as it is
@@ -165,10 +204,15 @@ class Supervisor:
     def shutdown(self) -> None:
         """Router first (drains streams), then the rest. Every wait is bounded."""
         self.stopping.set()
+        if self.listeners is not None:
+            # Ours closed first: once the router closes its copy, connections
+            # still queued are refused, not left waiting for a router that
+            # never comes (a socket-activated port stays with launchd/systemd).
+            self.listeners.close()
         drain = self.settings.drain_timeout_s
         router = [c for c in self.children if c.name == "router"]
         rest = [c for c in self.children if c.name != "router"]
-        for group, grace in ((router, drain + 5.0), (rest, 5.0)):
+        for group, grace in ((router, drain + STOP_GRACE_S), (rest, STOP_GRACE_S)):
             procs = [c.process for c in group if c.process is not None and c.process.is_alive()]
             for p in procs:
                 p.terminate()
@@ -178,7 +222,7 @@ class Supervisor:
                 if p.is_alive():
                     log.warning("%s (pid %d) did not stop in %.0fs; killing", p.name, p.pid, grace)
                     p.kill()
-                    p.join(timeout=2)
+                    p.join(timeout=KILL_WAIT_S)
         self._cleanup_arena()
         if self.run_dir is not None:
             self.run_dir.remove()

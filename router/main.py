@@ -5,6 +5,10 @@ Dispatcher that talks to the workers. SIGTERM or Ctrl-C starts uvicorn's
 graceful shutdown: no new connections, in-flight streams get up to
 `drain_timeout_s` to finish. A dispatcher loop that ends (it never should)
 stops the process with exit code 1, so the supervisor starts a fresh one.
+
+It serves on the listening socket the supervisor hands it (the supervisor
+keeps the port open while a router restarts: deploy/service/listen_socket.py);
+started without one (tests), uvicorn binds host:port itself.
 """
 
 from __future__ import annotations
@@ -91,12 +95,13 @@ async def watch_loops(dispatcher: Dispatcher, server: uvicorn.Server, exit_backs
 
 
 async def serve(dispatcher: Dispatcher, server: uvicorn.Server, exit_backstop_s: float | None = None,
-                interval_s: float = WATCH_INTERVAL_S) -> list[str]:
-    """Serve until shutdown; returns the dispatcher loops that ended, if that is why."""
+                interval_s: float = WATCH_INTERVAL_S, sockets: list | None = None) -> list[str]:
+    """Serve until shutdown (on `sockets` when given, else on the config's
+    host:port); returns the dispatcher loops that ended, if that is why."""
     await dispatcher.start()
     watchdog = asyncio.create_task(watch_loops(dispatcher, server, exit_backstop_s, interval_s))
     try:
-        await server.serve()
+        await server.serve(sockets=sockets)
     finally:
         watchdog.cancel()  # a no-op if it ended the serving
         outcome = (await asyncio.gather(watchdog, return_exceptions=True))[0]
@@ -104,8 +109,9 @@ async def serve(dispatcher: Dispatcher, server: uvicorn.Server, exit_backstop_s:
     return outcome if isinstance(outcome, list) else []
 
 
-def run(settings: Settings) -> None:
-    """Process main for the router (a `spawn` target)."""
+def run(settings: Settings, sockets: list | None = None) -> None:
+    """Process main for the router (a `spawn` target); `sockets`: the
+    supervisor's listening sockets, passed through multiprocessing."""
     setup_logging(settings.log_level, "router")
     from mlx_lm.utils import load_tokenizer
 
@@ -116,7 +122,7 @@ def run(settings: Settings) -> None:
     dispatcher = Dispatcher(settings, max_context=context_length(settings.model_dir))
     app = create_app(dispatcher, tokenizer, settings)
     server = uvicorn.Server(uvicorn_config(app, settings))
-    dead = asyncio.run(serve(dispatcher, server, settings.drain_timeout_s + EXIT_BACKSTOP_S))
+    dead = asyncio.run(serve(dispatcher, server, settings.drain_timeout_s + EXIT_BACKSTOP_S, sockets=sockets))
     if dead:
         sys.exit(1)
     log.info("router stopped")

@@ -32,7 +32,7 @@ SUPERVISOR = textwrap.dedent("""
     # As in a terminal: the test may run under nohup, whose ignored SIGHUP
     # the supervisor (rightly) leaves alone.
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    supervisor = OneSleeper(Settings(model_id="m", drain_timeout_s=1.0))
+    supervisor = OneSleeper(Settings(model_id="m", port=0, drain_timeout_s=1.0))  # any free port: it binds it
     signal.signal(signal.SIGTERM, supervisor.request_stop)
     sys.exit(supervisor.run())
 """)

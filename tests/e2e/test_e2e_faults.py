@@ -108,6 +108,27 @@ def test_kill_cache_service(server_factory):
         assert len([p for p in glob.glob("/dev/shm/tandem-*") if str(srv.proc.pid) in p]) == 1
 
 
+def _holders_of_the_port(srv) -> list[int]:
+    """The supervisor's children holding the listening socket (Linux /proc):
+    the router, whose socket the supervisor handed it."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                cols = row.split()
+                if cols[1].endswith(f":{srv.port:04X}") and cols[3] == "0A":  # LISTEN
+                    inodes.add(f"socket:[{cols[9]}]")
+    holders = []
+    for pid in srv.pids():
+        try:
+            links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        except OSError:
+            continue
+        if links & inodes:
+            holders.append(pid)
+    return holders
+
+
 def test_sigterm_drains_streams_and_leaves_nothing_behind(server_factory):
     srv = server_factory()
     children = srv.pids()
@@ -160,8 +181,23 @@ def test_api_key_and_queue_limit(server_factory):
             assert "busy" in body["error"]["message"]
 
 
-def test_children_do_not_outlive_a_killed_supervisor(server_factory):
+def test_a_killed_router_keeps_the_port_then_a_killed_supervisor_leaves_no_child(server_factory):
+    """One server, two faults. The router killed: the supervisor owns the port
+    (deploy/service/listen_socket.py), so a request made while no router runs
+    waits in the kernel's backlog and the next router answers it (the client
+    retries nothing: max_retries=0). Then the supervisor killed: no child,
+    the new router included, outlives it."""
     srv = server_factory()
+    if sys.platform.startswith("linux"):  # the router found through /proc
+        [router] = _holders_of_the_port(srv)
+        os.kill(router, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while pid_alive(router) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        resp = client_for(srv, timeout=120).chat.completions.create(model="default", messages=QUESTION,
+                                                                   max_tokens=5, temperature=0)
+        assert resp.usage.completion_tokens == 5
+        assert _holders_of_the_port(srv) not in ([], [router])
     children = srv.pids()
     os.kill(srv.proc.pid, signal.SIGKILL)
     srv.proc.wait(timeout=10)
