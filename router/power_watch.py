@@ -26,6 +26,8 @@ from protos.messages import WorkerHello, WorkerLimits
 log = logging.getLogger("tandem.power")
 
 READ_TIMEOUT_S = 5.0  # a reader bounds its own calls; this bounds the thread's wait
+RESEND_S = 2.0  # a worker that has not echoed its limits gets them again after this
+SENT_KEPT = 256
 
 
 class PowerWatch:
@@ -38,6 +40,7 @@ class PowerWatch:
         self.changes = 0  # since start
         self.since = time.time()  # when the policy in force began
         self.listeners: list[Callable[[PowerPolicy], None]] = []
+        self._sent: dict[tuple, tuple[int, float]] = {}  # (worker id, pid) -> (version, when) last sent
 
     def update(self, state: PowerState) -> bool:
         """Take a reading; True when the policy changed."""
@@ -71,10 +74,19 @@ class PowerWatch:
                 log.exception("power state: reading failed; keeping %s", self.policy.name)
             await asyncio.sleep(self.settings.power_poll_s)
 
-    def limits_for(self, hello: WorkerHello) -> WorkerLimits | None:
-        """The WorkerLimits a model worker whose heartbeat is `hello` still needs, or None."""
+    def limits_for(self, hello: WorkerHello, now: float | None = None) -> WorkerLimits | None:
+        """The WorkerLimits a model worker whose heartbeat is `hello` still needs, or None.
+        Not again within RESEND_S for the same version: a worker loading its
+        model or warming up takes its inbox in only afterwards."""
         if hello.limits_version == self.version or not ({"prefill", "decode"} & set(hello.roles)):
             return None
+        now = time.monotonic() if now is None else now
+        key = (hello.worker_id, hello.pid)
+        if self._sent.get(key, (0, 0.0)) > (self.version, now - RESEND_S):
+            return None
+        if len(self._sent) > SENT_KEPT:  # workers that are gone; a few entries each restart
+            self._sent.clear()
+        self._sent[key] = (self.version, now)
         p = self.policy
         return WorkerLimits(self.version, p.name, p.max_batch, p.prefill_batch, p.pace_tokens_per_s, p.defer_warm_up)
 

@@ -123,3 +123,15 @@ def test_workers_get_the_limits_with_their_heartbeats_until_they_echo_them():
         assert dec.limits[-1].policy == "saver" and len(dec.limits) == 3
 
     run(body, max_batch=32)
+
+
+def test_a_worker_busy_loading_is_not_flooded_with_the_same_limits():
+    """Heartbeats keep coming while a worker loads its model (its inbox waits):
+    the same limits go again only after RESEND_S, a new version at once."""
+    watch = _watch()
+    hello = WorkerHello("decode-0", ["decode"], 7, "loading")
+    assert watch.limits_for(hello, now=100.0) is not None
+    assert watch.limits_for(hello, now=100.5) is None
+    assert watch.limits_for(hello, now=100.0 + power_watch.RESEND_S + 0.1) is not None
+    watch.update(LOW)
+    assert watch.limits_for(hello, now=102.2).policy == "saver"
