@@ -4,7 +4,10 @@ by the disk tier (optional).
 - lookup: a block missing from memory but on disk is read (verified) into a
   fresh arena slot and served as a hit;
 - commit: every newly committed block is written through to disk in the
-  background, pinned (never evicted) until the copy is over;
+  background, pinned (never evicted) until the copy is over; while the power
+  policy defers disk writes (saver: a laptop's SSD and CPU rest), the blocks
+  are remembered instead and written once it allows them, those still in
+  memory then;
 - everything else is the index's.
 
 Service thread only, like the index; the disk tier's writer thread only ever
@@ -13,13 +16,15 @@ reads pinned arena bytes and reports back through `finished()`.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Optional
 
 from cache_service.arena import Arena
-from cache_service.block_index import BlockEntry, BlockIndex
+from cache_service.block_index import READY, BlockEntry, BlockIndex
 from cache_service.disk_tier import DiskTier, empty_stats
 
 _PROMOTE_TTL_S = 60.0  # a disk read that never finishes (it cannot, but) still frees its slot
+DEFERRED_KEPT = 65536  # blocks remembered for a deferred write; older ones stay memory-only
 
 
 class BlockStore:
@@ -27,6 +32,8 @@ class BlockStore:
         self.arena = arena
         self.index = index
         self.disk = disk
+        self.defer_writes = False  # the power policy's (cache_service/main.py follows it)
+        self._deferred: OrderedDict[bytes, None] = OrderedDict()  # committed while deferred, oldest first
 
     def lookup(self, hashes: list, owner: str, lease_s: float, first: bool = False) -> tuple[int, list[BlockEntry]]:
         self.collect_disk_writes()  # finished copies unpin blocks: more room to promote into
@@ -46,7 +53,12 @@ class BlockStore:
 
     def commit(self, hashes: list, owner: str = "") -> list[BlockEntry]:
         done = self.index.commit(hashes, owner)
-        if self.disk is not None and done:
+        if self.disk is not None and done and self.defer_writes:
+            for entry in done:
+                self._deferred[entry.hash] = None
+            while len(self._deferred) > DEFERRED_KEPT:
+                self._deferred.popitem(last=False)
+        elif self.disk is not None and done:
             # A chain serves only from its head: when the writer's queue has no
             # room for every new block, the ones nearest the head go.
             kept, room = 0, self.disk.room_bytes()
@@ -63,13 +75,31 @@ class BlockStore:
             self.disk.touch([e.hash for e in order[kept:]])
         return done
 
+    def flush_deferred(self) -> int:
+        """Once writes are allowed again: the deferred blocks still in memory,
+        as many as the writer's queue takes now (the rest at the next call).
+        Returns how many were queued."""
+        if self.defer_writes or self.disk is None or not self._deferred:
+            return 0
+        queued, room = 0, self.disk.room_bytes()
+        while self._deferred and room > 0:
+            h, _ = self._deferred.popitem(last=False)
+            entry = self.index.get(h)
+            if entry is None or entry.state != READY:  # evicted meanwhile: stays out of both tiers
+                continue
+            room -= entry.nbytes
+            self._write_through(entry)
+            queued += 1
+        return queued
+
     def collect_disk_writes(self) -> None:
         if self.disk is not None:
             for h in self.disk.finished():
                 self.index.unpin(h)
 
     def stats(self) -> dict:
-        return {**self.index.stats(), **(self.disk.stats() if self.disk else empty_stats())}
+        return {**self.index.stats(), **(self.disk.stats() if self.disk else empty_stats()),
+                "disk_writes_deferred": len(self._deferred)}
 
     def close(self, flush_timeout_s: float = 1.0) -> None:
         if self.disk is not None:

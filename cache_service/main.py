@@ -24,6 +24,8 @@ from cache_service.disk_tier import DiskTier
 from cache_service.service import CacheService, error_reply
 from deploy.logs import setup_logging
 from deploy.memory_pressure import PressurePoll, PressureReader
+from deploy.power.policy import decide
+from deploy.power.readers import read_power
 from deploy.settings import Settings
 from protos.codec import ProtocolError
 from protos.transport import ipc_address, make_socket, recv, rejects, send
@@ -43,6 +45,18 @@ def _open_disk_tier(settings: Settings) -> Optional[DiskTier]:
     except OSError as exc:
         log.error("KV disk tier off: cannot use %s: %s", settings.cache_dir, exc)
         return None
+
+
+def _follow_power(settings: Settings, service: CacheService, stop: list) -> None:
+    """The power policy defers disk-tier writes in saver (deploy/power/policy.py).
+    Read here, off the service's thread (pmset is a subprocess); the service
+    applies it at its next tick. The router decides the same from the same reading."""
+    while not stop:
+        try:
+            service.defer_disk_writes = decide(read_power(settings), settings).defer_disk_writes
+        except Exception:  # noqa: BLE001 - a reader bug must not stop the thread
+            log.exception("power state: reading failed")
+        time.sleep(settings.power_poll_s)
 
 
 def run(settings: Settings, ready=None) -> None:
@@ -77,6 +91,8 @@ def run(settings: Settings, ready=None) -> None:
             st = disk.stats()
             log.info("KV disk tier %s: %d bytes at most; found %d blocks (%d bytes)",
                      disk.root, disk.capacity_bytes, st["disk_blocks"], st["disk_bytes"])
+        if service.blocks.disk is not None:
+            threading.Thread(target=_follow_power, args=(settings, service, stop), name="power", daemon=True).start()
         if ready is not None:
             ready.set()
         _serve(sock, service, stop)

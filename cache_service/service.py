@@ -41,6 +41,7 @@ class CacheService:
         self.index = BlockIndex(self.allocator)
         self.blocks = BlockStore(arena, self.index, disk)
         # Memory pressure shrinks the blocks (cache_service/pressure.py); None: never read.
+        self.defer_disk_writes = False  # set by the power-following thread (cache_service/main.py)
         self.pressure = PressureShrinker(pressure, self.index, arena) if pressure is not None else None
         self._handlers = {CacheAlloc: self._alloc, CacheFree: self._free, CacheStats: self._stats,
                           KVLookup: self._lookup, KVRelease: self._release, KVReserve: self._reserve,
@@ -140,6 +141,10 @@ class CacheService:
     def tick(self) -> None:
         """Housekeeping between bursts: deadlines, finished disk copies, memory pressure."""
         self.blocks.collect_disk_writes()
+        if self.defer_disk_writes != self.blocks.defer_writes:
+            log.info("KV disk-tier writes %s by the power policy", "deferred" if self.defer_disk_writes else "resumed")
+            self.blocks.defer_writes = self.defer_disk_writes
+        self.blocks.flush_deferred()
         if self.pressure is not None:
             self.pressure.tick()
         expired = self.index.expire()

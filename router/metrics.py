@@ -64,6 +64,9 @@ class _LiveState:
         yield tier
         yield GaugeMetricFamily("tandem_cache_arena_used_bytes", "Arena bytes in use (blocks and handoffs)",
                                 value=stats.get("used_bytes", 0))
+        yield GaugeMetricFamily("tandem_cache_disk_writes_deferred",
+                                "KV blocks whose disk-tier write waits for the power policy to allow it",
+                                value=stats.get("disk_writes_deferred", 0))
         evictions = CounterMetricFamily("tandem_cache_evictions", "KV blocks evicted", labels=["tier"])
         evictions.add_metric(["memory"], stats.get("evictions_total", 0))
         evictions.add_metric(["disk"], stats.get("disk_evictions_total", 0))

@@ -571,6 +571,29 @@ def test_store_keeps_a_chains_head_when_the_disk_queue_is_short(arena, disks):
     assert [bytes(bare.arena.view(e.offset, B)) for e in got] == [_block(20 + i) for i in range(3)]
 
 
+def test_saver_defers_disk_writes_until_allowed_then_writes_what_is_still_in_memory(arena, disks):
+    """The power policy's saver: committed blocks are not written (the SSD
+    and a core rest on battery); once writes are allowed again those still in
+    memory are written; one evicted meanwhile is gone from both tiers."""
+    disk = disks()
+    store, _ = _store(arena, disk)
+    store.defer_writes = True
+    a = _fill(store, chain("a", 3), seed=30)
+    assert [e.pins for e in a] == [0, 0, 0]  # nothing queued, nothing pinned: all evictable
+    assert disk.wait_idle(5) and disk.stats()["disk_blocks"] == 0
+    assert store.stats()["disk_writes_deferred"] == 3
+    assert store.flush_deferred() == 0  # still deferred
+    _fill(store, chain("b", 6), seed=40)  # 9 blocks for an 8-block arena: a's oldest goes
+    store.defer_writes = False
+    assert store.flush_deferred() == 8
+    assert disk.wait_idle(5)
+    store.collect_disk_writes()
+    assert disk.stats()["disk_blocks"] == 8 and store.stats()["disk_writes_deferred"] == 0
+    on_disk = [_read(disk, h) for h in chain("a", 3)]
+    assert on_disk.count(None) == 1  # the one evicted while deferred
+    assert all(got == _block(30 + i) for i, got in enumerate(on_disk) if got is not None)
+
+
 def test_store_corrupt_disk_block_is_a_miss_and_frees_its_slot(arena, disks):
     disk = disks()
     store, _ = _store(arena, disk)

@@ -245,6 +245,12 @@ def test_power_policy_follows_the_machine_live(server, client, power_refs):
         assert power["pace_tokens_per_s"] > 0 and power["admitted_limit"] == 4 * server.decoders + 8
         assert metric(server, "tandem_requests_admitted_limit") == 4 * server.decoders + 8
         assert metric(server, "tandem_power_low_power_mode") == 1
+        # Saver defers the KV disk tier's writes: a new prompt's blocks wait in memory.
+        client.chat.completions.create(model="default", messages=CONVERSATIONS["long"], max_tokens=2, temperature=0)
+        deadline = time.monotonic() + 20
+        while metric(server, "tandem_cache_disk_writes_deferred") == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
         _set_power(server, source="battery", percent=55, low_power=True, thermal="critical")
         deadline = time.monotonic() + 20
         while metric(server, "tandem_power_refusing_new_requests") != 1:
@@ -258,6 +264,10 @@ def test_power_policy_follows_the_machine_live(server, client, power_refs):
     _set_power(server, source="ac")
     _wait_policy(server, "performance", 32)
     assert metric(server, "tandem_power_policy", '{policy="performance"}') == 1
+    deadline = time.monotonic() + 20
+    while metric(server, "tandem_cache_disk_writes_deferred") != 0:  # written once allowed
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
     assert metric(server, "tandem_power_policy_changes_total") >= 4
     again = client.chat.completions.create(model="default", messages=_SIXTEEN[0], max_tokens=40, temperature=0)
     assert again.choices[0].message.content == power_refs[0]
