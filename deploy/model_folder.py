@@ -32,3 +32,12 @@ def context_length(folder: str | os.PathLike) -> int | None:
         cfg = json.load(f)
     n = cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
     return int(n) if n else None
+
+
+def weight_bytes(folder: str | os.PathLike) -> int:
+    """Bytes of the folder's weight files (*.safetensors) as stored: a lower
+    bound of a worker's copy (the CPU backend expands quantized weights)."""
+    try:
+        return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors") if p.is_file())
+    except OSError:
+        return 0

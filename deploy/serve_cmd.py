@@ -6,10 +6,11 @@ import argparse
 import logging
 import signal
 import sys
+from dataclasses import replace
 
 from deploy.logs import setup_logging
-from deploy.model_folder import ModelError
-from deploy.settings import Settings
+from deploy.model_folder import ModelError, weight_bytes
+from deploy.settings import Settings, default_cache_memory
 from deploy.supervisor import Supervisor
 from workers.models.store import model_id_for, resolve_model
 
@@ -72,8 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated Host names the server answers to besides localhost and --host ('*': any)")
     p.add_argument("--client-timeout", type=_seconds, default=d.client_timeout_s,
                    help="seconds a client has to send its request headers and body")
-    p.add_argument("--cache-memory", type=_bytes, default=d.cache_memory_bytes,
-                   help=f"shared-memory KV arena, e.g. 2G (default: a tenth of RAM, here {d.cache_memory_bytes / 2**30:.1f}G)")
+    p.add_argument("--cache-memory", type=_bytes, default=None,
+                   help="shared-memory KV arena, e.g. 2G (default: a tenth of RAM, 256M-8G, at most a quarter of "
+                        f"what the model workers' weights leave; here at most {d.cache_memory_bytes / 2**30:.1f}G)")
     p.add_argument("--cache-dir", default=d.cache_dir, help="disk tier for KV blocks, kept across restarts")
     p.add_argument("--no-disk-cache", action="store_true", help="keep KV blocks in memory only")
     p.add_argument("--cache-disk-bytes", type=_bytes, default=d.cache_disk_bytes, help="disk tier size limit, e.g. 8G")
@@ -135,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         migrate_timeout_s=args.migrate_timeout, allow_media_hosts=args.allow_media_hosts,
         media_budget_bytes=args.media_memory,
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, colocate=args.colocate,
-        cache_memory_bytes=args.cache_memory, cache_dir=None if args.no_disk_cache else args.cache_dir,
+        cache_memory_bytes=args.cache_memory or 0, cache_dir=None if args.no_disk_cache else args.cache_dir,
         cache_disk_bytes=args.cache_disk_bytes, hot_kv_bytes=args.hot_kv_memory, block_size=args.block_size, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch, warm_up=args.warm_up,
         max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, keep_alive_s=args.keep_alive, log_level=args.log_level,
         allow_local_media=args.allow_local_media, max_images=args.max_images,
@@ -144,6 +146,10 @@ def run(args: argparse.Namespace) -> int:
         power_policy=args.power_policy, power_poll_s=args.power_poll, power_state_file=args.power_state_file,
         memory_pressure_file=args.memory_pressure_file,
     )
+    if not args.cache_memory:  # sized by the machine and the model (deploy/settings.py)
+        copies = sum(1 for _, roles in settings.worker_plan() if {"prefill", "decode"} & set(roles))
+        settings = replace(settings, cache_memory_bytes=default_cache_memory(weights=weight_bytes(model_dir),
+                                                                             copies=copies))
     logging.getLogger(__name__).info(
         "KV cache: %.0f MiB of shared memory, disk tier %s", settings.cache_memory_bytes / 2**20,
         f"{settings.cache_dir} ({settings.cache_disk_bytes / 2**30:.1f} GiB)" if settings.cache_dir else "off")

@@ -21,17 +21,28 @@ def default_cache_dir() -> str:
     return os.path.join(base, "tandem")
 
 
-def default_cache_memory(ram: int | None = None) -> int:
-    """A tenth of physical memory (`ram`: this machine's), between 256 MiB and
-    8 GiB: the KV arena. It is the KV cache's budget, the one share of memory
-    that grows with use (its pages are touched as conversations are cached);
-    memory pressure shrinks it (cache_service/pressure.py)."""
-    if ram is None:
-        try:
-            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError):
-            ram = 8 << 30
-    return max(256 << 20, min(8 << 30, ram // 10))
+MIN_CACHE_MEMORY = 256 << 20
+MAX_CACHE_MEMORY = 8 << 30
+
+
+def physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 8 << 30
+
+
+def default_cache_memory(ram: int | None = None, weights: int = 0, copies: int = 0) -> int:
+    """The KV arena: a tenth of physical memory (`ram`: this machine's),
+    between 256 MiB and 8 GiB, and at most a quarter of what the model's
+    weights leave (`copies` model worker processes of `weights` bytes each):
+    a 16 GB Mac serving an 8 GB model split gets the floor, not 1.6 GB it
+    would have to swap for. It is the KV cache's budget, the one share of
+    memory that grows with use (its pages are touched as conversations are
+    cached); memory pressure shrinks it (cache_service/pressure.py)."""
+    ram = physical_memory() if ram is None else ram
+    left = max(0, ram - weights * copies)
+    return max(MIN_CACHE_MEMORY, min(MAX_CACHE_MEMORY, ram // 10, left // 4 if copies else ram))
 
 
 def default_block_size() -> int:

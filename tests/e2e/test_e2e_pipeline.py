@@ -225,7 +225,7 @@ def _wait_policy(server, name: str, batch_limit: int, timeout: float = 20.0) -> 
 
 @pytest.fixture(scope="module")
 def power_refs(embedded_model):
-    return [reference(embedded_model, c, 40)[1] for c in _SIXTEEN[:4]]
+    return [reference(embedded_model, c, 24)[1] for c in _SIXTEEN[:4]]
 
 
 def test_power_policy_follows_the_machine_live(server, client, power_refs):
@@ -236,7 +236,7 @@ def test_power_policy_follows_the_machine_live(server, client, power_refs):
     _set_power(server, source="ac")
     _wait_policy(server, "performance", 32)
     with cf.ThreadPoolExecutor(4) as pool:
-        answers = [pool.submit(client.chat.completions.create, model="default", messages=c, max_tokens=40,
+        answers = [pool.submit(client.chat.completions.create, model="default", messages=c, max_tokens=24,
                                temperature=0) for c in _SIXTEEN[:4]]
         _set_power(server, source="battery", percent=55)
         assert "on battery at 55%" in _wait_policy(server, "balanced", 8)["reason"]
@@ -269,7 +269,7 @@ def test_power_policy_follows_the_machine_live(server, client, power_refs):
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert metric(server, "tandem_power_policy_changes_total") >= 4
-    again = client.chat.completions.create(model="default", messages=_SIXTEEN[0], max_tokens=40, temperature=0)
+    again = client.chat.completions.create(model="default", messages=_SIXTEEN[0], max_tokens=24, temperature=0)
     assert again.choices[0].message.content == power_refs[0]
 
 

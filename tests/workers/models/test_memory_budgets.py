@@ -61,3 +61,15 @@ def test_this_cpu_box():
 def test_unknown_devices_fall_back():
     assert buffer_cache_bytes(False, {"device_name": "?"}, 2) is None  # MLX's own default stays
     assert hot_kv_bytes(False, {}, 1) == CPU_HOT_KV
+
+
+def test_the_arena_leaves_room_for_the_weights():
+    """A tenth of RAM, but at most a quarter of what the model workers' weights
+    leave, never under 256 MiB: a 16 GB Mac serving an 8 GB model split gets the
+    floor; a small model changes nothing."""
+    from deploy.settings import MIN_CACHE_MEMORY, default_cache_memory
+    GiB = 1 << 30
+    assert default_cache_memory(ram=16 * GiB, weights=1 * GiB, copies=2) == 16 * GiB // 10
+    assert default_cache_memory(ram=16 * GiB, weights=5 * GiB, copies=2) == (16 - 10) * GiB // 4
+    assert default_cache_memory(ram=16 * GiB, weights=8 * GiB, copies=2) == MIN_CACHE_MEMORY
+    assert default_cache_memory(ram=128 * GiB, weights=8 * GiB, copies=1) == 8 * GiB  # the cap
