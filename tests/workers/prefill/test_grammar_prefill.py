@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from deploy.settings import Settings
 from protos.messages import PrefillDone, PrefillRequest, RequestFailed, SamplingParams
 from tests.support.tiny_models import prompt_of
 from workers.grammar import GrammarError
@@ -87,7 +88,7 @@ def test_a_refused_first_token_fails_its_row_alone(vocab_model, grammars, person
     sent = []
     outbox = type("Outbox", (), {"send": lambda self, msg, **kw: sent.append(msg)})()
     hello = type("Hello", (), {"batched_prompts": 0})()
-    role = PrefillRole(None, engine, worker_id="w", prefix=None, cache=None, arena_buf=None, outbox=outbox,
+    role = PrefillRole(Settings(), engine, worker_id="w", prefix=None, cache=None, arena_buf=None, outbox=outbox,
                        clock=LoopClock("test"), hello=hello, local_kv={}, colocated=True)
     role.run_rows([(PrefillRequest(rid, p, sp, decode_worker="w"), j) for (rid, p, sp), j in zip(specs, jobs)])
     assert [(m.request_id, m.status) for m in sent if isinstance(m, RequestFailed)] == [("c0", 500)]
