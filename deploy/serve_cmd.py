@@ -91,6 +91,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-batch", type=_positive, default=d.prefill_batch,
                    help="prompts one prefill step may take together (their new tokens within --prefill-chunk); "
                         "1: one at a time (default: 16 on a GPU, 1 where MLX runs on the CPU)")
+    p.add_argument("--prefill-backend", default=d.prefill_backend, choices=["mlx", "ane", "auto"],
+                   help="mlx: prefill on the GPU; ane: on the Neural Engine (macOS; programs from `tandem convert-ane`); "
+                        "auto: long uncached prompts there, short ones on the GPU")
+    p.add_argument("--ane-min-tokens", type=_positive, default=d.ane_min_tokens,
+                   help="--prefill-backend auto: uncached prompt tokens from which a prompt goes to the Neural Engine")
     p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                    help="workers say ready without first running a short prompt (faster start, slower first request)")
     p.add_argument("--max-queue", type=_positive, default=d.max_queue,
@@ -124,6 +129,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, "supervisor")
+    if args.prefill_backend == "ane" and sys.platform != "darwin":
+        print("tandem: --prefill-backend ane needs macOS: the Neural Engine runs Core ML programs, whose predict "
+              f"exists on macOS only (this is {sys.platform}); use --prefill-backend mlx (or auto, which falls "
+              "back to MLX here)", file=sys.stderr)
+        return 2
     try:
         model_dir = resolve_model(args.model)
     except ModelError as exc:
@@ -145,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         max_video_frames=args.max_video_frames,
         power_policy=args.power_policy, power_poll_s=args.power_poll, power_state_file=args.power_state_file,
         memory_pressure_file=args.memory_pressure_file,
+        prefill_backend=args.prefill_backend, ane_min_tokens=args.ane_min_tokens,
     )
     if not args.cache_memory:  # sized by the machine and the model (deploy/settings.py)
         copies = sum(1 for _, roles in settings.worker_plan() if {"prefill", "decode"} & set(roles))

@@ -117,6 +117,11 @@ class Settings:
     # Scheduling and admission
     max_batch: int = 32  # decode batch size per decode worker
     prefill_chunk: int = 512  # tokens per prefill step (bounds how long decode waits in --colocate)
+    # Where prompts are prefilled (workers/prefill/ane/): "mlx" (the GPU), "ane"
+    # (the Neural Engine, every prompt its buckets hold; macOS only), "auto"
+    # (uncached parts of ane_min_tokens or more there, the rest on the GPU).
+    prefill_backend: str = "mlx"
+    ane_min_tokens: int = 256
     # Prompts one prefill pass may take together, their new tokens (padded
     # to the longest) within prefill_chunk: a burst of short suffixes.
     prefill_batch: int = field(default_factory=default_prefill_batch)

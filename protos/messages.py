@@ -156,6 +156,7 @@ class WorkerLimits:
     prefill_batch: int  # prompts per prefill pass
     pace_tokens_per_s: float = 0.0  # decode steps per second at most; 0: unpaced
     defer_warm_up: bool = False  # a worker that has not warmed up waits for a policy that allows it
+    prefill_on_ane: bool = False  # every prompt to the Neural Engine (--prefill-backend auto)
 
 
 @dataclass

@@ -88,7 +88,8 @@ class PowerWatch:
             self._sent.clear()
         self._sent[key] = (self.version, now)
         p = self.policy
-        return WorkerLimits(self.version, p.name, p.max_batch, p.prefill_batch, p.pace_tokens_per_s, p.defer_warm_up)
+        return WorkerLimits(self.version, p.name, p.max_batch, p.prefill_batch, p.pace_tokens_per_s, p.defer_warm_up,
+                            p.prefill_on_ane)
 
     def health(self) -> dict:
         """/health's `power` object."""

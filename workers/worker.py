@@ -262,6 +262,7 @@ class Worker:
             self.hello.max_batch = self.decode.engine.max_batch
         if self.prefill is not None:
             self.prefill.batch_limit = max(1, min(limits.prefill_batch, self.settings.prefill_batch))
+            self.prefill.engine.ane_all = bool(limits.prefill_on_ane)
         self.defer_warm_up = bool(limits.defer_warm_up)
         if limits.version != self.hello.limits_version:
             log.info("worker %s: power policy %s (decode batch %d, prefill batch %d, pace %s)", self.worker_id,

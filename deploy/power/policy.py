@@ -17,7 +17,9 @@ What a policy limits, each never above what the settings allow:
   beyond), decode paced to a readable speed (a laptop that races through
   an answer nobody reads that fast only heats up), disk-tier writes and
   the warm-up deferred until the policy allows them again.
-The Neural Engine prefill of saver waits for its issue (29).
+- saver also sends every prompt to the Neural Engine where
+  `--prefill-backend auto` has one (short prompts too: it draws a fraction
+  of the GPU's power).
 """
 
 from __future__ import annotations
@@ -49,11 +51,12 @@ class PowerPolicy:
     defer_disk_writes: bool = False
     defer_warm_up: bool = False
     refuse_new: bool = False  # critical thermal state: 429 with Retry-After
+    prefill_on_ane: bool = False  # every prompt to the Neural Engine where --prefill-backend auto has it
 
     def limits(self) -> tuple:
         """What a worker applies; equal limits need no update."""
         return (self.name, self.max_batch, self.prefill_batch, self.pace_tokens_per_s, self.defer_disk_writes,
-                self.defer_warm_up)
+                self.defer_warm_up, self.prefill_on_ane)
 
 
 def choose(state: PowerState, requested: str) -> tuple[str, str, bool]:
@@ -87,4 +90,4 @@ def decide(state: PowerState, settings) -> PowerPolicy:
     decoders = sum(1 for _, roles in settings.worker_plan() if "decode" in roles)
     return PowerPolicy(name, reason, max_batch, 1, max_admitted=max_batch * decoders + min(settings.max_queue, SAVER_QUEUE),
                        pace_tokens_per_s=SAVER_PACE_TOKENS_PER_S, defer_disk_writes=True, defer_warm_up=True,
-                       refuse_new=refuse)
+                       refuse_new=refuse, prefill_on_ane=True)

@@ -50,6 +50,7 @@ def test_limits_shrink_with_the_policy_and_never_exceed_the_settings():
     assert saver.max_admitted == saver.max_batch * 1 + 8  # one decode worker's rows plus a short queue
     assert saver.pace_tokens_per_s == SAVER_PACE_TOKENS_PER_S
     assert saver.defer_disk_writes and saver.defer_warm_up and not perf.defer_disk_writes
+    assert saver.prefill_on_ane and not balanced.prefill_on_ane and not perf.prefill_on_ane
     small = Settings(max_batch=2, prefill_batch=1, max_queue=3)
     for state in (AC, BATTERY, PowerState(source="ac", low_power=True)):
         p = decide(state, small)

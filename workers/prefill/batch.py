@@ -51,8 +51,8 @@ def new_tokens(job: PrefillJob) -> int:
 def batchable(job: PrefillJob) -> bool:
     """Whether `job` (its prefix loaded) can run in a batch: a text prompt
     with nothing computed yet, plain KV (no window, no recurrent state, no
-    snapshot to take) and its new tokens within one chunk."""
-    return (type(job) is PrefillJob and job.result is None and job.cache is not None
+    snapshot to take), not sent to the Neural Engine, and its new tokens within one chunk."""
+    return (type(job) is PrefillJob and job.result is None and job.cache is not None and job.ane is None
             and job.processed == job.cached_tokens and job.snapshot_at == 0
             and is_plain_kv(job.cache) and new_tokens(job) <= job.engine.chunk_size)
 

@@ -95,6 +95,7 @@ class PrefillJob:
         self._saved = False
         self._compute_s = 0.0
         self.parts: dict[str, float] = {}  # this prompt's parts, seconds (its debug line)
+        self.ane = None  # its uncached part through the Neural Engine's program, or None: MLX
 
     @property
     def done(self) -> bool:
@@ -120,7 +121,10 @@ class PrefillJob:
             t_chunk = time.perf_counter()
             with part(self.engine.clock, "chunk", self.parts):
                 if n < remaining:
-                    model(self.prompt[None, self.processed : self.processed + n], cache=self.cache)
+                    if self.ane is not None:  # the Neural Engine's program (workers/prefill/ane/bridge.py)
+                        self.ane.extend(self.prompt[None, self.processed : self.processed + n], self.cache)
+                    else:
+                        model(self.prompt[None, self.processed : self.processed + n], cache=self.cache)
                     mx.eval([c.state for c in self.cache])
                 else:
                     self.result = self._finish()
@@ -146,6 +150,7 @@ class PrefillJob:
             return
         with part(self.engine.clock, "load prefix", self.parts):
             self._load_prefix()
+        self.ane = self.engine.ane_for(self.processed, self.total - self.processed)
 
     def _load_prefix(self) -> None:
         prefix = self.engine.prefix
@@ -176,7 +181,10 @@ class PrefillJob:
 
     def _finish(self) -> PrefillResult:
         """The final chunk, the last token with it, and the first token."""
-        logits = mlx_hooks.logits_at(self.engine.model, self.prompt[None, self.processed:], self.cache)
+        if self.ane is not None:
+            logits = self.ane.last_logits(self.prompt[None, self.processed:], self.cache)
+        else:
+            logits = mlx_hooks.logits_at(self.engine.model, self.prompt[None, self.processed:], self.cache)
         first, lp = sample_first(logits, self.prompt, self.sampling, self.cache, self.matcher, self.draws)
         return PrefillResult(
             first_token=first,
@@ -256,9 +264,25 @@ class PrefillEngine:
         self.compute_cost = RecentMin()
         self.clock = None  # the worker's LoopClock: parts of a prefill, timed
         self._token_nbytes = None
+        # Prefill on the Neural Engine (workers/prefill/ane/): the bridge, and when
+        # a prompt goes there: "ane" every prompt that fits its buckets; "auto"
+        # uncached parts of ane_min_tokens or more (short ones stay on the GPU),
+        # all of them while the power policy says so (`ane_all`, saver).
+        self.ane = None
+        self.ane_mode = "mlx"
+        self.ane_min_tokens = 256
+        self.ane_all = False
         mlx_hooks.install(model)  # on the CPU, attention and SwiGLU without MLX's slow exp
 
     MIN_TIMED_CHUNK = 64  # shorter chunks are mostly fixed per-call cost
+
+    def ane_for(self, cached: int, new_tokens: int):
+        """The Neural Engine bridge for a prompt of `new_tokens` after `cached`, or None (MLX)."""
+        if self.ane is None or self.ane_mode == "mlx":
+            return None
+        if self.ane_mode == "auto" and not self.ane_all and new_tokens < self.ane_min_tokens:
+            return None
+        return self.ane if self.ane.fits(cached, new_tokens) else None
 
     def token_nbytes(self) -> int:
         """Bytes of one token's KV over all layers (plain KV caches; found once)."""
