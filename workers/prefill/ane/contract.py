@@ -8,7 +8,8 @@ Inputs
   the absolute position of the chunk's first token; 0 <= pos <= S.
 - `k_cache`, `v_cache`: (L, KV, S, Dh) float16: every layer's keys (after
   rope and any k-norm) and values of the tokens before the chunk, slots
-  [0, pos) valid, the rest any value.
+  [0, pos) valid, the rest any finite value (a masked NaN still poisons a
+  softmax's 0 x NaN: the bridge zero-fills them).
 
 Outputs
 - `k_new`, `v_new`: (L, KV, Q, Dh) float16: the chunk's keys (after rope,

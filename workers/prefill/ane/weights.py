@@ -38,7 +38,7 @@ class BodyConfig:
 @dataclass
 class BodyWeights:
     config: BodyConfig
-    # One dict per layer: attn_norm, wq, wk, wv, wo, [bq, bk, bv], [q_norm, k_norm],
+    # One dict per layer: attn_norm, wq, wk, wv, wo, [bq, bk, bv], [bo], [q_norm, k_norm],
     # mlp_norm, w_gate, w_up, w_down; all float16.
     layers: list = field(default_factory=list)
     final_norm: np.ndarray | None = None
@@ -107,6 +107,8 @@ def body_weights(model, positions: int) -> BodyWeights:
                  "w_up": _linear(m.up_proj), "w_down": _linear(m.down_proj)}
         if cfg.qkv_bias:
             layer.update(bq=_array(a.q_proj.bias), bk=_array(a.k_proj.bias), bv=_array(a.v_proj.bias))
+        if "bias" in a.o_proj:  # llama with attention_bias
+            layer["bo"] = _array(a.o_proj.bias)
         if cfg.qk_norm:
             layer.update(q_norm=_array(a.q_norm.weight), k_norm=_array(a.k_norm.weight))
         out.layers.append(layer)
