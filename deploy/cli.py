@@ -11,7 +11,7 @@ from deploy import blas
 def build_parser() -> argparse.ArgumentParser:
     from benchmarks.bench import bench_cmd
     from benchmarks.random_models import random_model_cmd
-    from deploy import cache_cmd, generate_cmd, serve_cmd
+    from deploy import cache_cmd, convert_ane_cmd, generate_cmd, serve_cmd
     from deploy.service import service_cmd
 
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving on MLX.")
@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     rand.set_defaults(run=random_model_cmd.run)
     cache = sub.add_parser("cache", help="manage the KV disk cache (clear)")
     cache_cmd.add_arguments(cache)
+    ane = sub.add_parser("convert-ane", help="convert the model's prefill for the Neural Engine (Core ML, Core AI); --check")
+    convert_ane_cmd.add_arguments(ane)
     service = sub.add_parser("service", help="run `tandem serve` as a launchd or systemd service (install, status, logs...)")
     service_cmd.add_arguments(service)
     return parser

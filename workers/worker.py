@@ -42,6 +42,7 @@ from workers.kv.store_thread import StoreThread
 from workers.loop_clock import LoopClock
 from workers.memory_relief import relieve_memory
 from workers.models.loading import hot_kv_bytes, load_model, size_buffer_cache
+from workers.prefill.ane.backend import make_ane_body
 from workers.prefill.engine import PrefillEngine
 from workers.prefill.role import PrefillRole
 from workers.role import request_failed
@@ -107,6 +108,8 @@ class Worker:
         if "prefill" in names:
             prefill = PrefillEngine(model, chunk_size=self.settings.prefill_chunk, prefix=self.prefix,
                                     grammars=grammars)
+            prefill.ane = make_ane_body(model, self.settings)  # --prefill-backend ane|auto, on a Mac
+            prefill.ane_mode, prefill.ane_min_tokens = self.settings.prefill_backend, self.settings.ane_min_tokens
         if ("prefill" in names or "vision" in names) and is_vlm(self.settings.model_dir):
             vision = load_vision(self.settings.model_dir, model, self.prefix_client, self.arena_buf)
         if "decode" in names:

@@ -1,0 +1,69 @@
+"""`tandem convert-ane` end to end on a tiny random llama that carries the
+embedded model's tokenizer: both formats converted into the cache folder
+under the model's fingerprint, the manifest naming what is there, and
+`--check` running the converted prefill (the NumPy reference and Core AI's
+Linux runtime) against MLX with the same greedy tokens after it. Core ML's
+predict is macOS only: its package is built and listed here, not run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from deploy.cli import build_parser
+from tests.support.tiny_models import make_tiny_llama
+from workers.prefill.ane.contract import Bucket
+from workers.prefill.ane.packages import PackageStore
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory, embedded_model_dir):
+    folder = make_tiny_llama(tmp_path_factory.mktemp("tiny-chat"), seed=1, vocab_size=49152)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(embedded_model_dir / name, folder / name)
+    return folder
+
+
+def test_converts_both_formats_and_checks_them(tiny_chat_model, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("coreai", reason="coreai-core has wheels for Linux x86-64 and macOS 26+ only")
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    args = build_parser().parse_args(["convert-ane", "--model", str(tiny_chat_model), "--chunk", "16",
+                                      "--caches", "64,32", "--check", "--check-tokens", "4"])
+    assert args.run(args) == 0
+    out = capsys.readouterr().out
+    store = PackageStore(tmp_path, tiny_chat_model)
+    manifest = json.loads((store.folder / "manifest.json").read_text())
+    assert set(manifest["formats"]) == {"coreml", "coreai"}
+    assert store.buckets("coreml") == store.buckets("coreai") == [Bucket(16, 32), Bucket(16, 64)]
+    assert (store.folder / "coreml" / "chunks.mlpackage").is_dir()
+    rows = [line for line in out.splitlines() if line.startswith(("reference, ", "Core AI runtime"))]
+    assert len(rows) == 2 and all(line.endswith("same") for line in rows), out
+
+
+def test_battery_and_bad_arguments_are_refused(tiny_chat_model, tmp_path, monkeypatch, capsys):
+    from deploy import convert_ane_cmd
+    from deploy.power.state import PowerState
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    # A laptop on battery (a double for the machine's reading: this box has none).
+    monkeypatch.setattr(convert_ane_cmd, "read_power", lambda settings: PowerState(source="battery", percent=80))
+    parse = build_parser().parse_args
+    args = parse(["convert-ane", "--model", str(tiny_chat_model), "--caches", "64", "--chunk", "16"])
+    assert args.run(args) == 3 and "--on-battery" in capsys.readouterr().err
+    assert not (tmp_path / "ane").exists()
+    args = parse(["convert-ane", "--model", str(tiny_chat_model), "--caches", "32", "--chunk", "64"])
+    assert args.run(args) == 2
+    with pytest.raises(SystemExit):
+        parse(["convert-ane", "--caches", "many"])
+
+
+def test_serve_refuses_the_neural_engine_off_macos():
+    if sys.platform == "darwin":
+        pytest.skip("on macOS --prefill-backend ane is served")
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "serve", "--prefill-backend", "ane"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "needs macOS" in done.stderr
