@@ -103,6 +103,13 @@ def _convert(model_dir, weights, wanted: list, formats: list) -> None:
         path = store.put("coreml", COREML_PACKAGE, lambda tmp: save_chunk_package(weights, wanted, tmp, stateful=True))
         store.record("coreml", [(b, COREML_PACKAGE) for b in wanted], {"coremltools": ct.__version__})
         print(f"Core ML: {path} ({', '.join(b.name for b in wanted)}) in {time.perf_counter() - t0:.0f} s")
+        if sys.platform == "darwin":  # compiled now (the OS caches it), not by the first request
+            from workers.prefill.ane.coreml_runner import CoreMLChunkRunner
+
+            for bucket in wanted:
+                t0 = time.perf_counter()
+                CoreMLChunkRunner(path, bucket).load()
+                print(f"Core ML: {bucket.name} compiled for the Neural Engine in {time.perf_counter() - t0:.0f} s")
     if "coreai" in formats:
         try:
             import coreai  # noqa: F401 - coreai-core: Linux x86-64 and macOS 26+ only
