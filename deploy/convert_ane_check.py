@@ -11,6 +11,7 @@ the converted prefill first differs from decoding after MLX's (none: same).
 from __future__ import annotations
 
 import sys
+import tempfile
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -30,10 +31,10 @@ def _runners(weights, bucket, model_dir=None):
     except ImportError:
         print("Core AI: not installed here (coreai-core: Linux x86-64, macOS 26+)")
     else:
-        from deploy.convert_ane_cmd import scratch_dir
         from workers.prefill.ane.coreai_runner import CoreAIChunkRunner
 
-        yield "Core AI runtime, fp32 build", CoreAIChunkRunner(weights, bucket, f"{scratch_dir()}/check.aimodel",
+        scratch = tempfile.mkdtemp(prefix="tandem-ane-check-")
+        yield "Core AI runtime, fp32 build", CoreAIChunkRunner(weights, bucket, f"{scratch}/check.aimodel",
                                                                 compute="fp32", rebuild=True)
     if sys.platform == "darwin" and model_dir is not None:
         from workers.prefill.ane.backend import COREML_PACKAGE

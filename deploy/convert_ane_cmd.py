@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 
 from deploy.power.readers import read_power
@@ -129,6 +128,3 @@ def _convert(model_dir, weights, wanted: list, formats: list) -> None:
         store.record("coreai", programs, {"coreai-core": version("coreai-core")})
         print(f"Core AI: {store.folder / 'coreai'} ({len(programs)} programs) in {time.perf_counter() - t0:.0f} s")
 
-
-def scratch_dir() -> str:
-    return tempfile.mkdtemp(prefix="tandem-ane-check-")

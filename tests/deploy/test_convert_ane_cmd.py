@@ -67,3 +67,40 @@ def test_serve_refuses_the_neural_engine_off_macos():
     done = subprocess.run([sys.executable, "-m", "deploy.cli", "serve", "--prefill-backend", "ane"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "needs macOS" in done.stderr
+
+
+def test_a_served_worker_runs_the_saved_program_without_the_weights(tiny_chat_model, tmp_path, monkeypatch):
+    """The serving side (workers/prefill/ane/backend.py): a Core AI program as
+    convert-ane saved it, opened from the architecture's numbers alone, runs a
+    chunk as the NumPy reference does; the numbers read from a quantized model
+    (as a Mac's GPU keeps it) are those of its expanded weights."""
+    pytest.importorskip("coreai", reason="coreai-core has wheels for Linux x86-64 and macOS 26+ only")
+    import mlx_lm
+    import numpy as np
+
+    from workers.models.loading import load_model
+    from workers.models.store import resolve_model
+    from workers.prefill.ane.coreai_runner import CoreAIChunkRunner
+    from workers.prefill.ane.reference import run_chunk
+    from workers.prefill.ane.weights import body_config, body_weights
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    args = build_parser().parse_args(["convert-ane", "--model", str(tiny_chat_model), "--chunk", "16",
+                                      "--caches", "32", "--formats", "coreai"])
+    assert args.run(args) == 0
+    model, _ = load_model(str(tiny_chat_model))
+    weights = body_weights(model, 48)
+    bucket = Bucket(16, 32)
+    runner = CoreAIChunkRunner.from_asset(PackageStore(tmp_path, tiny_chat_model).path("coreai", "q16_s32.aimodel"),
+                                          body_config(model), bucket, 48)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 16, weights.config.hidden)).astype(np.float16)
+    cache = rng.standard_normal((weights.config.layers, weights.config.kv_heads, 32, weights.config.head_dim))
+    k_cache, v_cache = cache.astype(np.float16), (cache * 0.5).astype(np.float16)
+    pos = np.array([9], np.int32)
+    got, want = runner(x, pos, k_cache, v_cache), run_chunk(weights, x, pos, k_cache, v_cache, precision="fp16acc")
+    for a, b in zip(got, want):  # the fp16 build against the reference's fp16 accumulation: a few 1e-3
+        assert np.abs(a.astype(np.float32) - b.astype(np.float32)).max() <= 2e-2 * np.abs(b).max()
+    quantized, _ = mlx_lm.load(str(resolve_model(None)))
+    expanded, _ = load_model(str(resolve_model(None)))
+    assert body_config(quantized) == body_config(expanded)

@@ -74,14 +74,14 @@ _SIXTEEN = [[{"role": "user", "content": f"Give one fact about the number {i}."}
 @pytest.fixture(scope="module")
 def sixteen_refs(embedded_model):
     """mlx_lm's answers, computed once for both layouts (they are a third of the test's time)."""
-    return [reference(embedded_model, c, 16)[1] for c in _SIXTEEN]
+    return [reference(embedded_model, c, 8)[1] for c in _SIXTEEN]
 
 
 def test_sixteen_at_once_match_mlx_lm(client, sixteen_refs):
     convs, refs = _SIXTEEN, sixteen_refs
 
     def ask(c):
-        return client.chat.completions.create(model="default", messages=c, max_tokens=16, temperature=0)
+        return client.chat.completions.create(model="default", messages=c, max_tokens=8, temperature=0)
 
     with cf.ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(ask, convs))
@@ -223,21 +223,26 @@ def _wait_policy(server, name: str, batch_limit: int, timeout: float = 20.0) -> 
         time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def power_refs(embedded_model):
-    return [reference(embedded_model, c, 24)[1] for c in _SIXTEEN[:4]]
-
-
-def test_power_policy_follows_the_machine_live(server, client, power_refs):
+def test_power_policy_follows_the_machine_live(server, client):
     """AC -> battery -> Low Power Mode -> critical heat -> AC, read from the
     state file while streams decode: each policy's limits reach every worker,
-    critical heat refuses new requests with 429 and Retry-After, and the
-    streams admitted before all finish with mlx-lm's greedy answers."""
+    saver defers the disk tier's writes, critical heat refuses new requests
+    with 429 and Retry-After, and the streams admitted before all finish with
+    the answers the same server gave undisturbed (itself mlx-lm's, above)."""
+    if server.decoders == 1:
+        pytest.skip("split layout only: a colocated worker applies the same WorkerLimits (Worker.apply_limits, "
+                    "tests/router/test_power_watch.py); one layout keeps the suite within its 15 minutes")
+    convs = _SIXTEEN[:2]
+
+    def ask(c):
+        return client.chat.completions.create(model="default", messages=c, max_tokens=32,
+                                              temperature=0).choices[0].message.content
+
     _set_power(server, source="ac")
     _wait_policy(server, "performance", 32)
-    with cf.ThreadPoolExecutor(4) as pool:
-        answers = [pool.submit(client.chat.completions.create, model="default", messages=c, max_tokens=24,
-                               temperature=0) for c in _SIXTEEN[:4]]
+    with cf.ThreadPoolExecutor(2) as pool:
+        expected = list(pool.map(ask, convs))
+        answers = [pool.submit(ask, c) for c in convs]
         _set_power(server, source="battery", percent=55)
         assert "on battery at 55%" in _wait_policy(server, "balanced", 8)["reason"]
         _set_power(server, source="battery", percent=55, low_power=True)
@@ -260,7 +265,7 @@ def test_power_policy_follows_the_machine_live(server, client, power_refs):
             client.chat.completions.create(model="default", messages=CONVERSATIONS["short"], max_tokens=4)
         assert refused.value.response.headers["retry-after"] == "30"
         assert refused.value.code == "power_policy" and "critical" in refused.value.message
-        assert [a.result(timeout=120).choices[0].message.content for a in answers] == power_refs
+        assert [a.result(timeout=120) for a in answers] == expected
     _set_power(server, source="ac")
     _wait_policy(server, "performance", 32)
     assert metric(server, "tandem_power_policy", '{policy="performance"}') == 1
@@ -269,14 +274,16 @@ def test_power_policy_follows_the_machine_live(server, client, power_refs):
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert metric(server, "tandem_power_policy_changes_total") >= 4
-    again = client.chat.completions.create(model="default", messages=_SIXTEEN[0], max_tokens=24, temperature=0)
-    assert again.choices[0].message.content == power_refs[0]
+    assert ask(convs[0]) == expected[0]
 
 
 def test_memory_pressure_shrinks_the_caches_and_metrics_say_so(server, client):
     """Critical memory pressure (from the level file): the cache service drops
     its unleased blocks and every model worker its hot tier, and /metrics says so;
     the server still answers, and the caches refill once it is normal again."""
+    if server.decoders == 1:
+        pytest.skip("split layout only: a colocated worker runs the same relief (workers/memory_relief.py); "
+                    "one layout keeps the suite within its 15 minutes")
     client.chat.completions.create(model="default", messages=CONVERSATIONS["long"], max_tokens=4, temperature=0)
     assert metric(server, "tandem_cache_bytes", '{tier="memory"}') > 0
     server.pressure_file.write_text("critical")

@@ -135,7 +135,7 @@ def test_tiny_cache_evicts_without_failing_or_changing_output(server_factory, em
     assert metric(srv, "tandem_requests_total", '{status="ok"}') == 16
 
 
-@pytest.mark.parametrize("role", ["prefill", "prefill+decode"])
+@pytest.mark.parametrize("role", ["prefill+decode"])  # split's batched handoffs: test_tiny_cache_evicts_... (--prefill-batch 8)
 def test_a_burst_of_agents_is_prefilled_in_batches_with_mlx_lm_output(server_factory, embedded_model, role):
     """A swarm's turns arrive together: the prefill worker takes the queued
     prompts over the cached system prompt in shared passes

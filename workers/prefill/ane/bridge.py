@@ -11,7 +11,11 @@ MLX from where it is.
 
 A runner is anything callable as `runner(x, pos, k_cache, v_cache) ->
 (k_new, v_new, h)` on NumPy arrays, per the contract: Core ML's predict on
-macOS, Core AI's runtime, or the NumPy reference (tests, `--check`).
+macOS, Core AI's runtime, or the NumPy reference (tests, `--check`). A
+runner whose program keeps the cache as its own state (`keeps_state`: the
+stateful Core ML package) is handed the cache only when its state does not
+hold it already: the next chunk of the same prompt in the same bucket gets
+None, and neither side copies the whole cache again.
 """
 
 from __future__ import annotations
@@ -68,6 +72,10 @@ class AneBody:
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.dtype = kv_dtype(model)
         self.chunks = 0  # program calls, since start
+        # (runner, the caches' tag, their offset): what a stateful runner's state holds now. A tag,
+        # set on the caches' first layer, not id(): a new prompt's caches may reuse a freed address.
+        self._holds = None
+        self._tags = 0
 
     def fits(self, cached: int, tokens: int) -> bool:
         """Whether the whole of `tokens` after `cached` goes through buckets."""
@@ -94,12 +102,23 @@ class AneBody:
         emb = np.array(self.model.model.embed_tokens(tokens).astype(mx.float32))
         x = np.zeros((1, bucket.chunk, emb.shape[-1]), np.float16)
         x[:, :m] = emb
-        if cache[0].keys is None:
+        runner = self.runner_for(bucket)
+        keeps = getattr(runner, "keeps_state", False)
+        tag = getattr(cache[0], "ane_tag", None)
+        if keeps and tag is not None and self._holds == (runner, tag, pos):
+            k_cache = v_cache = None  # its state holds exactly these caches
+        elif cache[0].keys is None:
             k_cache = np.zeros((len(cache), self.kv_heads, bucket.cache, self.head_dim), np.float16)
             v_cache = np.zeros_like(k_cache)
         else:
             k_cache, v_cache = cache_input(cache, bucket.cache)
-        k_new, v_new, h = self.runner_for(bucket)(x, np.array([pos], np.int32), k_cache, v_cache)
+        self._holds = None
+        k_new, v_new, h = runner(x, np.array([pos], np.int32), k_cache, v_cache)
+        if keeps:
+            if tag is None:
+                self._tags += 1
+                tag = cache[0].ane_tag = self._tags
+            self._holds = (runner, tag, pos + m)
         for i, c in enumerate(cache):
             c.update_and_fetch(mx.array(k_new[i, :, :m])[None].astype(self.dtype),
                                mx.array(v_new[i, :, :m])[None].astype(self.dtype))

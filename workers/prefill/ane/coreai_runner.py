@@ -21,7 +21,7 @@ import numpy as np
 
 from workers.prefill.ane.contract import Bucket
 from workers.prefill.ane.coreai_program import FUNCTION, INPUTS, OUTPUTS, io_shapes, save_program
-from workers.prefill.ane.weights import BodyWeights
+from workers.prefill.ane.weights import BodyConfig, BodyWeights
 
 
 class CoreAIChunkRunner:
@@ -29,13 +29,26 @@ class CoreAIChunkRunner:
                  rebuild: bool = False):
         from coreai.authoring import AIModelAsset
 
-        self.bucket, self.path = bucket, Path(path)
-        self.shapes = io_shapes(weights.config, bucket)
-        self.positions = min(weights.rope_cos.shape[0], bucket.cache + bucket.chunk)
-        if rebuild or not AIModelAsset.is_valid(self.path):
-            self.asset = save_program(weights, bucket, self.path, compute)
+        path = Path(path)
+        if rebuild or not AIModelAsset.is_valid(path):
+            asset = save_program(weights, bucket, path, compute)
         else:
-            self.asset = AIModelAsset.load(self.path)
+            asset = AIModelAsset.load(path)
+        self._open(asset, weights.config, bucket, path, weights.rope_cos.shape[0])
+
+    @classmethod
+    def from_asset(cls, path, config: BodyConfig, bucket: Bucket, positions: int) -> "CoreAIChunkRunner":
+        """A runner over a program `tandem convert-ane` saved: no weights needed (serving)."""
+        from coreai.authoring import AIModelAsset
+
+        runner = cls.__new__(cls)
+        runner._open(AIModelAsset.load(Path(path)), config, bucket, Path(path), positions)
+        return runner
+
+    def _open(self, asset, config: BodyConfig, bucket: Bucket, path: Path, positions: int) -> None:
+        self.bucket, self.path, self.asset = bucket, path, asset
+        self.shapes = io_shapes(config, bucket)
+        self.positions = min(positions, bucket.cache + bucket.chunk)
         self._loop = asyncio.new_event_loop()
         # On Linux, entering executable() lowers the asset and compiles it for
         # the CPU runtime (seconds for a large model): once, kept open.

@@ -58,6 +58,7 @@ class CoreMLChunkRunner:
         self.path, self.bucket = str(path), bucket
         self.function_name, self.summary = _function_for(path, bucket)
         self.stateful = bool(self.summary.states)
+        self.keeps_state = self.stateful  # the bridge passes no cache while the state holds it (bridge.py)
         self.cache_shape = (self.summary.states or self.summary.inputs)["k_cache"][0]
         self.compute_units = compute_units
         self._model = None

@@ -73,8 +73,10 @@ def rope_tables(rope, head_dim: int, positions: int, traditional: bool) -> tuple
     return out[:, :half].copy(), out[:, half:].copy()
 
 
-def body_weights(model, positions: int) -> BodyWeights:
-    """The body of `model` (an mlx-lm model) with rope tables for `positions`."""
+def body_config(model) -> BodyConfig:
+    """The architecture's numbers, read without touching the weights (a
+    quantized Linear's output rows are its weight's rows all the same);
+    UnsupportedModel when it is not the llama family."""
     inner = getattr(model, "model", None)
     blocks = getattr(inner, "layers", None)
     if not blocks:
@@ -91,14 +93,19 @@ def body_weights(model, positions: int) -> BodyWeights:
         if not hasattr(mlp0, name):
             raise UnsupportedModel(f"{type(model).__module__}: MLP has no {name} (not SwiGLU)")
     heads, kv_heads = attn0.n_heads, attn0.n_kv_heads
-    wq = _linear(attn0.q_proj)
-    head_dim = wq.shape[0] // heads
-    traditional = bool(getattr(attn0.rope, "traditional", False))
-    cfg = BodyConfig(layers=len(blocks), hidden=wq.shape[1], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                     intermediate=_linear(mlp0.gate_proj).shape[0], rms_eps=float(blocks[0].input_layernorm.eps),
-                     qk_norm=hasattr(attn0, "q_norm"), qkv_bias="bias" in attn0.q_proj,
-                     rope_traditional=traditional)
+    return BodyConfig(layers=len(blocks), hidden=inner.norm.weight.shape[0], heads=heads, kv_heads=kv_heads,
+                      head_dim=attn0.k_proj.weight.shape[0] // kv_heads, intermediate=mlp0.gate_proj.weight.shape[0],
+                      rms_eps=float(blocks[0].input_layernorm.eps), qk_norm=hasattr(attn0, "q_norm"),
+                      qkv_bias="bias" in attn0.q_proj, rope_traditional=bool(getattr(attn0.rope, "traditional", False)))
+
+
+def body_weights(model, positions: int) -> BodyWeights:
+    """The body of `model` (an mlx-lm model) with rope tables for `positions`."""
+    cfg = body_config(model)
     out = BodyWeights(cfg)
+    inner = model.model
+    blocks, attn0 = inner.layers, inner.layers[0].self_attn
+    traditional = cfg.rope_traditional
     for block in blocks:
         a, m = block.self_attn, block.mlp
         layer = {"attn_norm": _array(block.input_layernorm.weight), "wq": _linear(a.q_proj), "wk": _linear(a.k_proj),
@@ -113,5 +120,5 @@ def body_weights(model, positions: int) -> BodyWeights:
             layer.update(q_norm=_array(a.q_norm.weight), k_norm=_array(a.k_norm.weight))
         out.layers.append(layer)
     out.final_norm = _array(inner.norm.weight)
-    out.rope_cos, out.rope_sin = rope_tables(attn0.rope, head_dim, positions, traditional)
+    out.rope_cos, out.rope_sin = rope_tables(attn0.rope, cfg.head_dim, positions, traditional)
     return out

@@ -86,3 +86,56 @@ def test_which_prompts_go_to_the_neural_engine(model):
     assert engine.ane_for(0, 99) is None and engine.ane_for(0, 100) is body
     engine.ane_all = True  # the power policy's saver: short prompts too
     assert engine.ane_for(0, 5) is body
+
+
+class _StatefulRunner:
+    """A stand-in for the stateful Core ML package (its predict runs on macOS
+    only): the NumPy reference over a cache it keeps itself, taking a given
+    cache into its state first, as CoreMLChunkRunner does."""
+
+    keeps_state = True
+
+    def __init__(self, weights, bucket):
+        self.weights, self.calls = weights, []
+        shape = (weights.config.layers, weights.config.kv_heads, bucket.cache, weights.config.head_dim)
+        self.k, self.v = np.zeros(shape, np.float16), np.zeros(shape, np.float16)
+
+    def __call__(self, x, pos, k_cache=None, v_cache=None):
+        self.calls.append(k_cache is not None)
+        if k_cache is not None:
+            self.k[...], self.v[...] = k_cache, v_cache
+        k_new, v_new, h = run_chunk(self.weights, x, pos, self.k, self.v)
+        p, q = int(pos[0]), x.shape[1]
+        self.k[:, :, p:p + q], self.v[:, :, p:p + q] = k_new, v_new
+        return k_new, v_new, h
+
+
+def test_a_stateful_program_gets_the_cache_only_when_its_state_lacks_it(model):
+    """Consecutive chunks of one prompt in one bucket: the cache goes in once;
+    another prompt's caches (a new tag) go in again; the output stays MLX's."""
+    weights = body_weights(model, 256)
+    runner = _StatefulRunner(weights, Bucket(32, 256))
+    body = AneBody(model, lambda b: runner, [Bucket(32, 256)], weights.config.kv_heads, weights.config.head_dim)
+    from mlx_lm.models.cache import make_prompt_cache
+    for seed in (1, 2):
+        prompt = mx.array(prompt_of(100, seed=seed), dtype=mx.int32)[None]
+        ours, theirs = make_prompt_cache(model), make_prompt_cache(model)
+        logits = body.last_logits(prompt, ours)
+        expected = model(prompt, cache=theirs)[:, -1, :]
+        assert int(mx.argmax(logits)) == int(mx.argmax(expected))
+    assert runner.calls == [True, False, False, False] * 2  # 4 chunks a prompt; its cache handed over once
+
+
+def test_off_macos_the_backend_says_so_and_stays_on_mlx(model, caplog):
+    import logging
+    import sys
+
+    from deploy.settings import Settings
+    from workers.prefill.ane.backend import make_ane_body
+
+    assert make_ane_body(model, Settings(prefill_backend="mlx")) is None
+    if sys.platform == "darwin":
+        pytest.skip("on macOS the backend opens the converted programs")
+    with caplog.at_level(logging.INFO, logger="workers.prefill.ane.backend"):
+        assert make_ane_body(model, Settings(prefill_backend="auto")) is None
+    assert "macOS only" in caplog.text

@@ -222,19 +222,6 @@ def test_the_embedded_model_converts(embedded_model, tmp_path):
     assert need <= on_disk < 1.02 * need + 500_000
 
 
-def test_the_embedded_model_matches_mlx_prefill(embedded_model):
-    """All 30 layers with real weights, evaluated in NumPy (fp16) over a cache."""
-    model, tokenizer = embedded_model
-    b = Bucket(8, 32)
-    weights = body_weights(model, b.cache)
-    tokens = tokenizer.encode("The capital of France is Paris. The capital of Italy is")
-    pos, n = len(tokens) - b.chunk, b.chunk
-    errors = _compare(model, weights, b, tokens, pos, n, stateful=True)
-    print("embedded model", f"pos={pos} n={n}", errors)
-    assert max(errors["k"], errors["v"], errors["h"], errors["logits"]) < 1e-2, errors
-    assert errors["argmax_same"]
-
-
 # -- the runner --------------------------------------------------------------------------------------
 
 def _chunk_inputs(weights, bucket: Bucket):
