@@ -55,7 +55,8 @@ class TandemServer:
             # On the CPU the warm-up costs 2-4 s a start and the first request
             # no less without it (measured: 14.0/11.2 s against 10.0/9.5 s to
             # healthy, 1.8-1.9 s against 1.6 s for the first answer): tests
-            # start ~25 servers. The pipeline's server keeps it (warm_up=True).
+            # start ~25 servers. The warm-up has its own tests (tests/workers/test_warm_up.py)
+            # and runs in every server the bench tests start.
             args = (*args, "--no-warm-up")
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.own_cache_dir = None
