@@ -28,13 +28,32 @@ def tiny_chat_model(tmp_path_factory, embedded_model_dir):
     return folder
 
 
-def test_converts_both_formats_and_checks_them(tiny_chat_model, tmp_path, monkeypatch, capsys):
+@pytest.fixture(scope="module")
+def converted(tiny_chat_model, tmp_path_factory):
+    """The cache folder after one `tandem convert-ane --check` of the tiny model, and what it printed."""
     pytest.importorskip("coreai", reason="coreai-core has wheels for Linux x86-64 and macOS 26+ only")
-    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
-    args = build_parser().parse_args(["convert-ane", "--model", str(tiny_chat_model), "--chunk", "16",
-                                      "--caches", "64,32", "--check", "--check-tokens", "4"])
-    assert args.run(args) == 0
-    out = capsys.readouterr().out
+    import contextlib
+    import io
+    import os
+
+    root, out = tmp_path_factory.mktemp("ane-cache"), io.StringIO()
+    before = os.environ.get("TANDEM_CACHE_DIR")
+    os.environ["TANDEM_CACHE_DIR"] = str(root)
+    try:
+        args = build_parser().parse_args(["convert-ane", "--model", str(tiny_chat_model), "--chunk", "16",
+                                          "--caches", "64,32", "--check", "--check-tokens", "4"])
+        with contextlib.redirect_stdout(out):
+            assert args.run(args) == 0
+    finally:
+        if before is None:
+            os.environ.pop("TANDEM_CACHE_DIR", None)
+        else:
+            os.environ["TANDEM_CACHE_DIR"] = before
+    return root, out.getvalue()
+
+
+def test_converts_both_formats_and_checks_them(tiny_chat_model, converted):
+    tmp_path, out = converted
     store = PackageStore(tmp_path, tiny_chat_model)
     manifest = json.loads((store.folder / "manifest.json").read_text())
     assert set(manifest["formats"]) == {"coreml", "coreai"}
@@ -69,12 +88,11 @@ def test_serve_refuses_the_neural_engine_off_macos():
     assert done.returncode == 2 and "needs macOS" in done.stderr
 
 
-def test_a_served_worker_runs_the_saved_program_without_the_weights(tiny_chat_model, tmp_path, monkeypatch):
+def test_a_served_worker_runs_the_saved_program_without_the_weights(tiny_chat_model, converted):
     """The serving side (workers/prefill/ane/backend.py): a Core AI program as
     convert-ane saved it, opened from the architecture's numbers alone, runs a
     chunk as the NumPy reference does; the numbers read from a quantized model
     (as a Mac's GPU keeps it) are those of its expanded weights."""
-    pytest.importorskip("coreai", reason="coreai-core has wheels for Linux x86-64 and macOS 26+ only")
     import mlx_lm
     import numpy as np
 
@@ -84,15 +102,12 @@ def test_a_served_worker_runs_the_saved_program_without_the_weights(tiny_chat_mo
     from workers.prefill.ane.reference import run_chunk
     from workers.prefill.ane.weights import body_config, body_weights
 
-    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
-    args = build_parser().parse_args(["convert-ane", "--model", str(tiny_chat_model), "--chunk", "16",
-                                      "--caches", "32", "--formats", "coreai"])
-    assert args.run(args) == 0
+    tmp_path, _ = converted
     model, _ = load_model(str(tiny_chat_model))
-    weights = body_weights(model, 48)
+    weights = body_weights(model, 80)
     bucket = Bucket(16, 32)
     runner = CoreAIChunkRunner.from_asset(PackageStore(tmp_path, tiny_chat_model).path("coreai", "q16_s32.aimodel"),
-                                          body_config(model), bucket, 48)
+                                          body_config(model), bucket, 80)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, 16, weights.config.hidden)).astype(np.float16)
     cache = rng.standard_normal((weights.config.layers, weights.config.kv_heads, 32, weights.config.head_dim))

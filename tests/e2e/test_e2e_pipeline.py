@@ -235,7 +235,7 @@ def test_power_policy_follows_the_machine_live(server, client):
     convs = _SIXTEEN[:2]
 
     def ask(c):
-        return client.chat.completions.create(model="default", messages=c, max_tokens=32,
+        return client.chat.completions.create(model="default", messages=c, max_tokens=24,
                                               temperature=0).choices[0].message.content
 
     _set_power(server, source="ac")
