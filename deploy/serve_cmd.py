@@ -55,6 +55,24 @@ def api_keys(args: argparse.Namespace) -> tuple:
     return tuple(dict.fromkeys(keys))
 
 
+def draft_model_dir(args: argparse.Namespace, model_dir) -> str | None:
+    """The draft model's folder (None: none), checked against the target's
+    tokenizer; ModelError says why it cannot draft."""
+    if args.speculative == "draft" and not args.draft_model:
+        raise ModelError("--speculative draft needs --draft-model")
+    if not args.draft_model:
+        return None
+    if args.speculative not in ("draft", "auto"):
+        raise ModelError(f"--draft-model drafts only with --speculative draft or auto (not {args.speculative})")
+    from workers.decode.draft_model import vocabulary_mismatch
+
+    draft_dir = resolve_model(args.draft_model)
+    why = vocabulary_mismatch(model_dir, draft_dir)
+    if why:
+        raise ModelError(f"--draft-model {args.draft_model}: {why}")
+    return str(draft_dir)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = Settings()
     p.add_argument("--model", default=None, help="MLX folder, .gguf file or Hugging Face repo id (default: the embedded SmolLM2-135M-Instruct)")
@@ -96,6 +114,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "auto: long uncached prompts there, short ones on the GPU")
     p.add_argument("--ane-min-tokens", type=_positive, default=d.ane_min_tokens,
                    help="--prefill-backend auto: uncached prompt tokens from which a prompt goes to the Neural Engine")
+    p.add_argument("--speculative", default=d.speculative, choices=["auto", "off", "prompt-lookup", "draft"],
+                   help="speculative decoding in the decode batch: prompt-lookup drafts from the request's own text, "
+                        "draft from --draft-model; auto: draft when --draft-model is given, else prompt-lookup")
+    p.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="a small model with the target's tokenizer that drafts tokens (as --model takes it)")
+    p.add_argument("--spec-tokens", type=_positive, default=d.spec_tokens,
+                   help="tokens a row drafts per step at most (adapted per row to what is accepted)")
+    p.add_argument("--spec-max-batch", type=_positive, default=d.spec_max_batch,
+                   help="decode rows above which steps do not speculate (compute-bound; "
+                        "default: 4 where MLX runs on the CPU, 8 on a GPU)")
     p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                    help="workers say ready without first running a short prompt (faster start, slower first request)")
     p.add_argument("--max-queue", type=_positive, default=d.max_queue,
@@ -136,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         model_dir = resolve_model(args.model)
+        draft_dir = draft_model_dir(args, model_dir)
     except ModelError as exc:
         print(f"tandem: {exc}", file=sys.stderr)
         return 2
@@ -156,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
         power_policy=args.power_policy, power_poll_s=args.power_poll, power_state_file=args.power_state_file,
         memory_pressure_file=args.memory_pressure_file,
         prefill_backend=args.prefill_backend, ane_min_tokens=args.ane_min_tokens,
+        speculative=args.speculative, draft_model_dir=draft_dir, spec_tokens=args.spec_tokens,
+        spec_max_batch=args.spec_max_batch,
     )
     if not args.cache_memory:  # sized by the machine and the model (deploy/settings.py)
         copies = sum(1 for _, roles in settings.worker_plan() if {"prefill", "decode"} & set(roles))

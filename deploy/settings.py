@@ -58,6 +58,13 @@ def default_block_size() -> int:
     return 4 if on_cpu() else 8
 
 
+def default_spec_rows() -> int:
+    """Decode rows above which steps stop speculating (workers/decode/speculation.py):
+    past them a step of several tokens a row is compute-bound and costs more
+    than the tokens it gains (BENCHMARKS.md, "Speculative decoding")."""
+    return 4 if on_cpu() else 8
+
+
 def default_prefill_batch() -> int:
     """Prompts one prefill pass may take together: 16 on a GPU, 1 (none)
     where MLX runs on the CPU. On an H100 a burst's passes cost 3.8-11x less
@@ -128,6 +135,13 @@ class Settings:
     # Requests admitted beyond what the decode batches hold (waiting for a
     # template, media, prefill or a decode slot), beyond which 429 (router/admission.py).
     max_queue: int = 256
+    # Speculative decoding in the decode batch (workers/decode/speculation.py):
+    # "auto" (the draft model when one is given, else prompt lookup), "off",
+    # "prompt-lookup" (drafts from the request's own text) or "draft".
+    speculative: str = "auto"
+    draft_model_dir: str | None = None  # a small model of the same tokenizer (--draft-model)
+    spec_tokens: int = 8  # drafted tokens per row and step, at most
+    spec_max_batch: int = field(default_factory=default_spec_rows)
     warm_up: bool = True  # model workers run a short prompt before "ready" (workers/warm_up.py)
     # Deadlines (seconds)
     heartbeat_interval_s: float = 0.5
@@ -165,6 +179,14 @@ class Settings:
     # Power states read from this JSON file instead of the machine (tests; trying
     # a policy on a desktop): {"source": "battery", "percent": 15, ...}.
     power_state_file: str | None = None
+
+    def spec_method(self) -> str | None:
+        """The drafting method decode workers use ("prompt-lookup", "draft"), or None."""
+        if self.speculative == "off":
+            return None
+        if self.speculative == "auto":
+            return "draft" if self.draft_model_dir else "prompt-lookup"
+        return self.speculative
 
     def worker_plan(self) -> list[tuple[str, list[str]]]:
         """The model worker processes these settings ask for: (name, roles),

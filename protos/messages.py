@@ -142,6 +142,9 @@ class WorkerHello:
     batched_prompts: int = 0  # prompts it prefilled in a pass with others (workers/prefill/batch.py), since start
     limits_version: int = 0  # the WorkerLimits it applies (0: none yet: the settings' own)
     max_batch: int = 0  # decode rows per step it allows now (0: no decode role)
+    spec_method: str = ""  # its speculative decoding ("prompt-lookup", "draft"; "": none)
+    spec_proposed: int = 0  # tokens it drafted, since start
+    spec_accepted: int = 0  # drafted tokens kept, since start
 
 
 @dataclass

@@ -52,6 +52,7 @@ class _LiveState:
             if "decode" in w.hello.roles:
                 batch_limit.add_metric(labels, w.hello.max_batch)
         yield from (running, waiting, kv, hot, hot_hits, batched, batch_limit)
+        yield from _speculation(d.workers)
 
         in_prefill = sum(1 for st in d.requests.values() if st.phase in ("vision", "prefill"))
         yield GaugeMetricFamily("tandem_requests_running", "Requests decoding", value=len(d.requests) - in_prefill)
@@ -72,6 +73,21 @@ class _LiveState:
         evictions.add_metric(["disk"], stats.get("disk_evictions_total", 0))
         yield evictions
         yield from _memory_pressure(d.workers, stats)
+
+
+def _speculation(workers: dict):
+    """Drafted and accepted tokens of speculative decoding (workers/decode/speculation.py)."""
+    proposed = CounterMetricFamily("tandem_spec_proposed_tokens", "Tokens drafted for speculative decoding",
+                                   labels=["method", "pid"])
+    accepted = CounterMetricFamily("tandem_spec_accepted_tokens",
+                                   "Drafted tokens the model agreed with (kept without a step of their own)",
+                                   labels=["method", "pid"])
+    for w in workers.values():
+        if w.hello.spec_method:
+            labels = [w.hello.spec_method, str(w.hello.pid)]
+            proposed.add_metric(labels, w.hello.spec_proposed)
+            accepted.add_metric(labels, w.hello.spec_accepted)
+    yield from (proposed, accepted)
 
 
 def _memory_pressure(workers: dict, cache_stats: dict):

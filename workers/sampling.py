@@ -68,11 +68,23 @@ class SeededSampler:
         return sub
 
     def __call__(self, logprobs: mx.array) -> mx.array:
+        return self.draw(self.distribution(logprobs))
+
+    def distribution(self, logprobs: mx.array) -> mx.array:
+        """The unnormalised log-probabilities this sampler draws from (its
+        filters, then its temperature), row by row: speculative decoding's
+        rejection rule needs them (workers/decode/spec_verify.py)."""
         for f in self._filters:
             logprobs = f(logprobs)
-        return mx.random.categorical(
-            logprobs * (1.0 / self.temperature), key=self._next_key()
-        )
+        return logprobs * (1.0 / self.temperature)
+
+    def draw(self, logits: mx.array) -> mx.array:
+        """One token per row of `logits` (from distribution()), from this stream."""
+        return mx.random.categorical(logits, key=self._next_key())
+
+    def uniform(self, n: int) -> mx.array:
+        """n uniform draws in [0, 1) from this stream."""
+        return mx.random.uniform(shape=(n,), key=self._next_key())
 
 
 def random_seed() -> int:

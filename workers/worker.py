@@ -35,6 +35,7 @@ from deploy.power.policy import decide
 from deploy.power.readers import read_power
 from protos.messages import Cancel, DecodeRequest, PrefillRequest, VisionRequest, WorkerLimits
 from workers.decode.engine import DecodeEngine
+from workers.decode.speculation import speculation_for
 from workers.decode.role import DecodeRole
 from workers.grammar import Grammars, logits_width
 from workers.kv.prefix_cache import make_prefix_cache
@@ -113,7 +114,8 @@ class Worker:
         if ("prefill" in names or "vision" in names) and is_vlm(self.settings.model_dir):
             vision = load_vision(self.settings.model_dir, model, self.prefix_client, self.arena_buf)
         if "decode" in names:
-            decode = DecodeEngine(model, max_batch=self.settings.max_batch, prefix=self.prefix, grammars=grammars)
+            decode = DecodeEngine(model, max_batch=self.settings.max_batch, prefix=self.prefix, grammars=grammars,
+                                  speculation=speculation_for(self.settings, model))
         self.model, self.cold = model, model is not None and self.settings.warm_up
         # On battery in saver (deploy/power/policy.py) the warm-up waits for a policy that allows it.
         self.defer_warm_up = self.cold and decide(read_power(self.settings), self.settings).defer_warm_up
@@ -289,6 +291,10 @@ class Worker:
         self.hello.running = sum(role.running for role in self.roles)
         self.hello.waiting = sum(role.waiting for role in self.roles)
         self.hello.kv_bytes = self.decode.engine.kv_bytes if self.decode else 0
+        spec = self.decode.engine.speculation if self.decode else None
+        if spec is not None:
+            self.hello.spec_method, self.hello.spec_proposed, self.hello.spec_accepted = (
+                spec.method, spec.proposed, spec.accepted)
         if self.prefix is not None:
             self.hello.hot_kv_bytes, self.hello.hot_kv_hits = self.prefix.hot.nbytes, self.prefix.hot.hits
 

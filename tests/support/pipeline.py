@@ -82,12 +82,13 @@ def handoff(cache, transport: str):
 
 
 def drive(model, jobs, *, chunk=16, max_batch=8, transport="bytearray",
-          cancel_at=None, observe=None, ragged=None) -> Dict[str, Out]:
+          cancel_at=None, observe=None, ragged=None, speculation=None) -> Dict[str, Out]:
     """jobs: [(rid, join_step, prompt, SamplingParams)]. Runs prefill, handoff
     and decode, adding each request at its join step. Returns rid -> Out.
-    ragged=False: the padded batch a GPU uses, on any backend."""
+    ragged=False: the padded batch a GPU uses, on any backend. speculation:
+    a workers.decode.speculation.Speculation for the decode engine."""
     prefill = PrefillEngine(model, chunk_size=chunk)
-    decode = DecodeEngine(model, max_batch=max_batch, ragged=ragged)
+    decode = DecodeEngine(model, max_batch=max_batch, ragged=ragged, speculation=speculation)
     outs: Dict[str, Out] = {}
     cancel_at = cancel_at or {}
     step = 0

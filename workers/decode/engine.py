@@ -128,8 +128,10 @@ class DecodeEngine:
     """Decode up to `max_batch` requests together, one token each per step()."""
 
     def __init__(self, model, max_batch: int = 32, eos_token_ids: Iterable[int] = (), prefix=None,
-                 ragged: bool | None = None, grammars=None):
+                 ragged: bool | None = None, grammars=None, speculation=None):
         self.model = model
+        # workers.decode.speculation.Speculation, or None: every step an ordinary one.
+        self.speculation = speculation
         self.grammars = grammars  # workers.grammar.Grammars, or None: no grammar can be followed
         self.max_batch = max_batch
         # On the CPU backend rows keep their own KV (workers/decode/ragged_kv.py):
@@ -235,8 +237,7 @@ class DecodeEngine:
         uid = self._uid_of.pop(request_id, None)
         if uid is not None:
             live = self._live.pop(uid)
-            if self.sharing is not None:
-                self.sharing.leave(request_id)
+            self._left(uid, request_id)
             i = self._batch.uids.index(uid)
             if save and live.cacheable and self.prefix is not None:
                 # Prepared before the filter drops its rows (nothing waits:
@@ -262,7 +263,9 @@ class DecodeEngine:
         with mx.stream(generation_stream):
             self._batch.on_queued = self.commit_finished
             try:
-                responses = self._batch.next()
+                responses = self._speculative_step()
+                if responses is None:
+                    responses = self._batch.next()
                 # A batch of newcomers alone steps again, so that a step yields
                 # their first decode tokens (as a step always did).
                 if responses and all(self._live[r.uid].fresh for r in responses):
@@ -287,13 +290,34 @@ class DecodeEngine:
             if r.finish_reason is not None:
                 del self._live[r.uid]
                 del self._uid_of[live.request_id]
-                if self.sharing is not None:
-                    self.sharing.leave(live.request_id)
+                self._left(r.uid, live.request_id)
                 if (self.prefix is not None and live.cacheable and r.prompt_cache
                         and self._prepare_commit(live, r.all_tokens, r.prompt_cache, update)):
                     continue  # returned once its blocks are written
             updates.append(update)
         return updates + self._take_committed()
+
+    def _speculative_step(self):
+        """A speculative step's responses (several per row), or None when
+        this step is an ordinary one (workers/decode/speculation.py)."""
+        if self.speculation is None:
+            return None
+        fresh = any(live.fresh for live in self._live.values())
+        with part(self.clock, "draft"):
+            plan = self.speculation.plan(self._batch, fresh)
+        if plan is None or not any(plan[1]):
+            return None
+        uids = list(self._batch.uids)
+        verified = self._batch.speculate(*plan)
+        self.speculation.record(uids, verified)
+        return verified.responses
+
+    def _left(self, uid: int, request_id: str) -> None:
+        """A request left the batch: what followed it goes too."""
+        if self.sharing is not None:
+            self.sharing.leave(request_id)
+        if self.speculation is not None:
+            self.speculation.leave(uid, request_id)
 
     def _drop_failed(self) -> None:
         """Drop the rows whose matcher refused their token (their responses
@@ -307,8 +331,7 @@ class DecodeEngine:
             else:  # it finished in the same step
                 del self._live[uid]
                 del self._uid_of[live.request_id]
-                if self.sharing is not None:
-                    self.sharing.leave(live.request_id)
+                self._left(uid, live.request_id)
             self._failures.append((live.request_id, GrammarError(why)))
 
     def take_failures(self) -> List[Tuple[str, Exception]]:

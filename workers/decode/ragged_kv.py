@@ -175,6 +175,15 @@ class RaggedKVCache(BaseCache):
     def is_trimmable(self):
         return False
 
+    def trim_rows(self, counts) -> None:
+        """Drop the last counts[i] tokens of row i (a speculative step's
+        rejected drafts, workers/decode/speculation.py): only the lengths
+        move; the next write goes where they end."""
+        for row, n in zip(self.rows, counts):
+            if n > row.own_length:
+                raise ValueError(f"cannot trim {n} tokens from a row of {row.own_length} own tokens")
+            row.length -= int(n)
+
     @property
     def nbytes(self):
         own = sum(r.keys.nbytes + r.values.nbytes for r in self.rows if r.pool is None)

@@ -25,6 +25,7 @@ from mlx_lm.generate import GenerationBatch
 
 from workers.grammar import ConstrainedRows, apply_masks
 from workers.kernels.slot_batch_cache import SlotBatchKVCache, share_row_state, swap_remove_order
+from workers.kernels.verify_step import Verified, verify_step
 from workers.loop_clock import part
 
 
@@ -57,6 +58,22 @@ class DecodeBatch(GenerationBatch):
                 out = self._masked_step()
             else:
                 out = super()._step()
+        if self.on_queued is not None:
+            self.on_queued()
+        return out
+
+    def next_inputs(self) -> List[int]:
+        """The tokens the next step feeds (sampled by the step before), on
+        the host: a speculative step drafts from them. Waits for that step."""
+        with part(self.clock, "barrier"):
+            mx.eval(self.barrier, self._next_tokens)
+        self.barrier = []
+        return self._next_tokens.tolist()
+
+    def speculate(self, inputs: List[int], drafts: List[List[int]]) -> Verified:
+        """A speculative step (workers/kernels/verify_step.py) after next_inputs()."""
+        with part(self.clock, "speculate"):
+            out = verify_step(self, inputs, drafts)
         if self.on_queued is not None:
             self.on_queued()
         return out

@@ -1,0 +1,166 @@
+"""Speculative decoding's policy in the decode batch: who drafts, how much, when.
+
+A speculative step (workers/kernels/verify_step.py) checks every row's
+drafts in one forward pass of the batch; a drafter proposes them
+(workers/decode/prompt_lookup.py's `PromptLookup`: the row's own text;
+workers/decode/draft_model.py's `DraftModel`: a small model of the same
+tokenizer). This module decides, step by step:
+
+  * whether to speculate at all: not when the batch has more rows than
+    `max_rows` (past that a step of k + 1 tokens a row costs more than the
+    tokens it gains: the step is compute-bound; BENCHMARKS.md has where that
+    is per machine), nor while a row has just joined;
+  * which rows draft: not rows with logits processors (penalties, bias: they
+    need the context token by token), nor rows that follow a grammar (their
+    masks are token by token); those rows ride along and are sampled from
+    the step's first position, as an ordinary step samples them;
+  * how many tokens each row drafts: k grows while everything is accepted
+    and falls to one more than the last run kept;
+  * when a row stops drafting: when its acceptance (a running average)
+    falls below `MIN_RATE` it rests for a while, longer each time; a row
+    whose lookups find nothing is asked again only every few steps. A step
+    without drafts is an ordinary, pipelined step: an ordinary chat pays
+    almost nothing (only the steps that look, which wait for the step
+    before: a drafter needs the row's next input).
+
+Counts (`proposed`, `accepted`) feed /metrics; each request's own counts
+are logged (debug) when it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from workers.kernels.verify_step import Verified, can_trim
+
+log = logging.getLogger(__name__)
+
+# A row whose drafts are accepted less than this (running average) rests.
+MIN_RATE = 0.2
+# Steps a resting row waits first; doubled each time it rests again, up to the longest.
+REST_STEPS, LONGEST_REST = 8, 256
+# Steps a row whose lookup found nothing waits before it looks again, at most.
+IDLE_STEPS = 8
+
+
+@dataclass
+class RowSpeculation:
+    """One request's drafting state and counts."""
+
+    k: int
+    rate: float = 1.0  # running average of the drafts kept / drafted
+    verified: int = 0  # steps its drafts were checked
+    proposed: int = 0
+    accepted: int = 0
+    wait: int = 0  # steps before it drafts (or looks) again
+    rest: int = REST_STEPS  # the next rest's length
+    idle: int = 0  # consecutive looks that found nothing
+
+
+class Speculation:
+    """The decode engine's speculative decoding (see the module doc)."""
+
+    def __init__(self, drafter, max_tokens: int = 8, max_rows: int = 8):
+        self.drafter = drafter
+        self.method = drafter.method
+        self.max_tokens = max(1, int(max_tokens))
+        self.max_rows = int(max_rows)
+        self.rows: Dict[int, RowSpeculation] = {}
+        self.proposed = self.accepted = 0  # since start, for /metrics
+
+    # ------------------------------------------------------------- rows --
+    def leave(self, uid: int, request_id: str) -> None:
+        """A request left the batch: its state goes, its counts are logged."""
+        row = self.rows.pop(uid, None)
+        self.drafter.leave(uid)
+        if row is not None and row.proposed:
+            log.debug("request %s: %s drafted %d tokens, %d accepted (%.0f%%) in %d steps", request_id,
+                      self.method, row.proposed, row.accepted, 100.0 * row.accepted / row.proposed, row.verified)
+
+    def _row(self, uid: int) -> RowSpeculation:
+        row = self.rows.get(uid)
+        if row is None:
+            row = self.rows[uid] = RowSpeculation(k=max(1, self.max_tokens // 2))
+        return row
+
+    # ------------------------------------------------------------- steps --
+    def plan(self, batch, fresh: bool) -> Optional[Tuple[List[int], List[List[int]]]]:
+        """(the rows' next inputs, their drafts) for a speculative step, or
+        None for an ordinary one. `fresh`: a row joined since the last step."""
+        n = len(batch.uids)
+        if fresh or n == 0 or n > self.max_rows or not can_trim(batch):
+            return None
+        asking: List[Tuple[int, int, int]] = []  # (row index, uid, k)
+        for i, uid in enumerate(batch.uids):
+            row = self._row(uid)
+            if row.wait > 0:
+                row.wait -= 1
+                continue
+            left = batch.max_tokens[i] - batch._num_tokens[i] - 1  # tokens after this step's input
+            if left > 0 and self._may_draft(batch, i, uid):
+                asking.append((i, uid, min(row.k, left)))
+        if not asking:
+            return None
+        inputs = batch.next_inputs()
+        drafts: List[List[int]] = [[] for _ in range(n)]
+        for (i, uid, _), proposal in zip(asking, self.drafter.propose(batch, asking, inputs)):
+            drafts[i] = proposal
+            row = self.rows[uid]
+            if proposal:
+                row.idle = 0
+            else:
+                row.idle += 1
+                row.wait = min(row.idle, IDLE_STEPS)
+        return inputs, drafts
+
+    @staticmethod
+    def _may_draft(batch, i: int, uid: int) -> bool:
+        if batch.logits_processors and batch.logits_processors[i]:
+            return False
+        constrained = batch.constrained
+        return not (constrained and uid in constrained.matchers)
+
+    def record(self, uids: List[int], verified: Verified) -> None:
+        """Learn from a speculative step (`uids`: the batch's rows before it)."""
+        for uid, drafted, kept in zip(uids, verified.drafted, verified.accepted):
+            if not drafted:
+                continue
+            self.proposed += drafted
+            self.accepted += kept
+            row = self.rows.get(uid)
+            if row is None:
+                continue
+            row.verified += 1
+            row.proposed += drafted
+            row.accepted += kept
+            row.rate = 0.7 * row.rate + 0.3 * kept / drafted
+            row.k = min(self.max_tokens, 2 * drafted) if kept == drafted else max(1, kept + 1)
+            if row.verified >= 3 and row.rate < MIN_RATE:
+                row.wait, row.rest = row.rest, min(2 * row.rest, LONGEST_REST)
+                row.rate = 1.0  # a fresh start after the rest
+            elif row.rate >= 0.5:
+                row.rest = REST_STEPS
+
+
+def speculation_for(settings, model) -> Optional[Speculation]:
+    """The decode engine's Speculation under `settings` (deploy/settings.py
+    spec_method), or None (--speculative off)."""
+    method = settings.spec_method()
+    if method is None:
+        return None
+    if method == "draft":
+        from workers.decode.draft_model import DraftModel
+        from workers.grammar import logits_width
+        from workers.models.loading import load_model
+
+        draft, _ = load_model(settings.draft_model_dir)
+        drafter = DraftModel(draft, vocab_limit=logits_width(model))
+    else:
+        from workers.decode.prompt_lookup import PromptLookup
+
+        drafter = PromptLookup()
+    log.info("speculative decoding: %s, up to %d tokens a row, batches of up to %d rows", method,
+             settings.spec_tokens, settings.spec_max_batch)
+    return Speculation(drafter, settings.spec_tokens, settings.spec_max_batch)
