@@ -13,14 +13,20 @@
     tandem bench --systems tandem,mlx_lm --workload agents --agents 8 --turns 4
     # Tandem once per power policy, side by side: tok/s and joules per output token
     tandem bench --systems tandem,mlx_lm --tandem-power-policies performance,saver
+    # speculative decoding: Tandem with and without, and mlx_lm.server with the same draft
+    tandem bench --systems tandem,mlx_lm --workload copy,chat --concurrency 1,4,16 \
+        --tandem-speculative off,prompt-lookup,draft --draft-model DRAFT
 
 Workloads (--workload, comma-separated, or `all` for the text ones): sweep,
-interference, prefix, swarm (see benchmarks/bench/workloads.py), vision (a
+interference, prefix, swarm (see benchmarks/bench/workloads.py), copy (edit a
+text, extract fields to JSON, echo a tool call's arguments: copy-heavy answers,
+see benchmarks/bench/copy_workload.py), chat (short natural questions, see
+benchmarks/bench/chat_workload.py), vision (a
 VLM only, see benchmarks/bench/vision_workload.py), agents (tool calls, see
 benchmarks/bench/agents_workload.py), soak (many clients for minutes, every
 process's memory over time, see benchmarks/bench/soak_workload.py), chaos
 (greedy streams while workers are killed, see benchmarks/bench/chaos_workload.py;
-`--chaos`); soak and chaos are not in `all`. Output: a progress line
+`--chaos`); copy, chat, soak and chaos are not in `all`. Output: a progress line
 on stderr while it runs, tables on stdout at the end, --json for machines
 (fields in benchmarks/bench/report.py), --plot for a PNG. Energy: where the
 machine exposes it (RAPL, nvidia-smi, powermetrics as root; see
@@ -42,20 +48,22 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.bench import agents_workload, bandwidth, chaos_workload, soak_workload, vision_workload
+from benchmarks.bench import (agents_workload, bandwidth, chaos_workload, chat_workload, copy_workload, soak_workload,
+                              vision_workload)
 from benchmarks.bench import energy as energy_mod
 from benchmarks.bench import report as report_mod
 from benchmarks.bench import workloads as wl
 from benchmarks.bench.energy_run import EnergyRun
 from benchmarks.bench.memory import ProcessTreeMemory
 from benchmarks.bench.peer_weights import needs_float32_copy, peer_model_folder
-from benchmarks.bench.systems import (POWER_POLICIES, SYSTEMS, ManagedServer, Options, file_label, pick_port,
-                                      server_spec, with_power_policies)
+from benchmarks.bench.systems import (DRAFT_PEER, POWER_POLICIES, SPECULATIVE, SYSTEMS, ManagedServer, Options,
+                                      expand_rows, file_label, pick_port, server_spec, split_row)
 from deploy.model_folder import is_vlm
 from workers.models.store import models_dir, resolve_model
 
 TEXT_WORKLOADS = ("sweep", "interference", "prefix", "swarm")
-WORKLOADS = (*TEXT_WORKLOADS, "vision", "agents", "soak", "chaos")
+WORKLOADS = (*TEXT_WORKLOADS, "copy", "chat", "vision", "agents", "soak", "chaos")
+PEERS = ("mlx_lm", "mlx_vlm", "vllm-mlx")
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -103,9 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--peer-weights", choices=("auto", "as-is", "float32"), default="auto",
                    help="auto: on MLX's CPU backend the peers load a float32 copy, as Tandem computes")
     s.add_argument("--tandem-args", default="", help='extra `tandem serve` flags, e.g. "--max-batch 64"')
-    s.add_argument("--tandem-power-policies", type=_name_list(POWER_POLICIES), default=(),
-                   help="run each Tandem system once per `--power-policy`, as rows named e.g. tandem[saver]: "
-                        f"comma-separated from {','.join(POWER_POLICIES)}")
+    _add_variant_arguments(s)
     s.add_argument("--mlx-lm-args", default="", help="extra mlx_lm.server flags")
     s.add_argument("--mlx-vlm-args", default="", help="extra mlx_vlm.server flags")
     s.add_argument("--vllm-mlx-args", default="", help="extra `vllm-mlx serve` flags")
@@ -156,6 +162,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--log-dir", default=None, help="server logs (default: a new temporary folder)")
 
 
+def _add_variant_arguments(s) -> None:
+    """The flags that run a system more than once, a row per variant (s: the systems argument group)."""
+    s.add_argument("--tandem-power-policies", type=_name_list(POWER_POLICIES), default=(),
+                   help="run each Tandem system once per `--power-policy`, as rows named e.g. tandem[saver]: "
+                        f"comma-separated from {','.join(POWER_POLICIES)}")
+    s.add_argument("--tandem-speculative", type=_name_list(SPECULATIVE), default=(),
+                   help="run each Tandem system once per `--speculative` mode, as rows named e.g. "
+                        f"tandem[spec=prompt-lookup]: comma-separated from {','.join(SPECULATIVE)}; with "
+                        "--tandem-power-policies too, a row per pair (tandem[saver,spec=off]). The report compares "
+                        "each with its spec=off row")
+    s.add_argument("--draft-model", default=None,
+                   help="draft model (as `tandem serve --draft-model` takes it) for the spec=draft and spec=auto "
+                        f"rows; with mlx_lm in --systems, also a row {DRAFT_PEER}: mlx_lm.server --draft-model "
+                        "(a float32 copy on MLX's CPU backend, as for --model)")
+    s.add_argument("--spec-tokens", type=int, default=None,
+                   help="draft tokens per step: Tandem's --spec-tokens (rows with speculation on) and "
+                        f"{DRAFT_PEER}'s --num-draft-tokens (default: each server's own)")
+
+
 def workload_config(args: argparse.Namespace) -> wl.WorkloadConfig:
     return wl.WorkloadConfig(
         seed=args.seed, timeout_s=args.timeout, max_tokens=args.max_tokens, prompt_words=args.prompt_words,
@@ -173,15 +198,19 @@ def run(args: argparse.Namespace) -> int:
     if args.name and len(args.name) != len(args.url):
         print("tandem bench: give one --name per --url", file=sys.stderr)
         return 2
-    systems = with_power_policies(args.systems or (() if args.url else ("tandem",)), args.tandem_power_policies)
+    if "draft" in args.tandem_speculative and not args.draft_model:
+        print("tandem bench: --tandem-speculative draft needs --draft-model", file=sys.stderr)
+        return 2
+    systems = expand_rows(args.systems or (() if args.url else ("tandem",)), args.tandem_power_policies,
+                          args.tandem_speculative, draft_peer=bool(args.draft_model))
     cfg = workload_config(args)
     run_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-bench-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"tandem bench: {', '.join([*systems, *(args.name or args.url)])}; workloads {', '.join(workloads)}; "
           f"logs in {run_dir}", file=sys.stderr)
-    if args.tandem_power_policies and not any(s.startswith("tandem") for s in systems):
-        print("tandem bench: --tandem-power-policies applies to the Tandem systems started, and none is",
-              file=sys.stderr)
+    if (args.tandem_power_policies or args.tandem_speculative) and not any(s.startswith("tandem") for s in systems):
+        print("tandem bench: --tandem-power-policies and --tandem-speculative apply to the Tandem systems started, "
+              "and none is", file=sys.stderr)
     recorder, no_energy = _energy_recorder(args)
     results: list[dict] = []
     try:
@@ -207,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
     _add_single_stream(results, args)
     config = {**dataclasses.asdict(cfg), "workloads": list(workloads), "model": args.model,
               "peer_weights": args.peer_weights, "tandem_power_policies": list(args.tandem_power_policies),
+              "tandem_speculative": list(args.tandem_speculative), "draft_model": args.draft_model,
+              "spec_tokens": args.spec_tokens,
               "energy": {"meters": recorder.describe() if recorder else [], "unavailable": no_energy,
                          "idle_seconds": args.energy_idle, "scope": energy_mod.SCOPE}}
     rep = report_mod.build_report(results, config, shlex.join(["tandem", "bench", *sys.argv[2:]])
@@ -238,21 +269,26 @@ def _options(args: argparse.Namespace, systems: tuple[str, ...], run_dir: Path,
              workloads: tuple[str, ...] = ()) -> Options:
     model_dir = resolve_model(args.model)
     peer_dir = model_dir
-    if is_vlm(model_dir) and any(s in ("mlx_lm", "mlx_vlm", "vllm-mlx") for s in systems):
+    peers = {split_row(s)[0] for s in systems} & set(PEERS)
+    if is_vlm(model_dir) and peers:
         # The float32 copy is made with the text loader: it would drop the vision tower.
         if needs_float32_copy(model_dir) and args.peer_weights != "as-is":
             print(f"tandem bench: peers load the VLM folder {model_dir} as it is (no float32 copy of a VLM; "
                   "on the CPU backend make it with `tandem random-model ... --dtype float32`)", file=sys.stderr)
-    elif any(s in ("mlx_lm", "mlx_vlm", "vllm-mlx") for s in systems):
+    elif peers:
         print("tandem bench: preparing the peers' model folder ...", file=sys.stderr)
         peer_dir = peer_model_folder(model_dir, args.peer_weights, models_dir() / "peer-float32")
         if peer_dir != model_dir:
             print(f"tandem bench: peers load {peer_dir} (float32, as Tandem computes on this backend)",
                   file=sys.stderr)
+    draft_dir = None
+    if DRAFT_PEER in systems:  # the draft in the same form as the target, so the peer's step is comparable
+        draft_dir = peer_model_folder(resolve_model(args.draft_model), args.peer_weights, models_dir() / "peer-float32")
     return Options(model_spec=args.model, model_dir=model_dir, peer_model_dir=peer_dir, run_dir=run_dir,
                    tandem_args=shlex.split(args.tandem_args), mlx_lm_args=shlex.split(args.mlx_lm_args),
                    mlx_vlm_args=shlex.split(args.mlx_vlm_args), vllm_mlx_args=shlex.split(args.vllm_mlx_args),
-                   vllm_mlx_bin=args.vllm_mlx_bin, vllm_mlx_mllm="vision" in workloads)
+                   vllm_mlx_bin=args.vllm_mlx_bin, vllm_mlx_mllm="vision" in workloads,
+                   draft_model=args.draft_model, peer_draft_model_dir=draft_dir, spec_tokens=args.spec_tokens)
 
 
 def _bench_started(name: str, opts: Options, port: int, cfg: wl.WorkloadConfig, workloads, args,
@@ -341,7 +377,11 @@ async def _measure(target: wl.Target, cfg: wl.WorkloadConfig, workloads, ready_d
 async def _workload(name: str, out: dict, target: wl.Target, cfg: wl.WorkloadConfig, metrics_url: str | None,
                     soak: soak_workload.SoakRun | None, chaos: tuple | None, energy: EnergyRun | None) -> None:
     if name == "sweep":
-        out["sweep"] = await wl.sweep(target, cfg, energy)
+        out["sweep"] = await wl.sweep(target, cfg, energy, metrics_url)
+    elif name == "copy":
+        out["copy"] = await copy_workload.copy(target, cfg, energy, metrics_url)
+    elif name == "chat":
+        out["chat"] = await chat_workload.chat(target, cfg, energy, metrics_url)
     elif name == "interference":
         out["interference"] = await wl.interference(target, cfg)
     elif name == "prefix":

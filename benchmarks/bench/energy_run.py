@@ -2,12 +2,12 @@
 
 The machine's draw is first measured for a few seconds before the system
 starts (nothing of the bench running: `idle`), then each workload after the
-warm-up is a window between two marks, and each sweep level one too. Joules
-per output token divide a window's joules by the output tokens the workload
-counted; workloads that count none (prefix, vision) add to `joules` but not
-to the per-token figure. `*_above_idle` subtracts the idle draw over the
-window first: what serving cost on top of a machine that was on anyway
-(noise can make it small or negative on a short window).
+warm-up is a window between two marks, and each level of sweep, copy and chat
+one too. Joules per output token divide a window's joules by the output
+tokens the workload counted; workloads that count none (prefix, vision) add
+to `joules` but not to the per-token figure. `*_above_idle` subtracts the
+idle draw over the window first: what serving cost on top of a machine that
+was on anyway (noise can make it small or negative on a short window).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def output_tokens(workload: str, result) -> int | None:
     """Output tokens a workload's result counts, None where it counts none."""
     if not result:
         return None
-    if workload == "sweep":
+    if isinstance(result, list):  # the levels of sweep, copy and chat
         return sum(lv["output_tokens"] for lv in result)
     if workload == "interference":
         return result["quiet"]["output_tokens"] + result["loud"]["output_tokens"]

@@ -185,7 +185,8 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def summarize(results: list[RequestResult], wall: float, *, ttft_budget: float, itl_budget: float) -> dict:
     """Statistics of one level. Throughput counts successful requests only;
-    ITL percentiles pool the gaps of every successful request. A request is
+    ITL percentiles pool the gaps of every successful request; TPOT percentiles
+    are of each request's time per output token after the first. A request is
     'good' when it succeeded with TTFT <= ttft_budget and its mean inter-token
     time (time per output token after the first) <= itl_budget."""
     ok = [r for r in results if r.ok]
@@ -195,6 +196,7 @@ def summarize(results: list[RequestResult], wall: float, *, ttft_budget: float, 
             errors[str(r.status)] = errors.get(str(r.status), 0) + 1
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     itls = [g for r in ok for g in r.itls]
+    tpots = [t for r in ok if (t := _time_per_output_token(r)) is not None]
     good = [r for r in ok if r.ttft is not None and r.ttft <= ttft_budget and _mean_itl(r) <= itl_budget]
     out_tokens = sum(r.output_tokens for r in ok)
     n = len(results)
@@ -215,6 +217,10 @@ def summarize(results: list[RequestResult], wall: float, *, ttft_budget: float, 
         "itl_p50_s": percentile(itls, 50),
         "itl_p99_s": percentile(itls, 99),
         "itl_max_s": max(itls) if itls else None,
+        # Per request, time per output token after the first: with speculative decoding a
+        # chunk can carry several tokens, so chunk gaps (ITL) alone understate the wait.
+        "tpot_p50_s": percentile(tpots, 50),
+        "tpot_p99_s": percentile(tpots, 99),
         "latency_p50_s": percentile([r.latency for r in ok], 50),
         "goodput": len(good) / n if n else 0.0,
         "goodput_requests_s": len(good) / wall if wall > 0 else 0.0,
@@ -223,6 +229,13 @@ def summarize(results: list[RequestResult], wall: float, *, ttft_budget: float, 
         if any(r.cached_tokens is not None for r in ok) else None,
         "first_error": next((f"{r.status}: {r.error}" for r in results if not r.ok), None),
     }
+
+
+def _time_per_output_token(r: RequestResult) -> float | None:
+    """(last text - first text) / (output tokens - 1), None with fewer than two tokens."""
+    if r.ttft is None or not r.chunk_times or r.output_tokens < 2:
+        return None
+    return (r.chunk_times[-1] - r.ttft) / (r.output_tokens - 1)
 
 
 def _mean_itl(r: RequestResult) -> float:

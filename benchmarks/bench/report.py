@@ -7,7 +7,8 @@ JSON (--json PATH), schema "tandem-bench/1":
       "created": "2026-11-22T10:00:00+00:00",
       "machine": {"platform", "machine", "cpus", "python"},
       "command": "tandem bench ...",
-      "config": {...the workload settings..., "tandem_power_policies": [...],
+      "config": {...the workload settings..., "tandem_power_policies": [...], "tandem_speculative": [...],
+                 "draft_model", "spec_tokens",
                  "energy": {"meters": [{"meter", "method", "domains", "errors", "last_error"}],
                             "unavailable": {meter: why}, "idle_seconds", "scope"}},
       "systems": [{
@@ -28,9 +29,13 @@ JSON (--json PATH), schema "tandem-bench/1":
             "sweep": [{"concurrency", "requests", "ok", "errors": {status: n}, "error_count",
                        "rejected_429", "rejected_latency_p99_s", "wall_s", "output_tokens", "output_tok_s",
                        "requests_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "itl_max_s",
+                       "tpot_p50_s", "tpot_p99_s",
                        "latency_p50_s", "goodput", "goodput_requests_s", "prompt_tokens",
                        "cached_tokens", "first_error", "energy" (with a meter): {"joules", "seconds", "watts",
-                       "output_tokens", "joules_per_output_token", "joules_per_output_token_above_idle"}}],
+                       "output_tokens", "joules_per_output_token", "joules_per_output_token_above_idle"},
+                       "spec" (where /metrics counts speculative tokens): {"proposed_tokens",
+                       "accepted_tokens", "acceptance_rate"}}],
+            "copy", "chat": levels as the sweep's (benchmarks/bench/copy_workload.py, chat_workload.py),
             "interference": {"streams", "stream_tokens", "quiet": {...},
                              "loud": {... "itl_p99_during_long_s", "gaps_during_long", "long_prompts_sent",
                                       "long_prompts_ok", "long_prompt_tokens"},
@@ -63,13 +68,18 @@ JSON (--json PATH), schema "tandem-bench/1":
             "chaos": {"streams", "max_tokens", "reference_failed", "kills": [{"at_s", "role", "pid"}], "failed",
                       "errors", "outputs_differing", "moves", "output_tokens", "wall_s", "arena_segments"}
           }}],
-      "ratios": [{"tandem": "tandem", "peer": "mlx_lm", ...metric: tandem value / peer value}]
-      (swarm: also per served turn, when the two served different numbers of turns)
+      "ratios": [{"tandem": "tandem", "peer": "mlx_lm", ...metric: tandem value / peer value,
+                  "sweep" | "copy" | "chat": {clients: {"output_tok_s", "ttft_p99_s", "itl_p99_s", "goodput"}}}]
+      (swarm: also per served turn, when the two served different numbers of turns; a Tandem row
+      with speculation also against its spec=off row: {"tandem": "tandem[spec=draft]",
+      "peer": "tandem[spec=off]", ...})
     }
 
 Ratios are always Tandem / peer: above 1 is better for throughput, below 1
 is better for latencies, times, computed tokens, memory and energy. A system
-named tandem[saver] is Tandem under `--power-policy saver` (--tandem-power-policies).
+named tandem[saver] is Tandem under `--power-policy saver` (--tandem-power-policies),
+tandem[spec=draft] under `--speculative draft` (--tandem-speculative), both as
+tandem[saver,spec=draft]; mlx_lm[draft] is mlx_lm.server --draft-model.
 """
 
 from __future__ import annotations
@@ -82,6 +92,8 @@ import sys
 from pathlib import Path
 
 from benchmarks.bench.energy_run import energy_table
+from benchmarks.bench.level_report import level_ratio_rows, level_ratios, level_tables, ratio
+from benchmarks.bench.systems import spec_baseline
 from benchmarks.bench.text_table import mib, num, table, times
 
 SCHEMA = "tandem-bench/1"
@@ -104,68 +116,64 @@ def build_report(systems: list[dict], config: dict, command: str) -> dict:
     }
 
 
-def _ratio(a, b):
-    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
-
-
 def _per_turn(swarm: dict, key: str):
     value = swarm.get(key)
     return value / swarm["turns_ok"] if isinstance(value, (int, float)) and swarm.get("turns_ok") else None
 
 
 def ratios(systems: list[dict]) -> list[dict]:
-    """Every Tandem system against every peer that ran."""
-    out = []
+    """Every Tandem system against every peer that ran, then each Tandem row
+    with speculation against its spec=off row (tandem[spec=draft] / tandem[spec=off])."""
     ran = [s for s in systems if not s.get("error")]
-    for t in (s for s in ran if is_tandem(s["name"])):
-        for p in (s for s in ran if not is_tandem(s["name"])):
-            tr, pr = t.get("results", {}), p.get("results", {})
-            row: dict = {"tandem": t["name"], "peer": p["name"]}
-            if "sweep" in tr and "sweep" in pr:
-                peer_levels = {lv["concurrency"]: lv for lv in pr["sweep"]}
-                row["sweep"] = {
-                    str(lv["concurrency"]): {k: _ratio(lv[k], peer_levels[lv["concurrency"]][k])
-                                             for k in ("output_tok_s", "ttft_p99_s", "itl_p99_s", "goodput")}
-                    for lv in tr["sweep"] if lv["concurrency"] in peer_levels}
-            if "interference" in tr and "interference" in pr:
-                tl, pl = tr["interference"]["loud"], pr["interference"]["loud"]
-                row["interference_loud_itl_p99"] = _ratio(tl["itl_p99_s"], pl["itl_p99_s"])
-                row["interference_during_long_itl_p99"] = _ratio(tl.get("itl_p99_during_long_s"),
-                                                                 pl.get("itl_p99_during_long_s"))
-            if "prefix" in tr and "prefix" in pr:
-                row["prefix_cold_ttft"] = _ratio(tr["prefix"]["cold_ttft_s"], pr["prefix"]["cold_ttft_s"])
-                row["prefix_warm_ttft"] = _ratio(tr["prefix"]["warm_ttft_s"], pr["prefix"]["warm_ttft_s"])
-            if "vision" in tr and "vision" in pr:
-                tv, pv = tr["vision"], pr["vision"]
-                for key in ("turn1", "turn3", "text"):
-                    row[f"vision_{key}_ttft"] = _ratio(tv[f"{key}_ttft_s"], pv[f"{key}_ttft_s"])
-                peer_video = {v["frames"]: v for v in pv.get("video", [])}
-                row["video"] = {str(v["frames"]): {k: _ratio(v[f"{k}_ttft_s"], peer_video[v["frames"]][f"{k}_ttft_s"])
-                                                   for k in ("cold", "cached")}
-                                for v in tv.get("video", []) if v["frames"] in peer_video}
-            if "swarm" in tr and "swarm" in pr:
-                ts, ps = tr["swarm"], pr["swarm"]
-                row["swarm_wall"] = _ratio(ts["wall_s"], ps["wall_s"])
-                row["swarm_computed_prompt_tokens"] = _ratio(ts["computed_prompt_tokens"], ps["computed_prompt_tokens"])
-                if ts["turns_ok"] != ps["turns_ok"]:
-                    # A system that drops agents does less work: compare per turn it served too.
-                    row["swarm_wall_per_turn"] = _ratio(_per_turn(ts, "wall_s"), _per_turn(ps, "wall_s"))
-                    row["swarm_computed_per_turn"] = _ratio(_per_turn(ts, "computed_prompt_tokens"),
-                                                            _per_turn(ps, "computed_prompt_tokens"))
-            if "agents" in tr and "agents" in pr:
-                ta, pa = tr["agents"], pr["agents"]
-                row["agents_turns_s"] = _ratio(ta["turns_s"], pa["turns_s"])
-                row["agents_computed_prompt_tokens"] = _ratio(ta["computed_prompt_tokens"],
-                                                              pa["computed_prompt_tokens"])
-            if t.get("memory") and p.get("memory"):
-                key = "peak_total_pss_bytes" if t["memory"].get("peak_total_pss_bytes") and \
-                    p["memory"].get("peak_total_pss_bytes") else "peak_total_rss_bytes"
-                row["memory_peak_total"] = _ratio(t["memory"][key], p["memory"][key])
-            if t.get("energy") and p.get("energy"):
-                row["joules_per_output_token"] = _ratio(t["energy"]["joules_per_output_token"],
-                                                        p["energy"]["joules_per_output_token"])
-            out.append(row)
-    return out
+    tandems = [s for s in ran if is_tandem(s["name"])]
+    by_name = {s["name"]: s for s in ran}
+    pairs = [(t, p) for t in tandems for p in ran if not is_tandem(p["name"])]
+    pairs += [(t, by_name[spec_baseline(t["name"])]) for t in tandems if spec_baseline(t["name"]) in by_name]
+    return [_pair_ratios(t, p) for t, p in pairs]
+
+
+def _pair_ratios(t: dict, p: dict) -> dict:
+    """t's figures over p's, for what both ran."""
+    tr, pr = t.get("results", {}), p.get("results", {})
+    row: dict = {"tandem": t["name"], "peer": p["name"], **level_ratios(tr, pr)}
+    if "interference" in tr and "interference" in pr:
+        tl, pl = tr["interference"]["loud"], pr["interference"]["loud"]
+        row["interference_loud_itl_p99"] = ratio(tl["itl_p99_s"], pl["itl_p99_s"])
+        row["interference_during_long_itl_p99"] = ratio(tl.get("itl_p99_during_long_s"),
+                                                         pl.get("itl_p99_during_long_s"))
+    if "prefix" in tr and "prefix" in pr:
+        row["prefix_cold_ttft"] = ratio(tr["prefix"]["cold_ttft_s"], pr["prefix"]["cold_ttft_s"])
+        row["prefix_warm_ttft"] = ratio(tr["prefix"]["warm_ttft_s"], pr["prefix"]["warm_ttft_s"])
+    if "vision" in tr and "vision" in pr:
+        tv, pv = tr["vision"], pr["vision"]
+        for key in ("turn1", "turn3", "text"):
+            row[f"vision_{key}_ttft"] = ratio(tv[f"{key}_ttft_s"], pv[f"{key}_ttft_s"])
+        peer_video = {v["frames"]: v for v in pv.get("video", [])}
+        row["video"] = {str(v["frames"]): {k: ratio(v[f"{k}_ttft_s"], peer_video[v["frames"]][f"{k}_ttft_s"])
+                                           for k in ("cold", "cached")}
+                        for v in tv.get("video", []) if v["frames"] in peer_video}
+    if "swarm" in tr and "swarm" in pr:
+        ts, ps = tr["swarm"], pr["swarm"]
+        row["swarm_wall"] = ratio(ts["wall_s"], ps["wall_s"])
+        row["swarm_computed_prompt_tokens"] = ratio(ts["computed_prompt_tokens"], ps["computed_prompt_tokens"])
+        if ts["turns_ok"] != ps["turns_ok"]:
+            # A system that drops agents does less work: compare per turn it served too.
+            row["swarm_wall_per_turn"] = ratio(_per_turn(ts, "wall_s"), _per_turn(ps, "wall_s"))
+            row["swarm_computed_per_turn"] = ratio(_per_turn(ts, "computed_prompt_tokens"),
+                                                    _per_turn(ps, "computed_prompt_tokens"))
+    if "agents" in tr and "agents" in pr:
+        ta, pa = tr["agents"], pr["agents"]
+        row["agents_turns_s"] = ratio(ta["turns_s"], pa["turns_s"])
+        row["agents_computed_prompt_tokens"] = ratio(ta["computed_prompt_tokens"],
+                                                      pa["computed_prompt_tokens"])
+    if t.get("memory") and p.get("memory"):
+        key = "peak_total_pss_bytes" if t["memory"].get("peak_total_pss_bytes") and \
+            p["memory"].get("peak_total_pss_bytes") else "peak_total_rss_bytes"
+        row["memory_peak_total"] = ratio(t["memory"][key], p["memory"][key])
+    if t.get("energy") and p.get("energy"):
+        row["joules_per_output_token"] = ratio(t["energy"]["joules_per_output_token"],
+                                                p["energy"]["joules_per_output_token"])
+    return row
 
 
 def write_json(report: dict, path: str | os.PathLike) -> None:
@@ -180,7 +188,7 @@ def write_json(report: dict, path: str | os.PathLike) -> None:
 def render(report: dict) -> str:
     systems = report["systems"]
     parts = [f"{s['name']}: did not run: {s['error'].splitlines()[0]}" for s in systems if s.get("error")]
-    parts += _sweep_tables(systems)
+    parts += level_tables(systems)
     parts += _interference_table(systems)
     parts += _prefix_table(systems)
     parts += _swarm_table(systems)
@@ -192,29 +200,6 @@ def render(report: dict) -> str:
     parts += energy_table(systems, report.get("config", {}).get("energy"))
     parts += _ratios_table(report["ratios"])
     return "\n\n".join(parts)
-
-
-def _sweep_tables(systems: list[dict]) -> list[str]:
-    levels = [(s["name"], lv) for s in systems for lv in s.get("results", {}).get("sweep", [])]
-    if not levels:
-        return []
-    # Joules per output token next to tok/s, where a meter measured them (machine-wide).
-    energy = any(lv.get("energy") for _, lv in levels)
-    rows = []
-    for name, lv in levels:
-        j_tok = [num((lv.get("energy") or {}).get("joules_per_output_token"), "{:.4f}")] if energy else []
-        rows.append([name, lv["concurrency"], lv["requests"], lv["ok"], lv["error_count"], lv["rejected_429"],
-                     num(lv["output_tok_s"], "{:.1f}"), *j_tok, num(lv["requests_s"], "{:.2f}"), num(lv["ttft_p50_s"]),
-                     num(lv["ttft_p99_s"]), num(lv["itl_p50_s"]), num(lv["itl_p99_s"]), f"{lv['goodput'] * 100:.0f}%"])
-    header = ["system", "clients", "reqs", "ok", "errors", "429", "tok/s", *(["J/tok"] if energy else []), "req/s",
-              "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "goodput"]
-    parts = [f"Sweep (closed loop; seconds{'; J/tok: joules per output token, machine-wide' if energy else ''})\n"
-             + table(header, rows)]
-    errs = [f"  {name} c={lv['concurrency']}: {lv['errors']} first: {lv['first_error']}"
-            for name, lv in levels if lv["error_count"]]
-    if errs:
-        parts.append("Errors by status\n" + "\n".join(errs))
-    return parts
 
 
 def _interference_table(systems: list[dict]) -> list[str]:
@@ -359,10 +344,7 @@ _RATIO_LABELS = (("interference_loud_itl_p99", "interference loud ITL p99"),
 def _ratios_table(ratio_rows: list[dict]) -> list[str]:
     rows = []
     for r in ratio_rows:
-        for c, m in (r.get("sweep") or {}).items():
-            rows.append([f"{r['tandem']} / {r['peer']}", f"sweep c={c}", times(m["output_tok_s"]),
-                         times(m["ttft_p99_s"]),
-                         times(m["itl_p99_s"])])
+        rows += level_ratio_rows(r)
         for key, label in _RATIO_LABELS:
             if key in r:
                 rows.append([f"{r['tandem']} / {r['peer']}", label, times(r[key]), "", ""])
@@ -371,7 +353,8 @@ def _ratios_table(ratio_rows: list[dict]) -> list[str]:
                          f"{times(m['cold'])} / {times(m['cached'])}", "", ""])
     if not rows:
         return []
-    return ["Ratios, Tandem / peer (throughput: higher is better; times, tokens, memory, energy: lower)\n"
+    return ["Ratios, Tandem / peer, and Tandem with speculation / the same without (tandem[spec=X] / "
+            "tandem[spec=off]) (throughput: higher is better; times, tokens, memory, energy: lower)\n"
             + table(["pair", "measure", "value / tok/s", "TTFT p99", "ITL p99"], rows)]
 
 

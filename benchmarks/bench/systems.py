@@ -26,27 +26,74 @@ from deploy.settings import default_cache_dir
 
 SYSTEMS = ("tandem", "tandem-colocate", "mlx_lm", "mlx_vlm", "vllm-mlx")
 POWER_POLICIES = ("auto", *POLICIES)  # `tandem serve --power-policy`
+SPECULATIVE = ("off", "prompt-lookup", "draft", "auto")  # `tandem serve --speculative`
+DRAFT_PEER = "mlx_lm[draft]"  # mlx_lm.server --draft-model: the peer with speculative decoding
 
 
-def with_power_policies(systems: tuple[str, ...], policies: tuple[str, ...]) -> tuple[str, ...]:
-    """Each Tandem system once per power policy, as rows of their own: tandem -> tandem[performance],
-    tandem[saver]; the peers as they are."""
-    return tuple(row for s in systems
-                 for row in ([f"{s}[{p}]" for p in policies] if policies and s.startswith("tandem") else [s]))
+@dataclass(frozen=True)
+class Variant:
+    """What a row's brackets say about how its system runs: tandem[saver],
+    tandem[spec=draft], tandem[saver,spec=draft], mlx_lm[draft]."""
+
+    power_policy: str | None = None  # Tandem: `--power-policy`
+    speculative: str | None = None  # Tandem: `--speculative`
+    draft: bool = False  # mlx_lm: `--draft-model`
+
+    def label(self) -> str:
+        parts = [self.power_policy or "", f"spec={self.speculative}" if self.speculative else "",
+                 "draft" if self.draft else ""]
+        return ",".join(p for p in parts if p)
 
 
-def split_policy(name: str) -> tuple[str, str | None]:
-    """"tandem[saver]" -> ("tandem", "saver"); "mlx_lm" -> ("mlx_lm", None)."""
-    if name.endswith("]") and "[" in name:
-        base, policy = name[:-1].split("[", 1)
-        return base, policy
-    return name, None
+def row_name(base: str, variant: Variant) -> str:
+    label = variant.label()
+    return f"{base}[{label}]" if label else base
+
+
+def split_row(name: str) -> tuple[str, Variant]:
+    """"tandem[saver,spec=off]" -> ("tandem", Variant("saver", "off")); "mlx_lm" -> ("mlx_lm", Variant())."""
+    if not (name.endswith("]") and "[" in name):
+        return name, Variant()
+    base, inner = name[:-1].split("[", 1)
+    fields: dict = {}
+    for part in filter(None, inner.split(",")):
+        if part.startswith("spec="):
+            fields["speculative"] = part[len("spec="):]
+        elif part == "draft":
+            fields["draft"] = True
+        else:
+            fields["power_policy"] = part
+    return base, Variant(**fields)
+
+
+def expand_rows(systems: tuple[str, ...], power_policies: tuple[str, ...] = (), speculative: tuple[str, ...] = (),
+                draft_peer: bool = False) -> tuple[str, ...]:
+    """The rows to run: each Tandem system once per power policy and speculation
+    mode given (tandem -> tandem[saver,spec=off], tandem[saver,spec=draft], ...),
+    the peers as they are, and with `draft_peer` mlx_lm[draft] after mlx_lm."""
+    rows: list[str] = []
+    for s in systems:
+        if s.startswith("tandem"):
+            rows += [row_name(s, Variant(p, k)) for p in power_policies or (None,) for k in speculative or (None,)]
+        else:
+            rows += [s, DRAFT_PEER] if draft_peer and s == "mlx_lm" else [s]
+    return tuple(rows)
+
+
+def spec_baseline(name: str) -> str | None:
+    """The row a Tandem row with speculation compares with: the same row with
+    spec=off (None for spec=off itself, rows without spec=, and peers)."""
+    base, v = split_row(name)
+    if not base.startswith("tandem") or v.speculative in (None, "off"):
+        return None
+    return row_name(base, Variant(v.power_policy, "off"))
 
 
 def file_label(name: str) -> str:
-    """A system's name as it appears in file names: tandem[saver] -> tandem-saver."""
-    base, policy = split_policy(name)
-    return f"{base}-{policy}" if policy else base
+    """A row's name as it appears in file names: tandem[saver,spec=off] -> tandem-saver-spec-off."""
+    base, variant = split_row(name)
+    label = variant.label().replace(",", "-").replace("=", "-")
+    return f"{base}-{label}" if label else base
 
 
 @dataclass
@@ -77,6 +124,9 @@ class Options:
     vllm_mlx_args: list[str] = field(default_factory=list)
     vllm_mlx_bin: str | None = None
     vllm_mlx_mllm: bool = False  # start vllm-mlx in MLLM mode (--mllm): the vision workload
+    draft_model: str | None = None  # --draft-model as given: Tandem's spec=draft and spec=auto rows
+    peer_draft_model_dir: Path | None = None  # the folder mlx_lm[draft] loads as its draft
+    spec_tokens: int | None = None  # draft tokens per step: Tandem's --spec-tokens, mlx_lm's --num-draft-tokens
 
 
 def openblas_env() -> dict[str, str]:
@@ -94,8 +144,10 @@ def default_vllm_mlx_bin() -> Path:
 
 
 def server_spec(name: str, port: int, opts: Options) -> ServerSpec:
-    base, policy = split_policy(name)
-    if base in ("tandem", "tandem-colocate") and policy in (None, *POWER_POLICIES):
+    base, variant = split_row(name)
+    policy = variant.power_policy
+    if base in ("tandem", "tandem-colocate") and policy in (None, *POWER_POLICIES) and \
+            variant.speculative in (None, *SPECULATIVE) and not variant.draft:
         argv = [sys.executable, "-m", "deploy.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                 # A fresh disk tier per start: every system begins with an empty cache, as the peers do.
                 "--cache-dir", str(opts.run_dir / f"{file_label(name)}-kv"),
@@ -105,12 +157,19 @@ def server_spec(name: str, port: int, opts: Options) -> ServerSpec:
             argv += ["--model", opts.model_spec]
         if base == "tandem-colocate":
             argv.append("--colocate")
-        # After --tandem-args, so that the row's name says the policy that ran.
+        # After --tandem-args, so that the row's name says the policy and speculation that ran.
         argv += opts.tandem_args + (["--power-policy", policy] if policy else [])
+        argv += speculation_args(variant.speculative, opts)
         return ServerSpec(name, argv, dict(os.environ), "default", port, "/metrics")
-    if name == "mlx_lm":
+    if base == "mlx_lm" and variant in (Variant(), Variant(draft=True)):
         argv = [sys.executable, "-m", "mlx_lm.server", "--model", str(opts.peer_model_dir),
                 "--host", "127.0.0.1", "--port", str(port)]
+        if variant.draft:
+            if not opts.peer_draft_model_dir:
+                raise ValueError(f"{name} needs --draft-model")
+            # mlx_lm.server then decodes one request at a time (no continuous batching with a draft).
+            argv += ["--draft-model", str(opts.peer_draft_model_dir)]
+            argv += ["--num-draft-tokens", str(opts.spec_tokens)] if opts.spec_tokens else []
         return ServerSpec(name, argv + opts.mlx_lm_args, openblas_env(), "default_model", port)
     if name == "mlx_vlm":
         # The "model" field names the folder it preloaded: any other name makes it load that model.
@@ -139,6 +198,21 @@ def server_spec(name: str, port: int, opts: Options) -> ServerSpec:
         env["HOME"] = str(opts.run_dir / f"{name}-home")
         return ServerSpec(name, argv + opts.vllm_mlx_args, env, "default", port)
     raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
+
+
+def speculation_args(mode: str | None, opts: Options) -> list[str]:
+    """`tandem serve` flags of a row's spec= (none without one): the draft model
+    where the mode can use it (draft, and auto, which picks it when given)."""
+    if mode is None:
+        return []
+    if mode == "draft" and not opts.draft_model:
+        raise ValueError("spec=draft needs --draft-model")
+    args = ["--speculative", mode]
+    if mode in ("draft", "auto") and opts.draft_model:
+        args += ["--draft-model", opts.draft_model]
+    if mode != "off" and opts.spec_tokens:
+        args += ["--spec-tokens", str(opts.spec_tokens)]
+    return args
 
 
 def port_is_free(port: int) -> bool:

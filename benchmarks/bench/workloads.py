@@ -1,6 +1,12 @@
 """What `tandem bench` sends: seeded prompts and the workloads.
 
-- sweep: closed-loop clients at each concurrency level.
+- sweep: closed-loop clients at each concurrency level (prompts that invite a long story).
+- copy: the same levels, copy-heavy requests in rotation: edit a given text, extract
+  fields to JSON, echo a tool call's arguments; what speculative prompt lookup speeds
+  up (benchmarks/bench/copy_workload.py).
+- chat: the same levels, short natural-language questions (benchmarks/bench/chat_workload.py).
+  Each level of these three also gets the draft tokens the server proposed and
+  accepted, where its /metrics counts them (Tandem's speculative decoding).
 - interference: decode streams' inter-token latency, quiet vs while long prompts arrive.
 - prefix: one long system prompt, cold then warm time to first token.
 - swarm: agents sharing a system prompt, each with its own growing history.
@@ -20,6 +26,7 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import httpx
 
@@ -140,24 +147,43 @@ def level_requests(cfg: WorkloadConfig, concurrency: int) -> int:
     return cfg.requests_per_level or max(8, 2 * concurrency)
 
 
-async def sweep(target: Target, cfg: WorkloadConfig, energy=None) -> list[dict]:
-    """Each concurrency level in turn; with `energy` (benchmarks/bench/energy_run.EnergyRun)
-    each level also gets its joules and joules per output token."""
+MessagesFn = Callable[[int, int, int], list[dict]]  # (clients at the level, client, request) -> messages
+
+
+async def sweep(target: Target, cfg: WorkloadConfig, energy=None, metrics_url: str | None = None) -> list[dict]:
+    """Word-salad prompts that invite a long answer, at each concurrency level."""
+    def messages(c: int, client_i: int, i: int) -> list[dict]:
+        return _messages(user_prompt(cfg.seed, f"sweep-c{c}-client{client_i}-req{i}", cfg.prompt_words))
+
+    return await closed_loop_levels(target, cfg, "sweep", messages, energy, metrics_url)
+
+
+async def closed_loop_levels(target: Target, cfg: WorkloadConfig, label: str, messages: MessagesFn,
+                             energy=None, metrics_url: str | None = None) -> list[dict]:
+    """Each concurrency level in turn, closed loop, greedy answers of cfg.max_tokens (the sweep,
+    copy and chat workloads). With `energy` (benchmarks/bench/energy_run.EnergyRun) each level
+    also gets its joules and joules per output token; with `metrics_url`, the speculative
+    tokens the server proposed and accepted during the level, where it counts them."""
     levels = []
     async with _client(max(cfg.concurrency)) as client:
         for c in cfg.concurrency:
             start = energy.mark() if energy else None
+            spec_before = await scrape_spec_counters(metrics_url)
             n = None if cfg.duration_s else level_requests(cfg, c)
-            progress = Progress(f"{target.name} c={c}", n, cfg.duration_s)
+            progress = Progress(f"{target.name} {label} c={c}", n, cfg.duration_s)
 
             def one(client_i: int, i: int, c=c):
-                prompt = user_prompt(cfg.seed, f"sweep-c{c}-client{client_i}-req{i}", cfg.prompt_words)
-                return send(client, target, cfg, _messages(prompt), cfg.max_tokens)
+                return send(client, target, cfg, messages(c, client_i, i), cfg.max_tokens)
 
             results, wall = await closed_loop(one, c, requests=n, duration=cfg.duration_s, progress=progress)
             progress.close()
             levels.append({"concurrency": c, **summarize(results, wall, ttft_budget=cfg.ttft_budget_s,
                                                            itl_budget=cfg.itl_budget_s)})
+            if spec_before:  # Tandem's workers report their counters with each heartbeat: let the last one in
+                await asyncio.sleep(SPEC_SETTLE_S)
+            spec = spec_acceptance(spec_before, await scrape_spec_counters(metrics_url))
+            if spec:
+                levels[-1]["spec"] = spec
             if energy:
                 levels[-1]["energy"] = energy.level(start, levels[-1]["output_tokens"])
     return levels
@@ -373,13 +399,44 @@ async def scrape_counters(metrics_url: str | None, total: str, hits: str) -> tup
             return None
     except httpx.HTTPError:
         return None
-    t = metric_sum(r.text, total)
-    return (t, metric_sum(r.text, hits) or 0.0) if t is not None else None
+    return counters(r.text, total, hits)
+
+
+def counters(text: str, total: str, hits: str) -> tuple[float, float] | None:
+    """scrape_counters' pair from a /metrics page's text."""
+    t = metric_sum(text, total)
+    return (t, metric_sum(text, hits) or 0.0) if t is not None else None
 
 
 async def scrape_prompt_counters(metrics_url: str | None) -> tuple[float, float] | None:
     """(tandem_prompt_tokens_total, tandem_prefix_cache_hit_tokens_total), or None."""
     return await scrape_counters(metrics_url, "tandem_prompt_tokens_total", "tandem_prefix_cache_hit_tokens_total")
+
+
+SPEC_PROPOSED = "tandem_spec_proposed_tokens_total"
+SPEC_SETTLE_S = 1.0  # two of Tandem's default heartbeats (deploy/settings.py heartbeat_interval_s)
+SPEC_ACCEPTED = "tandem_spec_accepted_tokens_total"
+
+
+async def scrape_spec_counters(metrics_url: str | None) -> tuple[float, float] | None:
+    """(draft tokens proposed, draft tokens accepted), every method summed, or None
+    where the server counts none (a peer, or Tandem before speculation)."""
+    return await scrape_counters(metrics_url, SPEC_PROPOSED, SPEC_ACCEPTED)
+
+
+def spec_counters(text: str) -> tuple[float, float] | None:
+    """scrape_spec_counters' pair from a /metrics page's text."""
+    return counters(text, SPEC_PROPOSED, SPEC_ACCEPTED)
+
+
+def spec_acceptance(before: tuple[float, float] | None, after: tuple[float, float] | None) -> dict | None:
+    """Draft tokens proposed and accepted between two scrapes, and the share accepted
+    (None when none was proposed); None when either scrape had no counters."""
+    if not before or not after:
+        return None
+    proposed, accepted = after[0] - before[0], after[1] - before[1]
+    return {"proposed_tokens": proposed, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / proposed if proposed > 0 else None}
 
 
 def metric_sum(text: str, name: str) -> float | None:

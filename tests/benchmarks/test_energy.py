@@ -368,10 +368,10 @@ def test_report_without_a_meter_says_none_and_why():
 # ------------------------------------------------------------------ power policies
 
 def test_tandem_runs_once_per_power_policy(tmp_path):
-    rows = systems.with_power_policies(("tandem", "mlx_lm", "tandem-colocate"), ("performance", "saver"))
+    rows = systems.expand_rows(("tandem", "mlx_lm", "tandem-colocate"), ("performance", "saver"))
     assert rows == ("tandem[performance]", "tandem[saver]", "mlx_lm", "tandem-colocate[performance]",
                     "tandem-colocate[saver]")
-    assert systems.with_power_policies(("tandem", "mlx_lm"), ()) == ("tandem", "mlx_lm")
+    assert systems.expand_rows(("tandem", "mlx_lm"), ()) == ("tandem", "mlx_lm")
     opts = systems.Options(model_spec=None, model_dir=tmp_path, peer_model_dir=tmp_path, run_dir=tmp_path,
                            tandem_args=["--power-policy", "auto", "--max-batch", "8"])
     spec = systems.server_spec("tandem-colocate[saver]", 18100, opts)

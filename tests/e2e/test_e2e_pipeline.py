@@ -88,6 +88,32 @@ def test_sixteen_at_once_match_mlx_lm(client, sixteen_refs):
     assert [a.choices[0].message.content for a in answers] == refs
 
 
+_COPY = [{"role": "user", "content": (
+    "Repeat the following text exactly, replacing the word 'river' with 'lake':\n\n"
+    "The quick brown fox jumps over the lazy dog. Alice wrote a letter to Bob about the garden, the river "
+    "and the mountain village where they spent the summer. The letter said that the apple trees were in "
+    "flower and the bridge over the river had been painted green.")}]
+
+
+def _spec_tokens(server) -> tuple:
+    """(drafted, accepted) tokens of every decode worker, from /metrics."""
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    return tuple(sum(float(v) for v in re.findall(rf"^tandem_spec_{kind}_tokens_total\{{[^}}]*\}} (\S+)$", text, re.M))
+                 for kind in ("proposed", "accepted"))
+
+
+def test_prompt_lookup_speculation_is_exact_and_counted(server, client, embedded_model):
+    """The server speculates by default (prompt lookup): an answer that
+    copies its prompt is drafted from it, token-identical to mlx-lm's."""
+    ref_tokens, ref_text, _ = reference(embedded_model, _COPY, 48)
+    before = _spec_tokens(server)
+    resp = client.chat.completions.create(model="default", messages=_COPY, max_tokens=48, temperature=0)
+    assert resp.choices[0].message.content == ref_text
+    assert resp.usage.completion_tokens == len(ref_tokens)
+    drafted, accepted = (a - b for a, b in zip(_spec_tokens(server), before))
+    assert accepted >= 16 and drafted >= accepted  # a third of the answer came without steps of its own
+
+
 def test_stream_with_usage_matches_non_stream(client):
     messages = CONVERSATIONS["short"]
     full = client.chat.completions.create(model="default", messages=messages, max_tokens=20, temperature=0)

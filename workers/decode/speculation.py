@@ -50,7 +50,7 @@ class RowSpeculation:
     """One request's drafting state and counts."""
 
     k: int
-    rate: float = 1.0  # running average of the drafts kept / drafted
+    rate: float = 0.5  # running average of the drafts kept / drafted (a neutral start)
     verified: int = 0  # steps its drafts were checked
     proposed: int = 0
     accepted: int = 0
@@ -139,7 +139,7 @@ class Speculation:
             row.k = min(self.max_tokens, 2 * drafted) if kept == drafted else max(1, kept + 1)
             if row.verified >= 3 and row.rate < MIN_RATE:
                 row.wait, row.rest = row.rest, min(2 * row.rest, LONGEST_REST)
-                row.rate = 1.0  # a fresh start after the rest
+                row.rate = 0.5  # a fresh start after the rest
             elif row.rate >= 0.5:
                 row.rest = REST_STEPS
 

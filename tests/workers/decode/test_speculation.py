@@ -1,0 +1,216 @@
+"""Speculative decoding inside the decode batch (workers/decode/speculation.py,
+workers/kernels/verify_step.py): greedy output token-identical to mlx-lm's
+generate_step whatever the drafts, in the ragged (CPU) and padded (GPU)
+batches; drafts that are counted as accepted really skip steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.pipeline import drive, reference
+from tests.support.tiny_models import VOCAB, greedy, load_tiny_model, make_tiny_llama, prompt_of
+from protos.messages import SamplingParams
+from workers.decode.draft_model import DraftModel
+from workers.decode.prompt_lookup import NgramIndex, PromptLookup
+from workers.decode.speculation import Speculation
+
+LAYOUTS = [pytest.param(True, id="ragged"), pytest.param(False, id="padded")]
+
+
+class Oracle:
+    """A drafter that knows each request's greedy answer and gets every
+    `wrong_every`-th position wrong: long runs kept, then a rejection."""
+
+    method = "oracle"
+
+    def __init__(self, answers: list, wrong_every: int = 5):
+        self.answers, self.wrong_every = answers, wrong_every
+        self.asked = 0
+
+    def propose(self, batch, asking, inputs):
+        out = []
+        for i, _, k in asking:
+            tokens = batch.tokens[i]
+            full = next(a for a in self.answers if a[: len(tokens)] == tokens)
+            at = len(tokens) + 1
+            out.append([(t + 1) % VOCAB if (at + j) % self.wrong_every == 3 else t
+                        for j, t in enumerate(full[at : at + k])])
+            self.asked += 1
+        return out
+
+    def leave(self, uid):
+        pass
+
+
+def answers_for(model, jobs) -> dict:
+    return {rid: reference(model, prompt, sp.max_tokens) for rid, _, prompt, sp in jobs}
+
+
+@pytest.mark.parametrize("ragged", LAYOUTS)
+def test_drafts_right_and_wrong_give_mlx_lm_tokens(model, ragged):
+    jobs = [(f"r{i}", i, prompt_of(40 + 7 * i, i), greedy(30)) for i in range(4)]
+    refs = answers_for(model, jobs)
+    spec = Speculation(Oracle([p + refs[r].tokens for r, _, p, _ in jobs]), max_tokens=6, max_rows=8)
+    outs = drive(model, jobs, ragged=ragged, speculation=spec)
+    for rid, *_ in jobs:
+        assert outs[rid].tokens == refs[rid].tokens, rid
+        assert outs[rid].reason == "length"
+    # Most drafts were right, some wrong: both paths ran.
+    assert 0 < spec.accepted < spec.proposed
+    assert spec.accepted >= spec.proposed // 2
+
+
+@pytest.mark.parametrize("ragged", LAYOUTS)
+def test_a_stop_token_inside_the_kept_drafts_ends_the_answer_there(model, ragged):
+    prompt = prompt_of(50, 7)
+    full_answer = reference(model, prompt, 24).tokens
+    stop = full_answer[9]  # the 10th token: inside a kept run of drafts
+    sp = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop])
+    want = reference(model, prompt, 24).tokens
+    want = want[: want.index(stop) + 1]
+    spec = Speculation(Oracle([prompt + full_answer], wrong_every=1000), max_tokens=8, max_rows=8)
+    outs = drive(model, [("a", 0, prompt, sp)], ragged=ragged, speculation=spec)
+    assert outs["a"].tokens == want
+    assert outs["a"].reason == "stop"
+    assert spec.accepted > 0
+
+
+@pytest.mark.parametrize("ragged", LAYOUTS)
+def test_logprobs_of_kept_drafts_are_the_models(model, ragged):
+    prompt = prompt_of(30, 3)
+    sp = greedy(16, logprobs=True, top_logprobs=2)
+    plain = drive(model, [("a", 0, prompt, sp)], ragged=ragged)["a"]
+    spec = Speculation(Oracle([prompt + plain.tokens], wrong_every=1000), max_tokens=8, max_rows=8)
+    fast = drive(model, [("a", 0, prompt, sp)], ragged=ragged, speculation=spec)["a"]
+    assert fast.tokens == plain.tokens and spec.accepted > 8
+    for a, b in zip(fast.logprobs, plain.logprobs):
+        assert a.token == b.token
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top] and len(a.top) == 2
+
+
+def test_rows_with_penalties_ride_along_undrafted(model):
+    jobs = [("plain", 0, prompt_of(40, 1), greedy(20)),
+            ("penalised", 0, prompt_of(44, 2), greedy(20, repetition_penalty=1.3))]
+    plain_ref = reference(model, jobs[0][2], 20)
+    oracle = Oracle([jobs[0][2] + plain_ref.tokens])
+    spec = Speculation(oracle, max_tokens=6, max_rows=8)
+    without = drive(model, jobs)
+    outs = drive(model, jobs, speculation=spec)
+    assert outs["plain"].tokens == plain_ref.tokens
+    assert outs["penalised"].tokens == without["penalised"].tokens
+    assert spec.accepted > 0
+
+
+def test_prompt_lookup_drafts_repeated_text_exactly(model):
+    # This prompt's greedy answer (the tiny random model's) repeats runs of
+    # its own earlier text, which prompt lookup then drafts.
+    prompt = prompt_of(54, 7)
+    sp = greedy(40)
+    spec = Speculation(PromptLookup(), max_tokens=8, max_rows=8)
+    outs = drive(model, [("a", 0, prompt, sp)], speculation=spec)
+    assert outs["a"].tokens == reference(model, prompt, 40).tokens
+    assert spec.accepted >= 8
+
+
+def test_no_speculation_above_max_rows(model):
+    jobs = [(f"r{i}", 0, prompt_of(30, i), greedy(8)) for i in range(3)]
+    refs = answers_for(model, jobs)
+    oracle = Oracle([p + refs[r].tokens for r, _, p, _ in jobs])
+    spec = Speculation(oracle, max_tokens=4, max_rows=2)
+    drive(model, jobs, speculation=spec)
+    assert oracle.asked == 0 and spec.proposed == 0
+
+
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory):
+    return load_tiny_model(make_tiny_llama(tmp_path_factory.mktemp("draft") / "m", seed=5))
+
+
+@pytest.mark.parametrize("ragged", LAYOUTS)
+def test_the_target_as_its_own_draft_is_always_right(model, ragged):
+    jobs = [(f"r{i}", i, prompt_of(60 + 5 * i, 10 + i), greedy(20)) for i in range(3)]
+    spec = Speculation(DraftModel(model), max_tokens=4, max_rows=8)
+    outs = drive(model, jobs, ragged=ragged, speculation=spec)
+    for rid, _, prompt, sp in jobs:
+        assert outs[rid].tokens == reference(model, prompt, sp.max_tokens).tokens, rid
+    assert spec.proposed > 20 and spec.accepted == spec.proposed
+
+
+def test_a_random_draft_is_mostly_wrong_and_changes_nothing(model, random_draft):
+    jobs = [(f"r{i}", i, prompt_of(60 + 5 * i, 20 + i), greedy(20)) for i in range(3)]
+    spec = Speculation(DraftModel(random_draft), max_tokens=4, max_rows=8)
+    outs = drive(model, jobs, speculation=spec)
+    for rid, _, prompt, sp in jobs:
+        assert outs[rid].tokens == reference(model, prompt, sp.max_tokens).tokens, rid
+    assert spec.proposed > 0 and spec.accepted < spec.proposed / 2
+
+
+def test_a_wrong_row_rests_and_k_follows_acceptance():
+    spec = Speculation(PromptLookup(), max_tokens=8, max_rows=8)
+    row = spec._row(1)
+    from workers.kernels.verify_step import Verified
+
+    for _ in range(3):
+        spec.record([1], Verified([], [4], [0]))
+    assert row.wait > 0 and row.k == 1  # rests after three rejections
+    spec.record([1], Verified([], [2], [2]))
+    assert row.k == 4  # all kept: doubles
+    spec.record([1], Verified([], [4], [1]))
+    assert row.k == 2  # one more than the run kept
+    assert spec.proposed == 18 and spec.accepted == 3
+
+
+def test_ngram_index_finds_the_longest_latest_match():
+    index = NgramIndex([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2], n_min=2, n_max=3)
+    assert index.propose(3, tail=[3]) == [4, 5, 1]  # "1 2 3": its latest earlier occurrence
+    assert index.propose(2) == [3, 4]  # "1 2" -> "3 4"
+    assert index.propose(4, tail=[7]) == []  # "2 7" never occurred
+    index.extend([3])
+    assert index.propose(2, tail=[4]) == [5, 1]
+    loop = NgramIndex([6, 6, 6], n_min=2, n_max=4)
+    assert loop.propose(5, tail=[6]) == [6, 6]  # runs into the tail, never past the text
+    with pytest.raises(ValueError):
+        NgramIndex([], n_min=0)
+
+
+def _rank_chi2(observed: list, dists: list) -> float:
+    """Pearson's chi-square of where each sample's token ranks in the
+    distribution it was drawn from (dists[i]: probabilities by token; rank
+    0 the likeliest): expected count of rank r = sum of the r-th largest
+    probabilities."""
+    ranked = [sorted(d, key=d.get, reverse=True) for d in dists]
+    width = max(len(r) for r in ranked)
+    expected = [sum(d[r[j]] for d, r in zip(dists, ranked) if j < len(r)) for j in range(width)]
+    seen = [0] * width
+    for token, r in zip(observed, ranked):
+        seen[r.index(token)] += 1
+    return sum((o - e) ** 2 / e for o, e in zip(seen, expected) if e > 0)
+
+
+def test_sampled_rows_keep_the_models_distribution(model):
+    """Speculative sampling's rejection rule (workers/decode/spec_verify.py):
+    the fourth token of 300 seeded answers (the first a speculative step
+    drafts: the two steps after joining are ordinary), drafted by the model
+    itself (so drafts are often, not always, kept), follows the model's own
+    top-k distribution given each answer's first three tokens."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import apply_top_k
+
+    prompt = prompt_of(24, 4)
+    n = 300
+    jobs = [(f"s{i}", 0, prompt, SamplingParams(max_tokens=4, temperature=1.0, top_k=4, seed=i)) for i in range(n)]
+    spec = Speculation(DraftModel(model), max_tokens=1, max_rows=n)
+    outs = drive(model, jobs, max_batch=n, speculation=spec)
+    answers = [outs[f"s{i}"].tokens for i in range(n)]
+    assert all(len(a) == 4 for a in answers)
+    assert 0.2 * n < spec.accepted < spec.proposed == n  # kept and rejected both happened
+    contexts = mx.array([prompt + a[:3] for a in answers])
+    logits = model(contexts)[:, -1, :]
+    probs = mx.softmax(apply_top_k(logits - mx.logsumexp(logits, axis=-1, keepdims=True), 4), axis=-1)
+    dists = [{t: p for t, p in enumerate(row) if p > 0} for row in probs.tolist()]
+    # Ranks 0-3 of top-k 4: 3 degrees of freedom; 16.27 is chi-square's 0.1% tail.
+    assert _rank_chi2([a[3] for a in answers], dists) < 16.27
+    # The check has power: always keeping the draft (the argmax), or drawing
+    # a rejected row's token from p with the draft left in, fails it.
+    assert _rank_chi2([max(d, key=d.get) for d in dists], dists) > 100
