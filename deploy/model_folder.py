@@ -41,3 +41,28 @@ def weight_bytes(folder: str | os.PathLike) -> int:
         return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors") if p.is_file())
     except OSError:
         return 0
+
+
+def vocabulary_mismatch(target_dir: str | Path, draft_dir: str | Path) -> str | None:
+    """Why the draft model's tokenizer cannot draft for the target's (None:
+    it can): every token of the target's vocabulary must have the same id in
+    the draft's (a draft is checked by the target, so nothing else matters
+    for exactness; a draft of another family is merely never accepted).
+    Reads the tokenizers without MLX (the supervisor calls it: workers/decode/draft_model.py drafts)."""
+    tv, dv = _vocabulary(Path(target_dir)), _vocabulary(Path(draft_dir))
+    differ = [t for t, i in tv.items() if dv.get(t) != i]
+    if differ:
+        sample = ", ".join(repr(t) for t in sorted(differ)[:3])
+        return (f"{len(differ)} of the target's {len(tv)} tokens have another id (or none) in the draft "
+                f"model's tokenizer (e.g. {sample}): a draft model must share the target's tokenizer")
+    return None
+
+
+def _vocabulary(folder: Path) -> dict:
+    if (folder / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab(with_added_tokens=True)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder)).get_vocab()

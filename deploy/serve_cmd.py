@@ -9,7 +9,7 @@ import sys
 from dataclasses import replace
 
 from deploy.logs import setup_logging
-from deploy.model_folder import ModelError, weight_bytes
+from deploy.model_folder import ModelError, vocabulary_mismatch, weight_bytes
 from deploy.settings import Settings, default_cache_memory
 from deploy.supervisor import Supervisor
 from workers.models.store import model_id_for, resolve_model
@@ -64,8 +64,6 @@ def draft_model_dir(args: argparse.Namespace, model_dir) -> str | None:
         return None
     if args.speculative not in ("draft", "auto"):
         raise ModelError(f"--draft-model drafts only with --speculative draft or auto (not {args.speculative})")
-    from workers.decode.draft_model import vocabulary_mismatch
-
     draft_dir = resolve_model(args.draft_model)
     why = vocabulary_mismatch(model_dir, draft_dir)
     if why:

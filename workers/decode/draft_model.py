@@ -92,20 +92,3 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def vocabulary_mismatch(target_dir: str | Path, draft_dir: str | Path) -> str | None:
-    """Why the draft model's tokenizer cannot draft for the target's (None:
-    it can): every token of the target's vocabulary must have the same id in
-    the draft's (a draft is checked by the target, so nothing else matters
-    for exactness; a draft of another family is merely never accepted)."""
-    from mlx_lm.utils import load_tokenizer
-
-    target, draft = load_tokenizer(Path(target_dir)), load_tokenizer(Path(draft_dir))
-    tv, dv = target.get_vocab(), draft.get_vocab()
-    differ = [t for t, i in tv.items() if dv.get(t) != i]
-    if differ:
-        sample = ", ".join(repr(t) for t in sorted(differ)[:3])
-        return (f"{len(differ)} of the target's {len(tv)} tokens have another id (or none) in the draft "
-                f"model's tokenizer (e.g. {sample}): a draft model must share the target's tokenizer")
-    return None

@@ -14,11 +14,15 @@ tokenizer). This module decides, step by step:
     need the context token by token), nor rows that follow a grammar (their
     masks are token by token); those rows ride along and are sampled from
     the step's first position, as an ordinary step samples them;
-  * how many tokens each row drafts: k grows while everything is accepted
-    and falls to one more than the last run kept;
+  * how many tokens each row drafts: one more than the run of kept drafts
+    its acceptance predicts, and at least twice the last count while
+    everything is kept;
   * when a row stops drafting: when its acceptance (a running average)
-    falls below `MIN_RATE` it rests for a while, longer each time; a row
-    whose lookups find nothing is asked again only every few steps. A step
+    falls below `MIN_RATE` it rests for a while, longer each time; a new
+    row starts from the acceptance of the rows before it (resting first
+    when drafting has not paid lately: a draft model that is never right
+    costs a few steps, not a few steps a request); a row whose lookups
+    find nothing is asked again only every few steps. A step
     without drafts is an ordinary, pipelined step: an ordinary chat pays
     almost nothing (only the steps that look, which wait for the step
     before: a drafter needs the row's next input).
@@ -69,6 +73,7 @@ class Speculation:
         self.max_rows = int(max_rows)
         self.rows: Dict[int, RowSpeculation] = {}
         self.proposed = self.accepted = 0  # since start, for /metrics
+        self.recent_rate = 0.5  # drafts kept / drafted, a running average over every row's steps
 
     # ------------------------------------------------------------- rows --
     def leave(self, uid: int, request_id: str) -> None:
@@ -82,7 +87,13 @@ class Speculation:
     def _row(self, uid: int) -> RowSpeculation:
         row = self.rows.get(uid)
         if row is None:
-            row = self.rows[uid] = RowSpeculation(k=max(1, self.max_tokens // 2))
+            # A new request starts from what drafting has been worth lately
+            # (a draft model of another family, text that never repeats):
+            # below MIN_RATE it rests before its first draft.
+            row = self.rows[uid] = RowSpeculation(k=self._next_k(self.recent_rate, 0, -1),
+                                                  rate=max(self.recent_rate, MIN_RATE))
+            if self.recent_rate < MIN_RATE:
+                row.wait = REST_STEPS
         return row
 
     # ------------------------------------------------------------- steps --
@@ -115,6 +126,16 @@ class Speculation:
                 row.wait = min(row.idle, IDLE_STEPS)
         return inputs, drafts
 
+    def _next_k(self, rate: float, drafted: int, kept: int) -> int:
+        """Tokens to draft next: a run of drafts each kept with probability
+        `rate` is rate / (1 - rate) long on average, so draft one more than
+        that; all kept: at least twice as many as this time."""
+        expected = rate / (1.0 - rate) if rate < 1.0 else float(self.max_tokens)
+        k = int(expected) + 1
+        if kept == drafted:
+            k = max(k, 2 * drafted)
+        return max(1, min(self.max_tokens, k))
+
     @staticmethod
     def _may_draft(batch, i: int, uid: int) -> bool:
         if batch.logits_processors and batch.logits_processors[i]:
@@ -129,6 +150,7 @@ class Speculation:
                 continue
             self.proposed += drafted
             self.accepted += kept
+            self.recent_rate = 0.9 * self.recent_rate + 0.1 * kept / drafted
             row = self.rows.get(uid)
             if row is None:
                 continue
@@ -136,7 +158,7 @@ class Speculation:
             row.proposed += drafted
             row.accepted += kept
             row.rate = 0.7 * row.rate + 0.3 * kept / drafted
-            row.k = min(self.max_tokens, 2 * drafted) if kept == drafted else max(1, kept + 1)
+            row.k = self._next_k(row.rate, drafted, kept)
             if row.verified >= 3 and row.rate < MIN_RATE:
                 row.wait, row.rest = row.rest, min(2 * row.rest, LONGEST_REST)
                 row.rate = 0.5  # a fresh start after the rest

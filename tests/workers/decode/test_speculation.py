@@ -85,7 +85,9 @@ def test_logprobs_of_kept_drafts_are_the_models(model, ragged):
     assert fast.tokens == plain.tokens and spec.accepted > 8
     for a, b in zip(fast.logprobs, plain.logprobs):
         assert a.token == b.token
-        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        # A pass over several tokens rounds differently from one over one
+        # (on CUDA, TF32 matmuls: ~1e-3); on the CPU they agree to ~1e-6.
+        assert a.logprob == pytest.approx(b.logprob, abs=5e-3)
         assert [t for t, _ in a.top] == [t for t, _ in b.top] and len(a.top) == 2
 
 
@@ -155,10 +157,13 @@ def test_a_wrong_row_rests_and_k_follows_acceptance():
         spec.record([1], Verified([], [4], [0]))
     assert row.wait > 0 and row.k == 1  # rests after three rejections
     spec.record([1], Verified([], [2], [2]))
-    assert row.k == 4  # all kept: doubles
-    spec.record([1], Verified([], [4], [1]))
-    assert row.k == 2  # one more than the run kept
-    assert spec.proposed == 18 and spec.accepted == 3
+    assert row.k == 4  # all kept: at least doubles
+    for _ in range(6):
+        spec.record([1], Verified([], [8], [7]))
+    assert row.k == 6  # 7 of 8 kept, six times (rate 0.85: runs of 5.6 on average)
+    spec.record([1], Verified([], [8], [0]))
+    assert row.k == 2  # rate 0.59: runs of 1.5
+    assert spec.proposed == 70 and spec.accepted == 44
 
 
 def test_ngram_index_finds_the_longest_latest_match():
@@ -184,7 +189,9 @@ def _rank_chi2(observed: list, dists: list) -> float:
     expected = [sum(d[r[j]] for d, r in zip(dists, ranked) if j < len(r)) for j in range(width)]
     seen = [0] * width
     for token, r in zip(observed, ranked):
-        seen[r.index(token)] += 1
+        # A token outside the recomputed top k (a near tie at the k-th place
+        # that rounds the other way in this pass, on a GPU) counts as the last.
+        seen[r.index(token) if token in r else width - 1] += 1
     return sum((o - e) ** 2 / e for o, e in zip(seen, expected) if e > 0)
 
 
@@ -199,9 +206,11 @@ def test_sampled_rows_keep_the_models_distribution(model):
 
     prompt = prompt_of(24, 4)
     n = 300
-    jobs = [(f"s{i}", 0, prompt, SamplingParams(max_tokens=4, temperature=1.0, top_k=4, seed=i)) for i in range(n)]
-    spec = Speculation(DraftModel(model), max_tokens=1, max_rows=n)
-    outs = drive(model, jobs, max_batch=n, speculation=spec)
+    # Three waves of 100 rows (a batch of 300 is more than a GPU run of this test takes).
+    jobs = [(f"s{i}", (i // 100) * 8, prompt, SamplingParams(max_tokens=4, temperature=1.0, top_k=4, seed=i))
+            for i in range(n)]
+    spec = Speculation(DraftModel(model), max_tokens=1, max_rows=100)
+    outs = drive(model, jobs, max_batch=100, speculation=spec)
     answers = [outs[f"s{i}"].tokens for i in range(n)]
     assert all(len(a) == 4 for a in answers)
     assert 0.2 * n < spec.accepted < spec.proposed == n  # kept and rejected both happened
