@@ -21,6 +21,7 @@ from benchmarks.bench.energy import (EnergyRecorder, Meter, NvidiaSmiMeter, Powe
                                      counter_delta, parse_gpu_csv, parse_powermetrics)
 from benchmarks.bench.energy_run import EnergyRun, output_tokens, per_token
 from benchmarks.bench.loadgen import RequestResult
+from tests.support.bench_runs import run_bench_cmd
 
 
 # ------------------------------------------------------------------ RAPL
@@ -386,22 +387,13 @@ def test_tandem_runs_once_per_power_policy(tmp_path):
 
 
 def test_bench_flag_starts_a_row_per_policy(tmp_path, monkeypatch, capsys):
-    started = []
-
-    def fake_started(name, opts, port, cfg, workloads_, args, recorder=None):
-        started.append(name)
-        return {"name": name, "error": None, "memory": None, "energy": None, "results": {}}
-
-    monkeypatch.setattr(bench_cmd, "_options", lambda *a, **k: None)
-    monkeypatch.setattr(bench_cmd, "_bench_started", fake_started)
-    p = bench_cmd.argparse.ArgumentParser()
-    bench_cmd.add_arguments(p)
-    args = p.parse_args(["--systems", "tandem,mlx_lm", "--tandem-power-policies", "performance,saver",
-                         "--energy", "off", "--log-dir", str(tmp_path), "--json", str(tmp_path / "r.json")])
-    assert bench_cmd.run(args) == 0
+    rc, started, config = run_bench_cmd(tmp_path, monkeypatch, "--systems", "tandem,mlx_lm",
+                                        "--tandem-power-policies", "performance,saver")
+    assert rc == 0
     assert started == ["tandem[performance]", "tandem[saver]", "mlx_lm"]
-    config = json.loads((tmp_path / "r.json").read_text())["config"]
     assert config["tandem_power_policies"] == ["performance", "saver"]
     assert config["energy"]["unavailable"] == {"all": "--energy off"}
+    p = bench_cmd.argparse.ArgumentParser()
+    bench_cmd.add_arguments(p)
     with pytest.raises(SystemExit):
         p.parse_args(["--tandem-power-policies", "performance,turbo"])

@@ -16,6 +16,7 @@ from benchmarks.bench import bench_cmd, chat_workload, copy_workload, report, sy
 from benchmarks.bench.energy_run import output_tokens
 from benchmarks.bench.loadgen import RequestResult, summarize
 from benchmarks.bench.workloads import Target, WorkloadConfig
+from tests.support.bench_runs import run_bench_cmd
 from tests.support.fake_engine import FakeEngine, build_tokenizer
 from tests.support.router_server import serve_app
 
@@ -186,33 +187,16 @@ def test_speculation_rows_names_and_serve_flags(tmp_path):
             systems.server_spec(needs_draft, 18100, _opts(tmp_path))
 
 
-def _bench(tmp_path, monkeypatch, *flags) -> tuple[int, list[str], dict]:
-    started = []
-
-    def fake_started(name, opts, port, cfg, workloads_, args, recorder=None):
-        started.append(name)
-        return {"name": name, "error": None, "memory": None, "energy": None, "results": {}}
-
-    monkeypatch.setattr(bench_cmd, "_options", lambda *a, **k: None)
-    monkeypatch.setattr(bench_cmd, "_bench_started", fake_started)
-    p = bench_cmd.argparse.ArgumentParser()
-    bench_cmd.add_arguments(p)
-    out = tmp_path / "r.json"
-    out.unlink(missing_ok=True)
-    rc = bench_cmd.run(p.parse_args(["--energy", "off", "--log-dir", str(tmp_path), "--json", str(out), *flags]))
-    return rc, started, json.loads(out.read_text())["config"] if out.exists() else {}
-
-
 def test_bench_flags_start_a_row_per_mode_and_the_draft_peer_only_with_a_draft(tmp_path, monkeypatch):
-    rc, started, config = _bench(tmp_path, monkeypatch, "--systems", "tandem,mlx_lm", "--workload", "copy,chat",
+    rc, started, config = run_bench_cmd(tmp_path, monkeypatch, "--systems", "tandem,mlx_lm", "--workload", "copy,chat",
                                  "--tandem-speculative", "off,draft", "--draft-model", "d", "--spec-tokens", "3")
     assert rc == 0 and started == ["tandem[spec=off]", "tandem[spec=draft]", "mlx_lm", "mlx_lm[draft]"]
     assert (config["tandem_speculative"], config["draft_model"], config["spec_tokens"]) == (["off", "draft"], "d", 3)
     assert config["workloads"] == ["copy", "chat"]
-    rc, started, _ = _bench(tmp_path, monkeypatch, "--systems", "tandem,mlx_lm", "--tandem-speculative",
+    rc, started, _ = run_bench_cmd(tmp_path, monkeypatch, "--systems", "tandem,mlx_lm", "--tandem-speculative",
                             "off,prompt-lookup")
     assert rc == 0 and started == ["tandem[spec=off]", "tandem[spec=prompt-lookup]", "mlx_lm"]
-    rc, started, _ = _bench(tmp_path, monkeypatch, "--systems", "tandem", "--tandem-speculative", "draft")
+    rc, started, _ = run_bench_cmd(tmp_path, monkeypatch, "--systems", "tandem", "--tandem-speculative", "draft")
     assert rc == 2 and started == []  # spec=draft without a draft model: refused before anything starts
     p = bench_cmd.argparse.ArgumentParser()
     bench_cmd.add_arguments(p)

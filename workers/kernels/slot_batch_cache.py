@@ -177,30 +177,37 @@ class SlotBatchKVCache(RunsBatchKVCache):
         if pads and min(pads) > self.max_shared_padding:
             self._grow(len(pads), self._idx - min(pads), -min(pads))
 
-    def trim_rows(self, counts: Sequence[int]) -> None:
+    def trim_rows(self, counts: Sequence[int], moving: List[mx.array] | None = None) -> None:
         """Drop the last counts[i] positions of row i (a speculative step's
         rejected drafts, workers/decode/speculation.py). Every row ends at
         the write index: it moves back by the smallest count, and each row
         that drops more is moved right by the difference (that row alone is
-        copied; its left padding grows by as much)."""
+        copied; its left padding grows by as much). `moving`: this layer's
+        `rows_to_move(counts)`, already evaluated (a batch evaluates every
+        layer's at once: one wait instead of one a layer)."""
         counts = [int(c) for c in counts]
         least = min(counts)
         extra = [c - least for c in counts]
-        self._idx -= least
         moved = [(i, e) for i, e in enumerate(extra) if e]
+        if moved and moving is None:
+            moving = self.rows_to_move(counts)
+            mx.eval(moving)
+        self._idx -= least
         if moved:
-            # Computed before they are written back (see filter: a row written
-            # into the buffer it is read from copies the whole buffer).
-            rows = [mx.contiguous(a[i, :, self._pads[i] : self._idx - e, :])
-                    for i, e in moved for a in (self.keys, self.values)]
-            mx.eval(rows)
             for n, (i, e) in enumerate(moved):
-                self.keys[i, :, self._pads[i] + e : self._idx, :] = rows[2 * n]
-                self.values[i, :, self._pads[i] + e : self._idx, :] = rows[2 * n + 1]
-            del rows
+                self.keys[i, :, self._pads[i] + e : self._idx, :] = moving[2 * n]
+                self.values[i, :, self._pads[i] + e : self._idx, :] = moving[2 * n + 1]
             self._pads = [p + e for p, e in zip(self._pads, extra)]
         self.offset, self.left_padding = _once((self.offset, self.left_padding), ("trim", tuple(counts)), lambda: (
             self.offset - mx.array(counts), self.left_padding + mx.array(extra) if moved else self.left_padding))
+
+    def rows_to_move(self, counts: Sequence[int]) -> List[mx.array]:
+        """The rows trim_rows(counts) moves, as copies to evaluate before it
+        writes them back (a row written into the buffer it is read from
+        copies the whole buffer: see filter). Lazy; keys then values per row."""
+        least = min(int(c) for c in counts)
+        return [mx.contiguous(a[i, :, self._pads[i] : self._idx - int(c), :])
+                for i, c in enumerate(counts) if int(c) > least for a in (self.keys, self.values)]
 
     def extract(self, idx):
         """Row `idx` as a KVCache over views of the batch's buffers (nothing

@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from workers.decode.spec_verify import emitted, greedy_accepts, sampled_accepts
 from workers.grammar import apply_masks
-from workers.kernels.slot_batch_cache import share_row_state
+from workers.kernels.slot_batch_cache import SlotBatchKVCache, share_row_state
 from workers.sampling import SeededSampler
 
 
@@ -140,10 +140,22 @@ def _respond(batch, inputs, drafts, accepted, logprobs, width) -> list:
         trims.append(width - kept)
         lps = [batch._next_logprobs[i]] + [logprobs[i, j] for j in range(kept - 1)]
         responses.append((i, tokens, lps, finish))
-    for c in batch.prompt_cache:
-        c.trim_rows(trims)
-    share_row_state(batch.prompt_cache)
+    trim_batch(batch.prompt_cache, trims)
     return responses
+
+
+def trim_batch(caches: list, counts: List[int]) -> None:
+    """Every layer's trim_rows(counts); a padded batch's moved rows are
+    copied for all layers with one wait."""
+    moving = {id(c): c.rows_to_move(counts) for c in caches if isinstance(c, SlotBatchKVCache)}
+    if any(moving.values()):
+        mx.eval([a for rows in moving.values() for a in rows])
+    for c in caches:
+        if id(c) in moving:
+            c.trim_rows(counts, moving[id(c)])
+        else:
+            c.trim_rows(counts)
+    share_row_state(caches)
 
 
 def _finish(batch, rows: Sequence[tuple]) -> list:

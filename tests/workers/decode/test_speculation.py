@@ -223,3 +223,43 @@ def test_sampled_rows_keep_the_models_distribution(model):
     # The check has power: always keeping the draft (the argmax), or drawing
     # a rejected row's token from p with the draft left in, fails it.
     assert _rank_chi2([max(d, key=d.get) for d in dists], dists) > 100
+
+
+def test_a_grammar_row_rides_along_a_speculative_step(vocab_model, grammars, person_grammar, json_of):
+    """A constrained row never drafts; in a speculative step its mask is
+    built from the step's input and it samples from the first position: its
+    JSON is what it is without speculation, beside a row whose drafts are kept."""
+    import jsonschema
+
+    from protos.messages import DecodeRequest, KVHandoff
+    from workers.decode.engine import DecodeEngine
+    from workers.prefill.engine import PrefillEngine
+
+    schema, grammar = person_grammar
+    free_prompt, json_prompt = prompt_of(30, 8), prompt_of(12, 1)
+    free_answer = reference(vocab_model, free_prompt, 40).tokens
+
+    def run(speculation):
+        prefill = PrefillEngine(vocab_model, 32, grammars=grammars)
+        decode = DecodeEngine(vocab_model, 4, grammars=grammars, speculation=speculation)
+        out = {}
+        for rid, prompt, sp in (("json", json_prompt, SamplingParams(max_tokens=120, temperature=0.0, grammar=grammar)),
+                                ("free", free_prompt, greedy(40))):
+            res = prefill.run(prompt, sp)
+            out[rid] = [res.first_token]
+            decode.add(DecodeRequest(rid, prompt, res.first_token, KVHandoff(rid, len(prompt), len(prompt)), sp),
+                       res.cache)
+        for _ in range(200):
+            if not decode.has_work:
+                break
+            for u in decode.step():
+                out[u.request_id].append(u.token)
+        assert not decode.take_failures()
+        return out
+
+    plain = run(None)
+    spec = Speculation(Oracle([free_prompt + free_answer]), max_tokens=6, max_rows=8)
+    fast = run(spec)
+    assert fast == plain and fast["free"] == free_answer
+    jsonschema.validate(json_of(fast["json"]), schema)
+    assert spec.accepted > 10
