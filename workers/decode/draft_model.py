@@ -18,7 +18,6 @@ model is small. Its caches must be trimmable (plain attention KV).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 import mlx.core as mx

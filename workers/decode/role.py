@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import wait as wait_for
 from typing import Callable
 
@@ -51,7 +51,8 @@ class DecodeRole(Role):
         self.local_kv = local_kv
         self.reader = reader
         self.reading: deque[tuple] = deque()  # (DecodeRequest, its copy's future or None), arrival order
-        self.pace_s = 0.0  # seconds between steps at least (the power policy's pace); 0: unpaced
+        self.pace_s = 0.0  # seconds a token at least (the power policy's pace); 0: unpaced
+        self.last_step_tokens = 1  # the most tokens one request got from the last step
         self.last_step = 0.0  # time.monotonic() of the last step
 
     # ------------------------------------------------------------ the loop --
@@ -126,7 +127,9 @@ class DecodeRole(Role):
     # -------------------------------------------------------------- a step --
     def pace_delay(self) -> float:
         """Seconds until the paced batch may step again (0: now)."""
-        return max(0.0, self.last_step + self.pace_s - time.monotonic()) if self.pace_s else 0.0
+        if not self.pace_s:
+            return 0.0
+        return max(0.0, self.last_step + self.pace_s * self.last_step_tokens - time.monotonic())
 
     def step(self) -> None:
         self.last_step = time.monotonic()
@@ -147,6 +150,9 @@ class DecodeRole(Role):
         # its next turn the moment it has the answer, and that turn must find
         # the answer's blocks.
         self.clock.count("tokens", len(updates))
+        # A speculative step gives a row several tokens: the pace is per token.
+        per_row = Counter(u.request_id for u in updates)
+        self.last_step_tokens = max(per_row.values(), default=1)
         if updates:
             self.outbox.send(TokenBatch(updates))
         for request_id, exc in self.engine.take_failures():  # a token its grammar refused: that request alone
