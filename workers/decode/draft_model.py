@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Dict, List, Sequence, Tuple
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 # Tokens of a row's prompt fed to the draft model in one pass.
 PREFILL_CHUNK = 512
@@ -35,10 +35,11 @@ class DraftModel:
     def __init__(self, model, vocab_limit: int | None = None):
         self.model = model
         self.vocab_limit = vocab_limit  # the target's logits width: draft ids past it are never proposed
-        probe = make_prompt_cache(model)
-        if not can_trim_prompt_cache(probe):
-            kinds = sorted({type(c).__name__ for c in probe if not c.is_trimmable()})
-            raise ValueError(f"the draft model's cache cannot be trimmed ({', '.join(kinds)}): "
+        # Only plain attention KV can always be cut back (a sliding window
+        # can, until it wraps: RotatingKVCache says it is trimmable when empty).
+        kinds = sorted({type(c).__name__ for c in make_prompt_cache(model) if type(c) is not KVCache})
+        if kinds:
+            raise ValueError(f"the draft model's cache cannot be cut back ({', '.join(kinds)}): "
                              "a draft model needs plain attention layers")
         self.rows: Dict[int, Tuple[list, List[int]]] = {}  # uid -> (its KV, the tokens it holds)
 

@@ -178,11 +178,18 @@ def speculation_for(settings, model) -> Optional[Speculation]:
         from workers.models.loading import load_model
 
         draft, _ = load_model(settings.draft_model_dir)
-        drafter = DraftModel(draft, vocab_limit=logits_width(model))
+        try:
+            drafter = DraftModel(draft, vocab_limit=logits_width(model))
+        except ValueError as exc:  # a draft whose KV cannot be cut back: say so, and draft from the text
+            log.error("--draft-model %s cannot draft: %s; drafting by prompt lookup instead",
+                      settings.draft_model_dir, exc)
+            from workers.decode.prompt_lookup import PromptLookup
+
+            drafter = PromptLookup()
     else:
         from workers.decode.prompt_lookup import PromptLookup
 
         drafter = PromptLookup()
-    log.info("speculative decoding: %s, up to %d tokens a row, batches of up to %d rows", method,
+    log.info("speculative decoding: %s, up to %d tokens a row, batches of up to %d rows", drafter.method,
              settings.spec_tokens, settings.spec_max_batch)
     return Speculation(drafter, settings.spec_tokens, settings.spec_max_batch)

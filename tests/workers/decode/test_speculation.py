@@ -5,6 +5,8 @@ batches; drafts that are counted as accepted really skip steps."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from tests.support.pipeline import drive, reference
@@ -263,3 +265,23 @@ def test_a_grammar_row_rides_along_a_speculative_step(vocab_model, grammars, per
     assert fast == plain and fast["free"] == free_answer
     jsonschema.validate(json_of(fast["json"]), schema)
     assert spec.accepted > 10
+
+
+def test_settings_choose_the_drafter(model, tmp_path, embedded_model_dir):
+    """--speculative and --draft-model as a worker reads them; a draft whose
+    KV cannot be cut back (sliding-window layers) is refused loudly and the
+    worker drafts from the text instead of failing to start."""
+    from deploy.settings import Settings
+    from tests.support.tiny_models import make_tiny_gemma3
+    from workers.decode.speculation import speculation_for
+
+    assert speculation_for(Settings(speculative="off"), model) is None
+    lookup = speculation_for(Settings(spec_tokens=5, spec_max_batch=3), model)
+    assert lookup.method == "prompt-lookup" and lookup.max_tokens == 5 and lookup.max_rows == 3
+    llama = make_tiny_llama(tmp_path / "draft", seed=3)
+    gemma = make_tiny_gemma3(tmp_path / "gemma")
+    for folder in (llama, gemma):  # a worker loads a model with its tokenizer
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(embedded_model_dir / name, folder / name)
+    assert speculation_for(Settings(draft_model_dir=str(llama)), model).method == "draft"
+    assert speculation_for(Settings(draft_model_dir=str(gemma)), model).method == "prompt-lookup"
