@@ -159,9 +159,11 @@ class Speculation:
             row.accepted += kept
             row.rate = 0.7 * row.rate + 0.3 * kept / drafted
             row.k = self._next_k(row.rate, drafted, kept)
-            if row.verified >= 3 and row.rate < MIN_RATE:
+            # From a neutral start (0.5) three rejections in a row rest it;
+            # from a poor recent record (MIN_RATE), one.
+            if row.rate < MIN_RATE:
                 row.wait, row.rest = row.rest, min(2 * row.rest, LONGEST_REST)
-                row.rate = 0.5  # a fresh start after the rest
+                row.rate = max(self.recent_rate, MIN_RATE)  # a fresh start after the rest
             elif row.rate >= 0.5:
                 row.rest = REST_STEPS
 

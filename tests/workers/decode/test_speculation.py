@@ -285,3 +285,27 @@ def test_settings_choose_the_drafter(model, tmp_path, embedded_model_dir):
             shutil.copy(embedded_model_dir / name, folder / name)
     assert speculation_for(Settings(draft_model_dir=str(llama)), model).method == "draft"
     assert speculation_for(Settings(draft_model_dir=str(gemma)), model).method == "prompt-lookup"
+
+
+def test_a_poor_record_makes_new_rows_rest_first():
+    """A drafter that is never right (a draft model of another family) costs
+    a few steps in all, not a few steps a request."""
+    from workers.decode.speculation import MIN_RATE, REST_STEPS
+    from workers.kernels.verify_step import Verified
+
+    spec = Speculation(PromptLookup(), max_tokens=8, max_rows=8)
+    for uid in range(4):
+        spec._row(uid)
+        for _ in range(3):
+            spec.record([uid], Verified([], [2], [0]))
+    assert spec.recent_rate < MIN_RATE
+    late = spec._row(99)
+    assert late.wait == REST_STEPS and late.k == 1
+    late.wait = 0
+    spec.record([99], Verified([], [1], [0]))
+    assert late.wait == REST_STEPS  # rests after one rejection
+    for uid in range(100, 104):  # drafting pays again: new rows start at once
+        spec._row(uid)
+        for _ in range(6):
+            spec.record([uid], Verified([], [4], [4]))
+    assert spec.recent_rate > 0.5 and spec._row(200).wait == 0
