@@ -132,6 +132,7 @@ class DecodeEngine:
         self.model = model
         # workers.decode.speculation.Speculation, or None: every step an ordinary one.
         self.speculation = speculation
+        self._last_ordinary = 0  # rows of the step before when it was ordinary (0: it was not)
         self.grammars = grammars  # workers.grammar.Grammars, or None: no grammar can be followed
         self.max_batch = max_batch
         # On the CPU backend rows keep their own KV (workers/decode/ragged_kv.py):
@@ -265,7 +266,7 @@ class DecodeEngine:
             try:
                 responses = self._speculative_step()
                 if responses is None:
-                    responses = self._batch.next()
+                    responses = self._ordinary_step()
                 # A batch of newcomers alone steps again, so that a step yields
                 # their first decode tokens (as a step always did).
                 if responses and all(self._live[r.uid].fresh for r in responses):
@@ -297,6 +298,17 @@ class DecodeEngine:
             updates.append(update)
         return updates + self._take_committed()
 
+    def _ordinary_step(self):
+        """An ordinary step; timed for the speculation's costs when the step
+        before was one too (pipelined, as ordinary steps run)."""
+        rows, t0 = len(self._batch.uids), time.perf_counter()
+        responses = self._batch.next()
+        if self.speculation is not None:
+            if self._last_ordinary == rows:
+                self.speculation.costs.ordinary(rows, time.perf_counter() - t0)
+            self._last_ordinary = rows
+        return responses
+
     def _speculative_step(self):
         """A speculative step's responses (several per row), or None when
         this step is an ordinary one (workers/decode/speculation.py)."""
@@ -308,8 +320,11 @@ class DecodeEngine:
         if plan is None or not any(plan[1]):
             return None
         uids = list(self._batch.uids)
+        t0 = time.perf_counter()
         verified = self._batch.speculate(*plan)
+        self.speculation.costs.speculative(len(uids), 1 + max(verified.drafted), time.perf_counter() - t0)
         self.speculation.record(uids, verified)
+        self._last_ordinary = 0
         return verified.responses
 
     def _left(self, uid: int, request_id: str) -> None:

@@ -14,9 +14,10 @@ tokenizer). This module decides, step by step:
     need the context token by token), nor rows that follow a grammar (their
     masks are token by token); those rows ride along and are sampled from
     the step's first position, as an ordinary step samples them;
-  * how many tokens each row drafts: one more than the run of kept drafts
-    its acceptance predicts, and at least twice the last count while
-    everything is kept;
+  * how many tokens each row drafts: the count that gives the most tokens
+    per second, from the row's acceptance and what a drafted position
+    costs on this machine at this batch size (`StepCosts`, timed as steps
+    run: much of a step on a CPU, little on a GPU); none when no draft pays;
   * when a row stops drafting: when its acceptance (a running average)
     falls below `MIN_RATE` it rests for a while, longer each time; a new
     row starts from the acceptance of the rows before it (resting first
@@ -63,6 +64,64 @@ class RowSpeculation:
     idle: int = 0  # consecutive looks that found nothing
 
 
+class StepCosts:
+    """What a speculative step costs on this machine against an ordinary
+    one, learnt from the steps as they run, per batch size: an ordinary
+    step's seconds (timed between two ordinary steps: pipelined, as they
+    run), and a speculative step's as that times (fixed + per_draft x k),
+    fitted to the recent steps (k: the most drafts a row ran). `fixed` is
+    what waiting for the step's tokens costs (no pipelining: much of a step
+    on a GPU bound by the host), `per_draft` the arithmetic of one more
+    position a row (much of a step on a CPU, little on a GPU)."""
+
+    SMOOTHING = 0.2
+
+    def __init__(self, fixed: float = 1.0, per_draft: float = 0.1):
+        self.default = (fixed, per_draft)  # until a batch size has both kinds of step timed
+        self.plain: Dict[int, float] = {}
+        self.moments: Dict[int, List[float]] = {}  # rows -> running means of k, ratio, k x ratio, k x k
+
+    def ordinary(self, rows: int, seconds: float) -> None:
+        self.plain[rows] = _average(self.plain.get(rows), seconds, self.SMOOTHING)
+        m = self.moments.get(rows)
+        if m is not None:
+            # A dear speculative step fades back toward the default (1% a
+            # step): drafts are tried again now and then, and timed again.
+            m[:] = [_average(a, b, 0.01) for a, b in zip(m, self._default_moments(m[0]))]
+
+    def speculative(self, rows: int, width: int, seconds: float) -> None:
+        plain = self.plain.get(rows)
+        if not plain or width < 2:
+            return
+        k, ratio = float(width - 1), seconds / plain
+        new = [k, ratio, k * ratio, k * k]
+        old = self.moments.get(rows)
+        self.moments[rows] = new if old is None else [_average(a, b, self.SMOOTHING) for a, b in zip(old, new)]
+
+    def model(self, rows: int) -> Tuple[float, float]:
+        """(fixed, per_draft): a speculative step of k drafts a row costs
+        fixed + per_draft x k ordinary steps of `rows` rows."""
+        m = self.moments.get(rows)
+        if m is None:
+            return self.default
+        k, ratio, k_ratio, k_k = m
+        spread = k_k - k * k
+        if spread > 0.25:  # several widths seen: a line through them
+            per_draft = max((k_ratio - k * ratio) / spread, 0.0)
+            return max(ratio - per_draft * k, 1.0), per_draft
+        # One width: all of the excess on the drafts (a cheap first draft, a dear long one, alike).
+        return 1.0, max(ratio - 1.0, 0.0) / max(k, 1.0)
+
+    def _default_moments(self, k: float) -> List[float]:
+        fixed, per_draft = self.default
+        ratio = fixed + per_draft * k
+        return [k, ratio, k * ratio, k * k]
+
+
+def _average(old: Optional[float], new: float, weight: float) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
+
+
 class Speculation:
     """The decode engine's speculative decoding (see the module doc)."""
 
@@ -74,6 +133,7 @@ class Speculation:
         self.rows: Dict[int, RowSpeculation] = {}
         self.proposed = self.accepted = 0  # since start, for /metrics
         self.recent_rate = 0.5  # drafts kept / drafted, a running average over every row's steps
+        self.costs = StepCosts()  # timed by the engine
 
     # ------------------------------------------------------------- rows --
     def leave(self, uid: int, request_id: str) -> None:
@@ -90,8 +150,7 @@ class Speculation:
             # A new request starts from what drafting has been worth lately
             # (a draft model of another family, text that never repeats):
             # below MIN_RATE it rests before its first draft.
-            row = self.rows[uid] = RowSpeculation(k=self._next_k(self.recent_rate, 0, -1),
-                                                  rate=max(self.recent_rate, MIN_RATE))
+            row = self.rows[uid] = RowSpeculation(k=1, rate=max(self.recent_rate, MIN_RATE))
             if self.recent_rate < MIN_RATE:
                 row.wait = REST_STEPS
         return row
@@ -110,8 +169,9 @@ class Speculation:
                 row.wait -= 1
                 continue
             left = batch.max_tokens[i] - batch._num_tokens[i] - 1  # tokens after this step's input
-            if left > 0 and self._may_draft(batch, i, uid):
-                asking.append((i, uid, min(row.k, left)))
+            row.k = min(self.best_k(row.rate, n), left)
+            if row.k > 0 and self._may_draft(batch, i, uid):
+                asking.append((i, uid, row.k))
         if not asking:
             return None
         inputs = batch.next_inputs()
@@ -126,15 +186,21 @@ class Speculation:
                 row.wait = min(row.idle, IDLE_STEPS)
         return inputs, drafts
 
-    def _next_k(self, rate: float, drafted: int, kept: int) -> int:
-        """Tokens to draft next: a run of drafts each kept with probability
-        `rate` is rate / (1 - rate) long on average, so draft one more than
-        that; all kept: at least twice as many as this time."""
-        expected = rate / (1.0 - rate) if rate < 1.0 else float(self.max_tokens)
-        k = int(expected) + 1
-        if kept == drafted:
-            k = max(k, 2 * drafted)
-        return max(1, min(self.max_tokens, k))
+    def best_k(self, rate: float, rows: int) -> int:
+        """Drafts for a row whose drafts are kept at `rate`, in a batch of
+        `rows`: the k that gives the most tokens per unit of step time. A
+        step gains 1 + rate + ... + rate^k tokens on average (runs of kept
+        drafts, then the model's own) and costs 1 + k x the machine's cost of
+        a position (StepCosts); 0 when no draft pays."""
+        fixed, per_draft = self.costs.model(rows)
+        best, best_value, gain, term = 0, 1.0, 1.0, 1.0
+        for k in range(1, self.max_tokens + 1):
+            term *= rate
+            gain += term
+            value = gain / (fixed + per_draft * k)
+            if value > best_value * 1.02:  # a longer draft must pay clearly
+                best, best_value = k, value
+        return best
 
     @staticmethod
     def _may_draft(batch, i: int, uid: int) -> bool:
@@ -158,7 +224,6 @@ class Speculation:
             row.proposed += drafted
             row.accepted += kept
             row.rate = 0.7 * row.rate + 0.3 * kept / drafted
-            row.k = self._next_k(row.rate, drafted, kept)
             # From a neutral start (0.5) three rejections in a row rest it;
             # from a poor recent record (MIN_RATE), one.
             if row.rate < MIN_RATE:

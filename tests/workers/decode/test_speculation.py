@@ -150,22 +150,40 @@ def test_a_random_draft_is_mostly_wrong_and_changes_nothing(model, random_draft)
     assert spec.proposed > 0 and spec.accepted < spec.proposed / 2
 
 
-def test_a_wrong_row_rests_and_k_follows_acceptance():
-    spec = Speculation(PromptLookup(), max_tokens=8, max_rows=8)
-    row = spec._row(1)
+def test_a_wrong_row_rests():
     from workers.kernels.verify_step import Verified
 
-    for _ in range(3):
+    spec = Speculation(PromptLookup(), max_tokens=8, max_rows=8)
+    row = spec._row(1)
+    for _ in range(2):
         spec.record([1], Verified([], [4], [0]))
-    assert row.wait > 0 and row.k == 1  # rests after three rejections
-    spec.record([1], Verified([], [2], [2]))
-    assert row.k == 4  # all kept: at least doubles
-    for _ in range(6):
-        spec.record([1], Verified([], [8], [7]))
-    assert row.k == 6  # 7 of 8 kept, six times (rate 0.85: runs of 5.6 on average)
-    spec.record([1], Verified([], [8], [0]))
-    assert row.k == 2  # rate 0.59: runs of 1.5
-    assert spec.proposed == 70 and spec.accepted == 44
+    assert row.wait == 0
+    spec.record([1], Verified([], [4], [0]))
+    assert row.wait > 0  # rests after three rejections from a neutral start
+    assert spec.proposed == 12 and spec.accepted == 0
+
+
+def test_k_is_what_pays_on_this_machine():
+    """The drafts a row gets follow its acceptance and the measured cost of
+    a position: many where a position is cheap (a GPU bound by the host),
+    few where it costs much of a step (a CPU), none where no draft pays."""
+    spec = Speculation(PromptLookup(), max_tokens=8, max_rows=8)
+    costs = spec.costs
+    costs.ordinary(1, 0.010)
+    for width, seconds in ((9, 0.0142), (3, 0.0138), (9, 0.0142), (5, 0.0140)):  # a GPU bound by the host:
+        costs.speculative(1, width, seconds)  # waiting costs 37%, a draft 0.5%
+    fixed, per_draft = costs.model(1)
+    assert fixed == pytest.approx(1.37, abs=0.02) and per_draft == pytest.approx(0.005, abs=0.002)
+    costs.ordinary(4, 0.100)
+    costs.speculative(4, 5, 0.300)  # a CPU: 4 more positions, x3
+    assert spec.best_k(0.9, 1) == 8
+    assert spec.best_k(0.2, 1) == 0  # 1.2 tokens for 1.37 steps' time: no
+    assert 2 <= spec.best_k(0.6, 1) <= 8
+    assert spec.best_k(0.9, 4) <= 2 and spec.best_k(0.5, 4) == 0
+    assert spec.best_k(0.9, 2) > spec.best_k(0.9, 4)  # unmeasured: the default cost
+    for _ in range(300):  # a dear step fades back toward the default: tried again
+        costs.ordinary(4, 0.100)
+    assert spec.best_k(0.9, 4) >= 3
 
 
 def test_ngram_index_finds_the_longest_latest_match():
