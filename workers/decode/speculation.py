@@ -125,7 +125,7 @@ def _average(old: Optional[float], new: float, weight: float) -> float:
 class Speculation:
     """The decode engine's speculative decoding (see the module doc)."""
 
-    def __init__(self, drafter, max_tokens: int = 8, max_rows: int = 8):
+    def __init__(self, drafter, max_tokens: int = 8, max_rows: int = 8, costs: Optional["StepCosts"] = None):
         self.drafter = drafter
         self.method = drafter.method
         self.max_tokens = max(1, int(max_tokens))
@@ -133,7 +133,7 @@ class Speculation:
         self.rows: Dict[int, RowSpeculation] = {}
         self.proposed = self.accepted = 0  # since start, for /metrics
         self.recent_rate = 0.5  # drafts kept / drafted, a running average over every row's steps
-        self.costs = StepCosts()  # timed by the engine
+        self.costs = costs if costs is not None else StepCosts()  # timed by the engine
 
     # ------------------------------------------------------------- rows --
     def leave(self, uid: int, request_id: str) -> None:

@@ -17,7 +17,9 @@ constrained rows runs mlx-lm's _step untouched.
 
 from __future__ import annotations
 
+import sys
 import time
+from contextlib import contextmanager
 from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
@@ -46,6 +48,13 @@ class DecodeBatch(GenerationBatch):
     clock = None  # the worker's LoopClock: parts of a step, timed
     constrained: Optional[ConstrainedRows] = None  # the rows' matchers (set by the engine)
     tokens_first = False  # a constrained step's order (_MaskedForward)
+    # Queue each step's forward pass ahead (mlx-lm's way: the device computes
+    # step N + 1 while the host returns step N's tokens). On MLX's CPU backend
+    # `async_eval` of a whole forward pass blocks until it is nearly done (the
+    # scheduler's cap on tasks in flight), so there is no overlap to win, and
+    # every token came back one pass after it was computed: a newcomer's
+    # second token two passes after its first. Off there (the engine sets it).
+    compute_ahead = True
     mask_width = 0  # the logits' width, known after the first constrained step
 
     def _step(self):
@@ -56,8 +65,11 @@ class DecodeBatch(GenerationBatch):
         with part(self.clock, "queue+tokens"):
             if self.constrained and self.constrained.rows(self.uids):
                 out = self._masked_step()
-            else:
+            elif self.compute_ahead:
                 out = super()._step()
+            else:
+                with _generate_module_without_async_eval():
+                    out = super()._step()
         if self.on_queued is not None:
             self.on_queued()
         return out
@@ -102,6 +114,29 @@ class DecodeBatch(GenerationBatch):
     def extend(self, batch):
         super().extend(batch)
         share_row_state(self.prompt_cache)
+
+
+class _LazyEvalOnly:
+    """mlx.core as mlx-lm's generate module sees it, with `async_eval` a no-op:
+    a step's forward pass is then computed when its tokens are read (the next
+    step), not queued ahead."""
+
+    def __getattr__(self, name):
+        return getattr(mx, name)
+
+    @staticmethod
+    def async_eval(*arrays):
+        return None
+
+
+@contextmanager
+def _generate_module_without_async_eval():
+    module = sys.modules[GenerationBatch.__module__]
+    module.mx = _LazyEvalOnly()
+    try:
+        yield
+    finally:
+        module.mx = mx
 
 
 # A step whose previous tokens were on the host within this long after its

@@ -14,9 +14,25 @@ from tests.support.tiny_models import VOCAB, greedy, load_tiny_model, make_tiny_
 from protos.messages import SamplingParams
 from workers.decode.draft_model import DraftModel
 from workers.decode.prompt_lookup import NgramIndex, PromptLookup
-from workers.decode.speculation import Speculation
+from workers.decode.speculation import Speculation as _Speculation
+from workers.decode.speculation import StepCosts
 
 LAYOUTS = [pytest.param(True, id="ragged"), pytest.param(False, id="padded")]
+
+
+class FixedCosts(StepCosts):
+    """Step costs that do not follow the clock: what a test drafts must not
+    depend on how loaded the machine is."""
+
+    def ordinary(self, rows, seconds):
+        pass
+
+    def speculative(self, rows, width, seconds):
+        pass
+
+
+def Speculation(drafter, **kw):  # noqa: N802 - the class, with fixed costs
+    return _Speculation(drafter, costs=FixedCosts(), **kw)
 
 
 class Oracle:
@@ -167,7 +183,7 @@ def test_k_is_what_pays_on_this_machine():
     """The drafts a row gets follow its acceptance and the measured cost of
     a position: many where a position is cheap (a GPU bound by the host),
     few where it costs much of a step (a CPU), none where no draft pays."""
-    spec = Speculation(PromptLookup(), max_tokens=8, max_rows=8)
+    spec = _Speculation(PromptLookup(), max_tokens=8, max_rows=8)
     costs = spec.costs
     costs.ordinary(1, 0.010)
     for width, seconds in ((9, 0.0142), (3, 0.0138), (9, 0.0142), (5, 0.0140)):  # a GPU bound by the host:
