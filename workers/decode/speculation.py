@@ -62,6 +62,7 @@ class RowSpeculation:
     wait: int = 0  # steps before it drafts (or looks) again
     rest: int = REST_STEPS  # the next rest's length
     idle: int = 0  # consecutive looks that found nothing
+    probe: bool = False  # after a rest: draft at least one token, to learn the rate again
 
 
 class StepCosts:
@@ -152,7 +153,7 @@ class Speculation:
             # below MIN_RATE it rests before its first draft.
             row = self.rows[uid] = RowSpeculation(k=1, rate=max(self.recent_rate, MIN_RATE))
             if self.recent_rate < MIN_RATE:
-                row.wait = REST_STEPS
+                row.wait, row.probe = REST_STEPS, True
         return row
 
     # ------------------------------------------------------------- steps --
@@ -169,7 +170,13 @@ class Speculation:
                 row.wait -= 1
                 continue
             left = batch.max_tokens[i] - batch._num_tokens[i] - 1  # tokens after this step's input
-            row.k = min(self.best_k(row.rate, n), left)
+            row.k = self.best_k(row.rate, n)
+            if row.k == 0 and not row.probe:
+                # No draft pays at this rate: rest, then try one (a rate that
+                # is never tested again would never change).
+                self._rest(row)
+                continue
+            row.k, row.probe = min(max(row.k, 1), left), False
             if row.k > 0 and self._may_draft(batch, i, uid):
                 asking.append((i, uid, row.k))
         if not asking:
@@ -203,6 +210,11 @@ class Speculation:
         return best
 
     @staticmethod
+    def _rest(row: RowSpeculation) -> None:
+        """No drafts for a while (longer each time), then at least one."""
+        row.wait, row.rest, row.probe = row.rest, min(2 * row.rest, LONGEST_REST), True
+
+    @staticmethod
     def _may_draft(batch, i: int, uid: int) -> bool:
         if batch.logits_processors and batch.logits_processors[i]:
             return False
@@ -227,7 +239,7 @@ class Speculation:
             # From a neutral start (0.5) three rejections in a row rest it;
             # from a poor recent record (MIN_RATE), one.
             if row.rate < MIN_RATE:
-                row.wait, row.rest = row.rest, min(2 * row.rest, LONGEST_REST)
+                self._rest(row)
                 row.rate = max(self.recent_rate, MIN_RATE)  # a fresh start after the rest
             elif row.rate >= 0.5:
                 row.rest = REST_STEPS

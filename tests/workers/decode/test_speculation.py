@@ -343,3 +343,15 @@ def test_a_poor_record_makes_new_rows_rest_first():
         for _ in range(6):
             spec.record([uid], Verified([], [4], [4]))
     assert spec.recent_rate > 0.5 and spec._row(200).wait == 0
+
+
+def test_a_row_no_draft_pays_for_rests_then_tries_one(model):
+    """A rate at which no draft pays is tested again after a rest (else it
+    would never change): the row drafts one token then."""
+    spec = Speculation(PromptLookup(), max_tokens=8, max_rows=8)
+    spec.costs.default = (1.5, 0.2)  # a machine where drafting costs much
+    assert spec.best_k(0.5, 1) == 0
+    jobs = [("a", 0, prompt_of(54, 7), greedy(40))]
+    outs = drive(model, jobs, speculation=spec)
+    assert outs["a"].tokens == reference(model, prompt_of(54, 7), 40).tokens
+    assert spec.proposed > 0  # tried, after its rests
