@@ -55,6 +55,35 @@ def client(server):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
 
 
+_COPY = [{"role": "user", "content": (
+    "Repeat the following text exactly, replacing the word 'river' with 'lake':\n\n"
+    "The quick brown fox jumps over the lazy dog. Alice wrote a letter to Bob about the garden, the river "
+    "and the mountain village where they spent the summer. The letter said that the apple trees were in "
+    "flower and the bridge over the river had been painted green.")}]
+
+
+def _spec_tokens(server) -> tuple:
+    """(drafted, accepted) tokens of every decode worker, from /metrics."""
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    return tuple(sum(float(v) for v in re.findall(rf"^tandem_spec_{kind}_tokens_total\{{[^}}]*\}} (\S+)$", text, re.M))
+                 for kind in ("proposed", "accepted"))
+
+
+def test_prompt_lookup_speculation_is_exact_and_counted(server, client, embedded_model):
+    """The server speculates by default (prompt lookup): an answer that
+    copies its prompt is drafted from it, token-identical to mlx-lm's."""
+    ref_tokens, ref_text, _ = reference(embedded_model, _COPY, 48)
+    before = _spec_tokens(server)
+    resp = client.chat.completions.create(model="default", messages=_COPY, max_tokens=48, temperature=0)
+    assert resp.choices[0].message.content == ref_text
+    assert resp.usage.completion_tokens == len(ref_tokens)
+    drafted, accepted = (a - b for a, b in zip(_spec_tokens(server), before))
+    # A fifth of the answer came without steps of its own (15-24 tokens seen).
+    # First in the module: how much a row drafts follows what the server
+    # learnt from the requests before it (their acceptance, its step times).
+    assert accepted >= 10 and drafted >= accepted
+
+
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
 def test_greedy_output_matches_mlx_lm(client, embedded_model, name):
     messages = CONVERSATIONS[name]
@@ -86,34 +115,6 @@ def test_sixteen_at_once_match_mlx_lm(client, sixteen_refs):
     with cf.ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(ask, convs))
     assert [a.choices[0].message.content for a in answers] == refs
-
-
-_COPY = [{"role": "user", "content": (
-    "Repeat the following text exactly, replacing the word 'river' with 'lake':\n\n"
-    "The quick brown fox jumps over the lazy dog. Alice wrote a letter to Bob about the garden, the river "
-    "and the mountain village where they spent the summer. The letter said that the apple trees were in "
-    "flower and the bridge over the river had been painted green.")}]
-
-
-def _spec_tokens(server) -> tuple:
-    """(drafted, accepted) tokens of every decode worker, from /metrics."""
-    text = httpx.get(server.base_url + "/metrics", timeout=10).text
-    return tuple(sum(float(v) for v in re.findall(rf"^tandem_spec_{kind}_tokens_total\{{[^}}]*\}} (\S+)$", text, re.M))
-                 for kind in ("proposed", "accepted"))
-
-
-def test_prompt_lookup_speculation_is_exact_and_counted(server, client, embedded_model):
-    """The server speculates by default (prompt lookup): an answer that
-    copies its prompt is drafted from it, token-identical to mlx-lm's."""
-    ref_tokens, ref_text, _ = reference(embedded_model, _COPY, 48)
-    before = _spec_tokens(server)
-    resp = client.chat.completions.create(model="default", messages=_COPY, max_tokens=48, temperature=0)
-    assert resp.choices[0].message.content == ref_text
-    assert resp.usage.completion_tokens == len(ref_tokens)
-    drafted, accepted = (a - b for a, b in zip(_spec_tokens(server), before))
-    # At least a sixth of the answer came without steps of its own (how much
-    # depends on what the server learnt from the module's earlier requests).
-    assert accepted >= 8 and drafted >= accepted
 
 
 def test_stream_with_usage_matches_non_stream(client):
