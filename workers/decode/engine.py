@@ -83,12 +83,12 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import StopSequences, generation_stream
-from mlx_lm.models.cache import ArraysCache, CacheList
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from deploy.backend import on_cpu
 from protos.messages import DecodeRequest, TokenBatch, TokenUpdate
 from workers.decode import ragged_kv
+from workers.decode.handoff_check import check_cache
 from workers.decode.prefix_sharing import PrefixSharing
 from workers.decode.shifted_rope import ShiftedKVCache
 from workers.grammar import ConstrainedRows, GrammarError, matcher_after
@@ -224,7 +224,7 @@ class DecodeEngine:
         if sp.max_tokens - request.generated <= 0:
             raise ValueError(f"request {rid!r}: max_tokens already reached; "
                              "the caller must finish it (never send it to decode)")
-        _check_cache(cache, request)
+        check_cache(cache, request)
         # M-RoPE prompts (Qwen-VL) leave the next rope position away from the
         # token count: ragged rows, or the padded batch's per-row offsets
         # (ShiftedKVCache), carry it.
@@ -496,29 +496,3 @@ def _merge(caches: List[list]) -> list:
 def request_draws(request: DecodeRequest) -> int:
     """Random draws already taken from the request's seeded stream."""
     return max(int(request.generated), 0)
-
-
-def _check_cache(cache: list, request: DecodeRequest) -> None:
-    if not cache:
-        raise ValueError(f"request {request.request_id!r}: empty cache")
-    for i, c in enumerate(cache):
-        _check_layer(c, f"layer {i}", request.handoff.num_tokens)
-
-
-def _check_layer(c, where: str, num_tokens: int) -> None:
-    if isinstance(c, CacheList):
-        for j, sub in enumerate(c.caches):
-            _check_layer(sub, f"{where}.{j}", num_tokens)
-        return
-    if not hasattr(type(c), "merge"):  # what BatchGenerator batches with history
-        raise TypeError(f"decode cannot batch {type(c).__name__} ({where})")
-    if c.empty():
-        raise ValueError(f"{where}: expected a filled batch-1 cache")
-    batch = c.batch_size if isinstance(c, ArraysCache) else c.keys.shape[0]
-    if batch != 1:
-        raise ValueError(f"{where}: expected a filled batch-1 cache, got batch size {batch}")
-    # Attention caches count the tokens they have seen (a window too); a
-    # recurrent state does not.
-    offset = getattr(c, "offset", None)
-    if isinstance(offset, int) and offset != num_tokens:
-        raise ValueError(f"{where} holds {offset} tokens, handoff says {num_tokens}")
