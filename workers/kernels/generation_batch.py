@@ -117,12 +117,16 @@ class DecodeBatch(GenerationBatch):
 
 
 class _LazyEvalOnly:
-    """mlx.core as mlx-lm's generate module sees it, with `async_eval` a no-op:
-    a step's forward pass is then computed when its tokens are read (the next
+    """What mlx-lm's generate module sees as `mx` (mlx.core, or mlx_hooks'
+    stand-in with the CPU's fast logsumexp), with `async_eval` a no-op: a
+    step's forward pass is then computed when its tokens are read (the next
     step), not queued ahead."""
 
+    def __init__(self, core):
+        self._core = core
+
     def __getattr__(self, name):
-        return getattr(mx, name)
+        return getattr(self._core, name)
 
     @staticmethod
     def async_eval(*arrays):
@@ -132,11 +136,12 @@ class _LazyEvalOnly:
 @contextmanager
 def _generate_module_without_async_eval():
     module = sys.modules[GenerationBatch.__module__]
-    module.mx = _LazyEvalOnly()
+    core = module.mx
+    module.mx = _LazyEvalOnly(core)
     try:
         yield
     finally:
-        module.mx = mx
+        module.mx = core
 
 
 # A step whose previous tokens were on the host within this long after its

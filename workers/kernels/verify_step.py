@@ -25,10 +25,12 @@ there: the tokens after are dropped from its answer and its KV.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import List, Sequence
 
 import mlx.core as mx
+from mlx_lm.generate import GenerationBatch
 
 from workers.decode.spec_verify import emitted, greedy_accepts, sampled_accepts
 from workers.grammar import apply_masks
@@ -47,6 +49,12 @@ class Verified:
     accepted: List[int]
 
 
+def _core():
+    """`mx` as mlx-lm's generate module sees it (on the CPU, mlx_hooks' stand-in
+    with the fast logsumexp): a speculative step normalises logits as a step does."""
+    return sys.modules[GenerationBatch.__module__].mx
+
+
 def can_trim(batch) -> bool:
     """Whether every cache layer of `batch` can drop positions row by row
     (plain attention KV; not windows or recurrent state)."""
@@ -60,7 +68,7 @@ def verify_step(batch, inputs: List[int], drafts: List[List[int]]) -> Verified:
     width = 1 + max(len(d) for d in drafts)
     fed = [[inputs[i]] + list(drafts[i]) + [inputs[i]] * (width - 1 - len(drafts[i])) for i in range(n_rows)]
     logits = batch.model(mx.array(fed, dtype=mx.uint32), cache=batch.prompt_cache)  # (B, width, vocab)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    logprobs = logits - _core().logsumexp(logits, axis=-1, keepdims=True)
     bonus = _plain_rows(batch, inputs, drafts, logits)
     greedy = [i for i in range(n_rows) if drafts[i] and not isinstance(batch.samplers[i], SeededSampler)]
     targets = mx.argmax(logprobs[mx.array(greedy)], axis=-1) if greedy else None
@@ -105,7 +113,7 @@ def _plain_rows(batch, inputs: List[int], drafts: List[List[int]], logits) -> mx
                     row = processor(context, row)
             rows.append(row)
         first = mx.concatenate(rows, axis=0)
-    logprobs = first - mx.logsumexp(first, axis=-1, keepdims=True)
+    logprobs = first - _core().logsumexp(first, axis=-1, keepdims=True)
     samplers = [batch.fallback_sampler if s is None else s for s in batch.samplers]
     plain = [i for i in range(len(batch.uids)) if not drafts[i]]
     if not plain:
