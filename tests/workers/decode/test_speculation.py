@@ -355,3 +355,18 @@ def test_a_row_no_draft_pays_for_rests_then_tries_one(model):
     outs = drive(model, jobs, speculation=spec)
     assert outs["a"].tokens == reference(model, prompt_of(54, 7), 40).tokens
     assert spec.proposed > 0  # tried, after its rests
+
+
+def test_cpu_steps_keep_the_fast_logsumexp(model):
+    """On the CPU a step computes its pass when its tokens are read (no
+    compute-ahead), through mlx-lm's generate module with `async_eval`
+    stubbed for the step; mlx_hooks' fast logsumexp there must survive it."""
+    import sys
+
+    from deploy.backend import on_cpu
+    from workers.kernels import cpu_math
+
+    if not on_cpu():
+        pytest.skip("the CPU's hooks: on a GPU mlx-lm's generate module is left as it is")
+    drive(model, [("a", 0, prompt_of(20, 1), greedy(5))])
+    assert sys.modules["mlx_lm.generate"].mx.logsumexp is cpu_math.logsumexp
