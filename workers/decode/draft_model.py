@@ -41,16 +41,17 @@ class DraftModel:
         if kinds:
             raise ValueError(f"the draft model's cache cannot be cut back ({', '.join(kinds)}): "
                              "a draft model needs plain attention layers")
-        self.rows: Dict[int, Tuple[list, List[int]]] = {}  # uid -> (its KV, the tokens it holds)
+        # uid -> (its KV, the tokens it holds, how many of them are the row's text for sure)
+        self.rows: Dict[int, Tuple[list, List[int], int]] = {}
 
     def propose(self, batch, asking, inputs: Sequence[int]) -> List[List[int]]:
         """Drafts for the rows `asking` ((row index, uid, k) each) of `batch`,
         whose next inputs are `inputs`."""
         pending = []
         for i, uid, k in asking:
-            cache, fed = self.rows.get(uid) or (make_prompt_cache(self.model), [])
+            cache, fed, shared = self.rows.get(uid) or (make_prompt_cache(self.model), [], 0)
             text = batch.tokens[i] + [int(inputs[i])]
-            keep = _common_prefix(fed, text)
+            keep = _common_prefix(fed, text, shared)
             if keep == len(text):  # never: the input is new; keep one to feed
                 keep -= 1
             if len(fed) > keep:
@@ -64,7 +65,9 @@ class DraftModel:
             if self.vocab_limit is not None:
                 cut = next((j for j, t in enumerate(tokens) if t >= self.vocab_limit), len(tokens))
                 tokens = tokens[:cut]
-            self.rows[uid] = (cache, text + tokens[:-1] if tokens else text)
+            # `text` stays the row's text (it only grows): the next look
+            # compares from its end, not the whole prompt again.
+            self.rows[uid] = (cache, text + tokens[:-1] if tokens else text, len(text))
             out.append(tokens)
         return out
 
@@ -86,9 +89,10 @@ class DraftModel:
         self.rows.pop(uid, None)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def _common_prefix(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
+    """Length of a and b's common prefix, known to be at least `start`."""
     n = min(len(a), len(b))
-    i = 0
+    i = min(start, n)
     while i < n and a[i] == b[i]:
         i += 1
     return i

@@ -442,7 +442,6 @@ class DecodeEngine:
             joining.append(self._queue.popleft())
         if not joining:
             return
-        idle = not self._live  # the batch was empty: these rows step alone
         uids = list(range(self._next_uid, self._next_uid + len(joining)))
         self._next_uid += len(joining)
         samplers, processors = [], []
@@ -478,13 +477,6 @@ class DecodeEngine:
             # +1: the first response is first_token itself (dropped in step).
             [q.request.sampling.max_tokens - q.request.generated + 1 for q in joining],
         ))
-        if idle:
-            # Their first inputs (known tokens, joined lazily) computed now: the
-            # step would otherwise read them back only after the forward pass it
-            # queues on them, and a newcomer's second token come two passes
-            # after its first (on the CPU, 185 ms against 100 ms steps). With
-            # rows running they wait for the step in flight, as every step does.
-            mx.eval(self._batch._next_tokens)
 
 
 def _merge(caches: List[list]) -> list:

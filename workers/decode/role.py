@@ -150,9 +150,8 @@ class DecodeRole(Role):
         # its next turn the moment it has the answer, and that turn must find
         # the answer's blocks.
         self.clock.count("tokens", len(updates))
-        # A speculative step gives a row several tokens: the pace is per token.
-        per_row = Counter(u.request_id for u in updates)
-        self.last_step_tokens = max(per_row.values(), default=1)
+        if self.pace_s:  # a speculative step gives a row several tokens: the pace is per token
+            self.last_step_tokens = max(Counter(u.request_id for u in updates).values(), default=1)
         if updates:
             self.outbox.send(TokenBatch(updates))
         for request_id, exc in self.engine.take_failures():  # a token its grammar refused: that request alone
