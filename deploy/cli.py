@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert_ane_cmd.add_arguments(ane)
     service = sub.add_parser("service", help="run `tandem serve` as a launchd or systemd service (install, status, logs...)")
     service_cmd.add_arguments(service)
+    # Remote workers: keys, and a worker on another host joining a router (deploy/keys_cmd.py, worker_cmd.py).
+    from deploy import keys_cmd, worker_cmd
+    keys_cmd.add_arguments(sub.add_parser("keys", help="make CURVE keys for workers on other hosts (--out DIR)"))
+    worker_cmd.add_arguments(sub.add_parser("worker", help="run a worker on this host for a router elsewhere (--connect)"))
     return parser
 
 

@@ -8,10 +8,12 @@ import signal
 import sys
 from dataclasses import replace
 
+from deploy.keys_cmd import worker_listen_error
 from deploy.logs import setup_logging
-from deploy.model_folder import ModelError, vocabulary_mismatch, weight_bytes
+from deploy.model_folder import ModelError, is_vlm, vocabulary_mismatch, weight_bytes
 from deploy.settings import Settings, default_cache_memory
 from deploy.supervisor import Supervisor
+from workers.models.sharding import folder_shard_problem
 from workers.models.store import model_id_for, resolve_model
 
 
@@ -71,6 +73,42 @@ def draft_model_dir(args: argparse.Namespace, model_dir) -> str | None:
     return str(draft_dir)
 
 
+def tensor_parallel_error(args: argparse.Namespace, model_dir) -> str | None:
+    """Why --tensor-parallel cannot run as asked (None: it can, or it is 1)."""
+    n = args.tensor_parallel
+    if n <= 1:
+        return None
+    if not args.colocate:
+        return (f"--tensor-parallel {n} needs --colocate for now (split prefill and decode workers would hand "
+                "KV off shard by shard, which is not built yet)")
+    if args.speculative not in ("off", "auto") or args.draft_model:
+        return f"--tensor-parallel {n} does not speculate yet: leave --speculative at off or auto, without --draft-model"
+    if args.prefill_backend == "ane":
+        return f"--tensor-parallel {n} prefills with MLX only (not --prefill-backend ane)"
+    if is_vlm(model_dir):
+        return f"--tensor-parallel {n}: vision-language models are not sharded yet ({model_dir})"
+    why = folder_shard_problem(model_dir, n)
+    return f"--tensor-parallel {n} cannot split {model_dir}: {why}" if why else None
+
+
+def add_layout_arguments(p: argparse.ArgumentParser, d: Settings) -> None:
+    """How each model worker runs: both roles in one process, split over ranks (workers/group/)."""
+    p.add_argument("--colocate", action="store_true", help="prefill and decode in one process (one copy of the weights)")
+    p.add_argument("--tensor-parallel", type=_positive, default=d.tensor_parallel, metavar="N",
+                   help="split each worker's model over N processes of this host (mx.distributed: ring on the CPU "
+                        "and Metal, NCCL with one GPU a rank on CUDA); needs --colocate; no prefix cache or "
+                        "speculation in a group yet")
+    add_remote_worker_arguments(p)  # workers of other hosts (deploy/worker_cmd.py)
+
+
+def add_remote_worker_arguments(p: argparse.ArgumentParser) -> None:
+    """Workers of other hosts (`tandem worker`, deploy/worker_cmd.py) joining this router."""
+    p.add_argument("--worker-listen", default="", metavar="tcp://HOST:PORT",
+                   help="also take workers of other hosts (`tandem worker`) there, CURVE-encrypted (needs --worker-keys)")
+    p.add_argument("--worker-keys", default="", metavar="DIR",
+                   help="the router's key pair and the public keys of the workers allowed to join (`tandem keys`)")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = Settings()
     p.add_argument("--model", default=None, help="MLX folder, .gguf file or Hugging Face repo id (default: the embedded SmolLM2-135M-Instruct)")
@@ -78,7 +116,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--prefill-workers", type=_positive, default=d.prefill_workers)
     p.add_argument("--decode-workers", type=_positive, default=d.decode_workers)
-    p.add_argument("--colocate", action="store_true", help="prefill and decode in one process (one copy of the weights)")
+    add_layout_arguments(p, d)
     p.add_argument("--api-key", action="append", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes; repeat for several keys (each its own cache tenant)")
     p.add_argument("--api-key-file", default=None, metavar="FILE",
@@ -154,6 +192,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    why = worker_listen_error(args.worker_listen, args.worker_keys)  # remote workers (deploy/worker_cmd.py)
+    if why:
+        print(f"tandem: {why}", file=sys.stderr)
+        return 2
     setup_logging(args.log_level, "supervisor")
     if args.prefill_backend == "ane" and sys.platform != "darwin":
         print("tandem: --prefill-backend ane needs macOS: the Neural Engine runs Core ML programs, whose predict "
@@ -165,6 +207,10 @@ def run(args: argparse.Namespace) -> int:
         draft_dir = draft_model_dir(args, model_dir)
     except ModelError as exc:
         print(f"tandem: {exc}", file=sys.stderr)
+        return 2
+    why = tensor_parallel_error(args, model_dir)
+    if why:
+        print(f"tandem: {why}", file=sys.stderr)
         return 2
     settings = Settings(
         model=args.model, model_dir=str(model_dir), model_id=model_id_for(args.model, model_dir),
@@ -184,8 +230,10 @@ def run(args: argparse.Namespace) -> int:
         memory_pressure_file=args.memory_pressure_file,
         prefill_backend=args.prefill_backend, ane_min_tokens=args.ane_min_tokens,
         speculative=args.speculative, draft_model_dir=draft_dir, spec_tokens=args.spec_tokens,
-        spec_max_batch=args.spec_max_batch,
+        spec_max_batch=args.spec_max_batch, worker_listen=args.worker_listen, worker_keys=args.worker_keys,
     )
+    if args.tensor_parallel > 1:  # a group: no drafts (their timing is each rank's own)
+        settings = replace(settings, tensor_parallel=args.tensor_parallel, speculative="off")
     if not args.cache_memory:  # sized by the machine and the model (deploy/settings.py)
         copies = sum(1 for _, roles in settings.worker_plan() if {"prefill", "decode"} & set(roles))
         settings = replace(settings, cache_memory_bytes=default_cache_memory(weights=weight_bytes(model_dir),

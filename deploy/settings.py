@@ -102,8 +102,27 @@ class Settings:
     prefill_workers: int = 1
     decode_workers: int = 1
     colocate: bool = False
+    # Ranks each model worker is split over (tensor parallel, workers/group/):
+    # 1 is one process with the whole model; N > 1 (with colocate only, for
+    # now) is a group of N processes, rank 0 facing the router, over
+    # mx.distributed (`ring` on the CPU and Metal, `nccl` on CUDA).
+    tensor_parallel: int = 1
     # The processes' ipc sockets; the supervisor makes one per run (deploy/run_dir.py).
     run_dir: str = ""
+    # Remote workers (deploy/worker_cmd.py, router/worker_socket.py). The router's side:
+    # a tcp:// address it also listens on for workers of other hosts, CURVE-encrypted,
+    # and the folder of its pair (server.key_secret) and the workers' public keys
+    # (NAME.key; no other joins); "": none, no tcp socket and no authenticator.
+    worker_listen: str = ""
+    worker_keys: str = ""
+    # A worker's side (`tandem worker`): the router's address ("": this host's ipc
+    # socket), the folder of its own pair and the router's public key (server.key),
+    # where its KV lives ("": the router's host; WorkerHello.kv_host), and how long
+    # its hellos may go unanswered before it logs that it cannot join.
+    router_address: str = ""
+    router_keys: str = ""
+    kv_host: str = ""
+    router_join_timeout_s: float = 10.0
     # Cache service
     arena_name: str = ""  # shared-memory segment; the supervisor picks a fresh one per start
     cache_memory_bytes: int = field(default_factory=default_cache_memory)

@@ -40,6 +40,7 @@ from deploy.blas import calm_blas_threads
 from deploy.run_dir import RunDir, sweep_leftovers
 from deploy.service.listen_socket import Listeners, ListenError, open_listeners
 from deploy.settings import Settings
+from workers.group.ranks import RankSpec, write_hostfile
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ RESTART_WINDOW_S = 60.0
 # a child still alive then is killed and waited for KILL_WAIT_S more.
 STOP_GRACE_S = 5.0
 KILL_WAIT_S = 2.0
+GROUP_STOP_GRACE_S = 1.0  # the rest of a group that lost a rank, before SIGKILL
 EXIT_STOPPED = 0  # a requested stop
 EXIT_GAVE_UP = 1  # launchd and systemd restart the service on it
 
@@ -84,6 +86,7 @@ class Child:
     args_fn: object  # () -> args tuple; called at every (re)start so settings are current
     process: mp.Process | None = None
     restarts: list = field(default_factory=list)
+    group: str | None = None  # a tensor-parallel group's name (its rank 0's): its ranks live and die together
 
 
 class Supervisor:
@@ -108,7 +111,16 @@ class Supervisor:
         self.children.append(Child("router", "router.main:run", lambda: (self.settings, self.listeners.sockets)))
 
     def _worker(self, name: str, roles: list[str]) -> None:
-        self.children.append(Child(name, "workers.main:run", lambda: (self.settings, roles, name)))
+        size = self.settings.tensor_parallel
+        if size <= 1:
+            self.children.append(Child(name, "workers.main:run", lambda: (self.settings, roles, name)))
+            return
+        # A tensor-parallel group: rank 0 takes the name the router knows,
+        # the followers "<name>.r<rank>" (workers/group/).
+        for rank in range(size):
+            spec = RankSpec(name, rank, size, os.path.join(self.settings.run_dir, f"{name}.hosts.json"))
+            self.children.append(Child(spec.name, "workers.group.main:run",
+                                       lambda spec=spec: (self.settings, roles, spec), group=name))
 
     def _spawn(self, child: Child) -> None:
         if child.name == "cache":
@@ -116,6 +128,9 @@ class Supervisor:
             self._new_arena_name()
             if self.run_dir is not None:
                 self.run_dir.record_arena(self.settings.arena_name)
+        if child.group is not None and child.name == child.group:  # a group's start: fresh ports for its ranks
+            write_hostfile(os.path.join(self.settings.run_dir, f"{child.group}.hosts.json"),
+                           self.settings.tensor_parallel)
         child.process = self.ctx.Process(target=_child_main, args=(child.target, child.args_fn()),
                                          name=f"tandem-{child.name}", daemon=False)
         child.process.start()
@@ -142,8 +157,7 @@ class Supervisor:
                 log.info("OpenBLAS: idle threads sleep at once (OPENBLAS_THREAD_TIMEOUT=4)")
             for child in self.children:
                 self._spawn(child)
-            log.info("tandem serving %s on http://%s (%s; run dir %s)", self.settings.model_id,
-                     self.listeners.addresses(), self.listeners.origin, self.settings.run_dir)
+            self._announce()
             while not self.stopping.is_set():
                 sentinels = {c.process.sentinel: c for c in self.children if c.process is not None}
                 ready = mp.connection.wait(list(sentinels), timeout=0.5)
@@ -154,6 +168,10 @@ class Supervisor:
         finally:
             self.shutdown()
         return EXIT_GAVE_UP if self.failed else EXIT_STOPPED
+
+    def _announce(self) -> None:
+        log.info("tandem serving %s on http://%s (%s; run dir %s)", self.settings.model_id,
+                 self.listeners.addresses(), self.listeners.origin, self.settings.run_dir)
 
     def _listen(self) -> bool:
         """The HTTP port, before any child starts: one in use fails the start at
@@ -185,6 +203,11 @@ class Supervisor:
             signal.signal(signal.SIGHUP, self.request_stop)
 
     def _on_exit(self, child: Child) -> None:
+        if child.process.is_alive():  # its group's restart already replaced it
+            return
+        if child.group is not None:
+            self._restart_group(child)
+            return
         child.process.join(timeout=1)
         code = child.process.exitcode  # after join: negative is the signal that killed it
         now = time.monotonic()
@@ -197,6 +220,40 @@ class Supervisor:
         log.warning("%s (pid %d) exited with code %s; restarting", child.name, child.process.pid, code)
         time.sleep(min(0.2 * 2 ** (len(child.restarts) - 1), 5.0))
         self._spawn(child)
+
+    def _restart_group(self, dead: Child) -> None:
+        """One rank of a group died: the others would hang in their next
+        collective, so all go and the group starts again as one. SIGTERM
+        first (rank 0 then tells the router at once, which moves its
+        requests as for a single worker), SIGKILL after GROUP_STOP_GRACE_S
+        (a rank inside a collective cannot run a signal handler). The
+        group's restarts count on rank 0's record."""
+        members = [c for c in self.children if c.group == dead.group]
+        dead.process.join(timeout=1)
+        code = dead.process.exitcode
+        alive = [c.process for c in members if c.process is not None and c.process.is_alive()]
+        for p in alive:
+            p.terminate()
+        deadline = time.monotonic() + GROUP_STOP_GRACE_S
+        for p in alive:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=KILL_WAIT_S)
+        leader = members[0]
+        now = time.monotonic()
+        leader.restarts = [t for t in leader.restarts if now - t < RESTART_WINDOW_S] + [now]
+        if len(leader.restarts) > MAX_RESTARTS:
+            self.failed = (f"group {dead.group} lost a rank {len(leader.restarts)} times in {RESTART_WINDOW_S:.0f}s "
+                           f"(last: {dead.name}, exit code {code})")
+            log.error("%s; stopping", self.failed)
+            self.stopping.set()
+            return
+        log.warning("%s (pid %d) exited with code %s; restarting group %s (%s)", dead.name, dead.process.pid, code,
+                    dead.group, ", ".join(c.name for c in members))
+        time.sleep(min(0.2 * 2 ** (len(leader.restarts) - 1), 5.0))
+        for c in members:
+            self._spawn(c)
 
     def request_stop(self, *_args) -> None:
         self.stopping.set()

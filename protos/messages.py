@@ -145,6 +145,10 @@ class WorkerHello:
     spec_method: str = ""  # its speculative decoding ("prompt-lookup", "draft"; "": none)
     spec_proposed: int = 0  # tokens it drafted, since start
     spec_accepted: int = 0  # drafted tokens kept, since start
+    # Where its KV lives: "" for a worker on the router's host (its arena), else
+    # the remote host (deploy/worker_cmd.py); the router hands a prompt's KV
+    # only to a decode worker of the same kv_host (router/worker_table.py).
+    kv_host: str = ""
 
 
 @dataclass

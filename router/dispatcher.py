@@ -34,6 +34,7 @@ from router.metrics import Metrics
 from router.power_watch import PowerWatch
 from router.prefix_affinity import prefix_keys
 from router.stored_images import StoredImages
+from router.worker_socket import open_worker_socket, receive as receive_from_worker
 from router.worker_table import WorkerState, WorkerTable
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class Dispatcher:
         self.cache_stats: dict = {}
         self._ctx: Optional[zmq.asyncio.Context] = None
         self._sock = None
+        self._key_check = None  # the tcp endpoint's ZAP handler (router/worker_socket.py), with --worker-listen
         self._cache: Optional[AsyncCacheClient] = None
         self._tasks: list[asyncio.Task] = []
         self._moving: set[asyncio.Task] = set()
@@ -97,10 +99,7 @@ class Dispatcher:
     # ---------------------------------------------------------- lifecycle --
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
-        self._sock = transport.make_socket(self._ctx, zmq.ROUTER)
-        # A restarted worker reconnects under its old id; let it take the id over.
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self._sock.bind(transport.ipc_address(self.settings.run_dir, "router"))
+        self._sock, self._key_check = open_worker_socket(self._ctx, self.settings)
         self._cache = AsyncCacheClient(self.settings, ctx=self._ctx)
         self._tasks = [asyncio.create_task(c) for c in (self._receive_loop(), self._watch_loop(), self._cache_loop(),
                                                         self.power.run())]
@@ -117,6 +116,8 @@ class Dispatcher:
             st.events.put_nowait(EngineError(503, "server is shutting down"))
         if self._cache:
             self._cache.close()
+        if self._key_check is not None:
+            self._key_check.stop()
         if self._sock is not None:
             self._sock.close()
         if self._ctx is not None:
@@ -208,7 +209,7 @@ class Dispatcher:
         if w is None:  # it died meanwhile (during the vision step): move on at once
             self._relocate(st, "prefill worker went away before the prompt reached it", strike=False)
             return False
-        local = self.settings.colocate and "decode" in w.hello.roles  # the KV stays where it was computed
+        local = self.table.decodes_own(w)  # the KV stays where it was computed
         images = self._stored_images.for_prefill(st.req.images, pixels)
         if not await self._send(st.prefill_worker, PrefillRequest(
                 st.wire_id, st.prompt(), st.req.sampling, st.prefill_worker if local else "", images,
@@ -329,7 +330,7 @@ class Dispatcher:
     async def _receive_loop(self) -> None:
         while True:
             try:
-                peer, msg = await transport.arecv(self._sock, routed=True)
+                peer, msg = await receive_from_worker(self._sock)
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as exc:
@@ -434,7 +435,8 @@ class Dispatcher:
             self.metrics.handoff.observe(h.write_ms / 1000)
             self.metrics.handoff_tokens.labels("copied").inc(h.num_tokens - h.blocks.tokens)
             self.metrics.handoff_tokens.labels("referenced").inc(h.blocks.tokens)
-            decode = self.table.least("decode")
+            prefill = self.workers.get(wid)  # its decode on the host of its KV, never across hosts
+            decode = self.table.least("decode", kv_host=prefill.hello.kv_host if prefill else "")
         if decode is None:  # the decode worker died: prefill again once one is back
             await self._free(h)
             self._relocate(st, "no decode worker was ready for its KV", strike=False)

@@ -4,6 +4,10 @@ the choice of one for a request.
 A worker says hello when it connects and then as its heartbeat; one silent for
 `heartbeat_timeout_s`, or replaced by a new process under its id, is dropped
 (router/dispatcher.py moves its requests elsewhere).
+
+A hello's `kv_host` says where the worker's KV lives ("": this host's arena; a
+remote worker's host otherwise): a prompt's KV is handed only to a decode
+worker of the same kv_host, never across hosts.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class WorkerTable:
         self.affinity = PrefixAffinity()
         self.expected = self._expected()  # fixed by the settings: read the model's config once
         self.seen_ready: set[str] = set()  # roles some worker was ready for: their absence is a restart
+        self._wrong_model: set[tuple[str, int]] = set()  # (id, pid) of workers refused for another model, logged
 
     def _expected(self) -> dict[str, int]:
         """Live workers per role the settings ask for (what /health waits for)."""
@@ -77,6 +82,7 @@ class WorkerTable:
                 "running": w.hello.running,
                 "waiting": w.hello.waiting,
                 "last_seen_s": round(now - w.last_seen, 3),
+                **({"kv_host": w.hello.kv_host} if w.hello.kv_host else {}),
             }
             for wid, w in sorted(self.workers.items())
         ]
@@ -85,9 +91,15 @@ class WorkerTable:
                        "cache_service": cache, "expected": self.expected, "requests_in_flight": in_flight}
 
     # ------------------------------------------------------------ routing --
-    def least(self, role: str) -> WorkerState | None:
-        """The least-loaded ready worker of a role, or None."""
-        return min(self.ready_with(role), key=lambda w: (w.load(), w.hello.running + w.hello.waiting), default=None)
+    def least(self, role: str, kv_host: str | None = None) -> WorkerState | None:
+        """The least-loaded ready worker of a role (of that `kv_host` if given), or None."""
+        ready = [w for w in self.ready_with(role) if kv_host is None or w.hello.kv_host == kv_host]
+        return min(ready, key=lambda w: (w.load(), w.hello.running + w.hello.waiting), default=None)
+
+    def decodes_own(self, w: WorkerState) -> bool:
+        """Whether `w` decodes what it prefills, its KV kept in the process:
+        a colocated worker, on this host or a remote one."""
+        return "decode" in w.hello.roles and (self.settings.colocate or bool(w.hello.kv_host))
 
     def pick(self, role: str) -> WorkerState:
         """The least-loaded ready worker of a role; 503 when none is."""
@@ -100,9 +112,15 @@ class WorkerTable:
         """Cache-aware: the worker that last prefilled the longest part of this
         prompt, unless it is busier than the least-loaded one by more than
         AFFINITY_SLACK requests (then reuse is not worth the wait)."""
-        least = self.pick("prefill")
+        self.pick("prefill")  # 503 when none is ready
+        # Those whose KV has a decode worker on its host, if any has: a split
+        # prefill worker while its host's decoders restart would only prefill
+        # for nothing while a remote colocated one is ready.
+        ready_all = self.ready_with("prefill")
+        ready = {w.hello.worker_id: w for w in ready_all if self.decodes_own(w) or self.least("decode", w.hello.kv_host)}
+        ready = ready or {w.hello.worker_id: w for w in ready_all}
+        least = min(ready.values(), key=lambda w: (w.load(), w.hello.running + w.hello.waiting))
         matched = self.affinity.matched_blocks(keys)
-        ready = {w.hello.worker_id: w for w in self.ready_with("prefill")}
         best = max((wid for wid in matched if wid in ready), key=lambda wid: matched[wid], default=None)
         if best is not None and ready[best].load() - least.load() <= AFFINITY_SLACK:
             return ready[best]
@@ -128,6 +146,12 @@ class WorkerTable:
         if not _sane(hello):
             log.warning("worker %s: refused a hello with roles %r, state %r, load %r/%r", wid, hello.roles,
                         hello.state, hello.running, hello.waiting)
+            return None, ""
+        if hello.model_id and self.settings.model_id and hello.model_id != self.settings.model_id:
+            if (wid, hello.pid) not in self._wrong_model:  # once per process: it says hello twice a second
+                self._wrong_model.add((wid, hello.pid))
+                log.error("worker %s (pid %d%s) refused: it serves %r, this router %r", wid, hello.pid,
+                          f" on {hello.kv_host}" if hello.kv_host else "", hello.model_id, self.settings.model_id)
             return None, ""
         w = self.workers.get(wid)
         if hello.state == "ready":

@@ -21,15 +21,19 @@ from workers.worker import Worker
 log = logging.getLogger(__name__)
 
 
-def run(settings: Settings, roles: list[str], worker_id: str) -> None:
-    """Process main for a worker (a `spawn` target)."""
+def run(settings: Settings, roles: list[str], worker_id: str, make_worker=Worker) -> None:
+    """Process main for a worker (a `spawn` target). `make_worker`: the Worker
+    class, or a tensor-parallel group's rank 0 (workers/group/main.py)."""
     set_cuda_graphs()  # before any GPU work: MLX reads it once
     setup_logging(settings.log_level, f"worker:{worker_id}")
     ctx = zmq.Context()
     hello = WorkerHello(worker_id=worker_id, roles=list(roles), pid=os.getpid(), state="loading",
-                        model_id=settings.model_id)
-    loop = SocketLoop(ctx, transport.ipc_address(settings.run_dir, "router"), hello, settings.heartbeat_interval_s)
-    worker = Worker(settings, roles, worker_id, ctx, loop)
+                        model_id=settings.model_id, kv_host=settings.kv_host)
+    # A remote worker (`tandem worker`) joins over tcp with CURVE keys; the rest over this host's ipc socket.
+    loop = SocketLoop(ctx, settings.router_address or transport.ipc_address(settings.run_dir, "router"), hello,
+                      settings.heartbeat_interval_s, join_timeout_s=settings.router_join_timeout_s,
+                      curve=transport.worker_keys(settings.router_keys) if settings.router_keys else None)
+    worker = make_worker(settings, roles, worker_id, ctx, loop)
 
     def on_signal(signum, _frame):
         worker.stopping = True

@@ -5,6 +5,11 @@ drive it), so this thread only moves messages: router -> `inbox` (a
 queue.Queue the MLX thread reads), and the MLX thread's `Outbox` -> router.
 It also sends the heartbeat, so a worker deep in a long prefill chunk still
 reports itself alive.
+
+A worker on another host (deploy/worker_cmd.py) connects over tcp with CURVE
+keys. ZeroMQ retries the connection by itself, silently, whether the router
+is unreachable or refuses the keys: until the router first answers, the loop
+logs an error every while (JOIN_LOG_MAX_S at most) naming the address.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from protos.messages import WorkerHello
 log = logging.getLogger(__name__)
 
 _OUTBOX_ADDR = "inproc://outbox"
+JOIN_LOG_MAX_S = 300.0  # the longest gap between two "cannot join" errors
 
 
 class Outbox:
@@ -69,10 +75,14 @@ class Outbox:
 class SocketLoop(threading.Thread):
     """Connects to the router, forwards traffic both ways, sends heartbeats."""
 
-    def __init__(self, ctx: zmq.Context, router_addr: str, hello: WorkerHello, interval_s: float):
+    def __init__(self, ctx: zmq.Context, router_addr: str, hello: WorkerHello, interval_s: float,
+                 curve: tuple[bytes, bytes, bytes] | None = None, join_timeout_s: float = 10.0):
         super().__init__(name="socket-loop", daemon=True)
         self.ctx = ctx
         self.router_addr = router_addr
+        self.curve = curve  # (our public, our secret, the router's public key): a remote worker's
+        self.join_timeout_s = join_timeout_s
+        self.joined = curve is None  # the router answered (a WorkerLimits to our first hellos)
         self.hello = hello  # the MLX thread updates its load fields in place
         self.interval_s = interval_s
         self.inbox: queue.Queue = queue.Queue()
@@ -88,6 +98,8 @@ class SocketLoop(threading.Thread):
 
     def run(self) -> None:
         dealer = transport.make_socket(self.ctx, zmq.DEALER, identity=self.hello.worker_id)
+        if self.curve is not None:
+            transport.curve_client(dealer, *self.curve)
         dealer.connect(self.router_addr)
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
@@ -113,11 +125,22 @@ class SocketLoop(threading.Thread):
         """Until asked to stop: heartbeats out, router -> inbox, outbox -> router.
         A message that fails to decode is dropped (transport.recv logs it)."""
         next_beat = 0.0
+        started = time.monotonic()
+        join_wait, next_join_log = self.join_timeout_s, started + self.join_timeout_s
         while not self.stopping.is_set():
             now = time.monotonic()
             if now >= next_beat:
-                transport.send(dealer, replace(self.hello))
+                try:  # a router away long enough fills the queue: then beats are dropped, never waited on
+                    transport.send(dealer, replace(self.hello), flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
                 next_beat = now + self.interval_s
+            if not self.joined and now >= next_join_log:
+                log.error("no answer from the router at %s for %.0f s: is it reachable there, and are the keys "
+                          "right (its public key in our folder, ours in its --worker-keys)? Still trying",
+                          self.router_addr, now - started)
+                join_wait = min(join_wait * 2, JOIN_LOG_MAX_S)
+                next_join_log = now + join_wait
             events = dict(poller.poll(timeout=max(1, int((next_beat - now) * 1000))))
             if dealer in events:
                 while True:
@@ -126,6 +149,7 @@ class SocketLoop(threading.Thread):
                     except zmq.Again:
                         break
                     if msg is not None:
+                        self._on_joined()
                         self.inbox.put(msg)
             if self._pull in events:
                 while True:
@@ -134,3 +158,8 @@ class SocketLoop(threading.Thread):
                     except zmq.Again:
                         break
                     dealer.send_multipart(frames, copy=False)
+
+    def _on_joined(self) -> None:
+        if not self.joined:
+            self.joined = True
+            log.info("joined the router at %s", self.router_addr)

@@ -43,6 +43,7 @@ from workers.kv.store_thread import StoreThread
 from workers.loop_clock import LoopClock
 from workers.memory_relief import relieve_memory
 from workers.models.loading import hot_kv_bytes, load_model, size_buffer_cache
+from workers.models.sharding import shard_model
 from workers.prefill.ane.backend import make_ane_body
 from workers.prefill.engine import PrefillEngine
 from workers.prefill.role import PrefillRole
@@ -66,8 +67,12 @@ class Worker:
     """The sockets, the inbox and the schedule of one worker process, over
     the roles `load` builds for `roles` (names: "prefill", "decode", "vision")."""
 
-    def __init__(self, settings: Settings, roles: list[str], worker_id: str, ctx: zmq.Context, loop: SocketLoop):
+    def __init__(self, settings: Settings, roles: list[str], worker_id: str, ctx: zmq.Context, loop: SocketLoop,
+                 group=None):
         self.settings = settings
+        # A tensor-parallel group's mx.distributed.Group (workers/group/): the
+        # model is this rank's shard; None: a worker alone, the whole model.
+        self.group = group
         self.role_names = roles
         self.worker_id = worker_id
         self.ctx = ctx
@@ -101,7 +106,10 @@ class Worker:
         model = prefill = decode = vision = grammars = None
         if "prefill" in names or "decode" in names:
             model, tokenizer = load_model(self.settings.model_dir)
-            self.prefix = self.make_prefix(model)
+            if self.group is not None:
+                shard_model(model, self.group)
+            # No prefix cache in a group yet: each rank would keep its own shard of every block.
+            self.prefix = self.make_prefix(model) if self.group is None else None
             # Requests with a grammar (workers/grammar.py); llguidance's view of
             # the tokenizer is built beside the warm-up (no MLX in it).
             grammars = Grammars(tokenizer, logits_width(model))
@@ -118,10 +126,12 @@ class Worker:
                                   speculation=speculation_for(self.settings, model))
         self.model, self.cold = model, model is not None and self.settings.warm_up
         # On battery in saver (deploy/power/policy.py) the warm-up waits for a policy that allows it.
-        self.defer_warm_up = self.cold and decide(read_power(self.settings), self.settings).defer_warm_up
+        # A group warms up at once, every rank in step (workers/group/).
+        self.defer_warm_up = self.cold and self.group is None and decide(read_power(self.settings),
+                                                                           self.settings).defer_warm_up
         if self.cold and not self.defer_warm_up:
             self.warm_up(prefill, decode)
-        self.outbox = Outbox(self.ctx)
+        self.outbox = self.make_outbox()
         self.start_stores(prefill, decode)
         self.build_roles(prefill, decode, vision)
         self.hello.max_context = context_length(self.settings.model_dir)
@@ -134,6 +144,9 @@ class Worker:
         batch = prefill is not None and self.settings.prefill_batch > 1
         log.info("worker %s warmed up in %.2fs", self.worker_id, warm_up(self.model, decode, batch))
         self.cold = False
+
+    def make_outbox(self):
+        return Outbox(self.ctx)
 
     def make_prefix(self, model):
         hot = self.settings.hot_kv_bytes
@@ -187,40 +200,59 @@ class Worker:
         return self.arenas.get(name).buf
 
     # ---------------------------------------------------------- main loop --
-    def serve(self) -> None:
+    def start_clock(self) -> None:
         self.clock = LoopClock(f"worker {self.worker_id}")  # from here: loading is not the loop's time
         for role in self.roles:
             role.clock = self.clock
         for role in (self.decode, self.prefill):
             if role is not None:
                 role.engine.clock = self.clock
+
+    def serve(self) -> None:
+        self.start_clock()
         while not self.stopping:
             self.drain_inbox(block=not self.has_work())
             if self.stopping:
                 break
             if self.vision is not None and self.vision.has_work():
-                with self.clock.phase("vision"):
-                    self.vision.step()
+                self.run_unit("vision")
             if self.prefill is not None and self.prefill.has_work():
-                with self.clock.phase("prefill"):
-                    self.prefill.step()
+                self.run_unit("prefill")
             if self.decode is not None and self.decode.reading:
                 busy = self.decode.engine.has_work or (self.prefill is not None and self.prefill.has_work())
-                self.decode.take_reads(wait=not busy)
+                self.run_unit("reads", wait=not busy)
             if self.decode is not None and self.decode.engine.has_work:
                 delay = self.decode.pace_delay()  # the power policy's pace
                 if delay > 0:
                     if not (self.prefill is not None and self.prefill.has_work()):
                         self.drain_inbox(block=True, timeout=delay)
                 else:
-                    self.decode.step()
+                    self.run_unit("decode")
             elif self.cold and not self.defer_warm_up and not self.has_work():
-                self.warm_up(self.prefill.engine if self.prefill else None, self.decode.engine if self.decode else None)
+                self.run_unit("warm up")
             if self.stores is not None:
                 self.stores.release_done()  # what its finished jobs read, freed on this (MLX) thread
             self.update_load()
             relieve_memory(self.settings, self.prefix, self.hello)  # under memory pressure: hot KV, MLX's freed buffers
             self.clock.maybe_report()
+
+    def run_unit(self, unit: str, wait: bool = False) -> None:
+        """One unit of MLX work, by name (a group's other ranks replay these
+        names after rank 0: workers/group/lockstep.py)."""
+        if unit == "vision":
+            with self.clock.phase("vision"):
+                self.vision.step()
+        elif unit == "prefill":
+            with self.clock.phase("prefill"):
+                self.prefill.step()
+        elif unit == "reads":
+            self.decode.take_reads(wait=wait)
+        elif unit == "decode":
+            self.decode.step()
+        elif unit == "warm up":
+            self.warm_up(self.prefill.engine if self.prefill else None, self.decode.engine if self.decode else None)
+        else:
+            raise ValueError(f"no unit of work called {unit!r}")
 
     def has_work(self) -> bool:
         return any(role.has_work() for role in self.roles)

@@ -60,6 +60,13 @@ SHAPES: dict[str, dict] = {
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=49152,
         max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
         params=3_219_776),
+    # Not a real model either: tiny-llama's size as a Qwen3 (q/k norms), heads and KV heads
+    # divisible by 2 (a tensor-parallel test splits it over two ranks).
+    "tiny-qwen3": dict(
+        model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=49152,
+        max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        params=3_219_840),
 }
 REAL_SHAPES = [name for name in SHAPES if not name.startswith("tiny")]
 DTYPES = ("float16", "bfloat16", "float32")

@@ -1,0 +1,123 @@
+"""`tandem serve --colocate --tensor-parallel 2`: one worker's model split
+over two ranks (MLX's ring backend on 127.0.0.1, workers/group/) against
+the same weights in one process; a rank killed; models that cannot split.
+
+Float32 random models (benchmarks/random_models/text.py, with the embedded
+model's tokenizer): sharding moves no weight value, only which rank sums
+which part of each product, so greedy tokens must be the same."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from benchmarks.random_models.text import write_random_model
+from tests.support.server import module_server, pid_alive
+
+# Different lengths, asked at once: prefill chunks and a decode batch whose
+# rows join and end at different steps, all replayed by the follower.
+PROMPTS = ["Tell me a story about a cat.", "What is two plus two?",
+           "Write a poem about the sea, the wind and the lighthouse keeper who watched them.", "List colors."]
+MAX_TOKENS = [24, 9, 17, 30]
+
+
+@pytest.fixture(scope="module")
+def random_models(tmp_path_factory, embedded_model_dir):
+    out = tmp_path_factory.mktemp("tp-models")
+    for like in ("tiny-qwen3", "tiny-llama"):
+        write_random_model(like, out / like, dtype="float32", seed=3, tokenizer_dir=embedded_model_dir)
+    return out
+
+
+def ask(srv, prompt: str, max_tokens: int, timeout: float = 60) -> tuple[str, int]:
+    r = httpx.post(srv.base_url + "/v1/completions", timeout=timeout,
+                   json={"model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["choices"][0]["text"], body["usage"]["completion_tokens"]
+
+
+def ask_all_at_once(srv) -> list:
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(lambda pm: ask(srv, *pm), zip(PROMPTS, MAX_TOKENS)))
+
+
+def stream(srv, prompt: str, max_tokens: int, timeout: float = 90):
+    """A greedy completion's text pieces as the client gets them (iterator)."""
+    body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=timeout) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text = json.loads(line[6:])["choices"][0]["text"]
+                if text:
+                    yield text
+
+
+def follower_pids(srv) -> list[int]:
+    """The pids the supervisor logged for worker-0.r1, oldest first."""
+    return [int(p) for p in re.findall(r"started worker-0\.r1 \(pid (\d+)\)", srv.log_path.read_text())]
+
+
+@pytest.fixture(scope="module")
+def llama_group(request, tmp_path_factory, random_models):
+    """A group serving tiny-llama, shared by the llama comparison and the kill test (which ends it)."""
+    return module_server(request, tmp_path_factory, "--model", str(random_models / "tiny-llama"), "--colocate",
+                         "--no-disk-cache", "--tensor-parallel", "2")
+
+
+@pytest.mark.parametrize("like", ["tiny-qwen3", "tiny-llama"])
+def test_two_ranks_give_one_process_greedy_tokens(server_factory, request, random_models, like):
+    model = str(random_models / like)
+    one = server_factory("--model", model, "--colocate", "--no-disk-cache")
+    expected = ask_all_at_once(one)
+    one.stop()
+    if like == "tiny-llama":
+        two = request.getfixturevalue("llama_group")
+    else:  # this group also runs the warm-up, every rank in step
+        two = server_factory("--model", model, "--colocate", "--no-disk-cache", "--tensor-parallel", "2",
+                             warm_up=True)
+    assert len(follower_pids(two)) == 1 and pid_alive(follower_pids(two)[0])
+    assert len(two.health()[1]["workers"]) == 1  # the router sees rank 0 only
+    assert ask_all_at_once(two) == expected
+    assert [n for _, n in expected] == MAX_TOKENS  # every row ran to its length: rows ended at different steps
+
+
+def test_a_killed_follower_restarts_the_group_and_requests_go_on(llama_group):
+    srv = llama_group
+    expected, _ = ask(srv, PROMPTS[0], 120)
+    leader, follower = srv.worker_pid("prefill+decode"), follower_pids(srv)[0]
+    pieces = stream(srv, PROMPTS[0], 120)
+    got = [next(pieces) for _ in range(4)]
+    os.kill(follower, signal.SIGKILL)  # mid-stream: rank 0 is in a decode step, or about to be
+    got += list(pieces)
+    # The router moved the request to the restarted group, which went on from
+    # where it was: the client sees the uninterrupted run's text.
+    assert "".join(got) == expected
+    body = srv.wait_healthy(timeout=90)
+    assert leader not in [w["pid"] for w in body["workers"]]  # rank 0 went with its follower
+    assert len(follower_pids(srv)) == 2 and not pid_alive(follower)
+    assert "restarting group worker-0" in srv.log_path.read_text()
+    assert ask(srv, PROMPTS[1], 9)[1] == 9  # and it serves after
+
+
+def test_models_and_flags_a_group_cannot_take_are_refused_at_start(embedded_model_dir):
+    cases = {  # flags -> what stderr must say
+        # The embedded SmolLM2-135M: 9 attention heads and 3 KV heads do not split in two.
+        ("--colocate", "--tensor-parallel", "2"): "9 attention heads, 3 KV heads do not divide by --tensor-parallel 2",
+        ("--tensor-parallel", "2"): "needs --colocate",
+        ("--colocate", "--tensor-parallel", "3", "--speculative", "prompt-lookup"): "does not speculate",
+    }
+    procs = {flags: subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "--port", "1", *flags],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for flags in cases}
+    for flags, proc in procs.items():
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2 and cases[flags] in err and "Traceback" not in err, (flags, err)

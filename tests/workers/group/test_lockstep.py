@@ -1,0 +1,85 @@
+"""Rank 0's records to its followers (workers/group/lockstep.py) over real
+ipc sockets: order, heartbeats, deadlines, a follower's death noticed, and
+the seeds rank 0 decides for every rank."""
+
+from __future__ import annotations
+
+import pytest
+import zmq
+
+from protos.messages import Cancel, DecodeRequest, KVHandoff, PrefillRequest, SamplingParams
+from workers.group.lockstep import GroupBroken, Recorder, RecordStream, pin_seed
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+def pair(ctx, run_dir, beat_s=0.05):
+    recorder = Recorder(ctx, str(run_dir), ["g.lockstep.r1"], beat_s=beat_s)
+    return recorder, RecordStream(ctx, str(run_dir), "g.lockstep.r1")
+
+
+def test_messages_go_with_the_next_unit_in_the_order_handled(ctx, tmp_path):
+    recorder, stream = pair(ctx, tmp_path)
+    req = PrefillRequest("r1", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0), decode_worker="g")
+    recorder.message(req)
+    recorder.message(Cancel("r0"))
+    recorder.unit("prefill")
+    recorder.unit("reads", wait=True)
+    recorder.send_op("stop")
+    assert stream.next(5.0) == [("m", req), ("m", Cancel("r0")), ("u", "prefill", False)]
+    assert stream.next(5.0) == [("u", "reads", True)]
+    assert stream.next(5.0) == [("stop",)]
+    recorder.close()
+    stream.close()
+
+
+def test_beat_sends_waiting_messages_or_a_heartbeat_once_due(ctx, tmp_path):
+    recorder, stream = pair(ctx, tmp_path, beat_s=0.0)
+    recorder.message(Cancel("r9"))
+    recorder.beat()
+    recorder.beat()
+    assert stream.next(5.0) == [("m", Cancel("r9"))]
+    assert stream.next(5.0) == []  # the heartbeat: an empty record
+    recorder.beat_s = 3600.0
+    recorder.beat()  # not due: nothing sent
+    with pytest.raises(GroupBroken, match="no record from rank 0"):
+        stream.next(0.3)
+    recorder.close()
+    stream.close()
+
+
+def test_a_follower_stops_waiting_when_asked(ctx, tmp_path):
+    _, stream = pair(ctx, tmp_path)
+    assert stream.next(30.0, stopping=lambda: True) is None
+
+
+def test_rank_0_notices_a_follower_gone_and_a_send_nobody_takes(ctx, tmp_path):
+    recorder, stream = pair(ctx, tmp_path)
+    recorder.unit("decode")
+    assert stream.next(5.0) == [("u", "decode", False)]
+    assert not recorder.follower_lost(0.1)  # connected, alive
+    stream.close()  # what a dead follower's process does to its socket
+    assert recorder.follower_lost(5.0)
+    recorder.socks[0].setsockopt(zmq.SNDTIMEO, 100)
+    with pytest.raises(GroupBroken, match="took no record"):
+        for _ in range(3):  # the first may still go into the closing pipe
+            recorder.unit("decode")
+    recorder.send_op("stop", wait=False)  # a stop never waits
+    recorder.close()
+
+
+def test_rank_0_picks_the_seed_of_a_sampled_request_without_one():
+    sampled = PrefillRequest("a", [1], SamplingParams(max_tokens=2, temperature=0.7), decode_worker="g")
+    pinned = pin_seed(sampled)
+    assert isinstance(pinned.sampling.seed, int) and pinned.prompt_tokens == [1]
+    assert pin_seed(pinned) is pinned  # seeded: as it is
+    greedy = DecodeRequest("b", [1], 5, KVHandoff("b", 1, 0, local=True), SamplingParams(max_tokens=2, temperature=0.0))
+    assert pin_seed(greedy) is greedy  # greedy draws nothing
+    decode = DecodeRequest("c", [1], 5, KVHandoff("c", 1, 0, local=True), SamplingParams(max_tokens=2, temperature=1.0))
+    assert pin_seed(decode).sampling.seed is not None
+    assert pin_seed(Cancel("d")) == Cancel("d")

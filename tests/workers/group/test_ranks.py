@@ -1,0 +1,39 @@
+"""A group's ranks set up without mlx.launch (workers/group/ranks.py): the
+hostfile the supervisor writes, the names, and a rank whose peers never
+come exiting instead of waiting for ever."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+
+from workers.group.ranks import RankSpec, rank_names, write_hostfile
+
+
+def test_hostfile_gives_each_rank_its_own_loopback_port(tmp_path):
+    path = tmp_path / "g.hosts.json"
+    write_hostfile(str(path), 3)
+    hosts = json.loads(path.read_text())
+    assert len(hosts) == 3 and all(len(h) == 1 and h[0].startswith("127.0.0.1:") for h in hosts)
+    assert len({h[0] for h in hosts}) == 3
+
+
+def test_rank_0_takes_the_group_name_the_router_knows():
+    assert rank_names("worker-0", 3) == ["worker-0", "worker-0.r1", "worker-0.r2"]
+    assert RankSpec("worker-1", 1, 2, "h").name == "worker-1.r1"
+
+
+def test_a_rank_whose_peer_never_comes_exits(tmp_path):
+    hostfile = tmp_path / "g.hosts.json"
+    write_hostfile(str(hostfile), 2)
+    script = textwrap.dedent(f"""
+        from workers.group.ranks import RankSpec, join_group
+        join_group(RankSpec("g", 0, 2, {str(hostfile)!r}), deadline_s=1)
+        print("joined")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert "joined" not in done.stdout
+    assert done.returncode == -signal.SIGALRM, done.stderr  # the deadline (ring itself still retried after 60 s)

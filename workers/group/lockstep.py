@@ -1,0 +1,181 @@
+"""Rank 0's loop, recorded for the other ranks of a tensor-parallel group to replay.
+
+Every rank of a group must issue the same MLX collectives in the same
+order, or the group hangs: so the followers do exactly what rank 0's loop
+did. Rank 0 (`Recorder`) sends each follower a stream of records over its
+own ZeroMQ PUSH socket (ipc, in the run dir); a record is a list of ops:
+
+- ("m", n): a message rank 0 handled, in its n protos/codec.py frames
+  (after the op list, in order);
+- ("u", unit, wait): a unit of MLX work (workers/worker.py `run_unit`);
+- ("ready",): rank 0 has loaded; ("stop",): rank 0 stops.
+
+Messages wait in the recorder until the next unit (or beat) sends them
+with it, so a record goes out *before* rank 0 runs its unit: rank 0 enters
+the unit's collectives only once its followers can. An empty record is the
+heartbeat, sent when nothing else was for `beat_s`.
+
+Decisions that hang on time or on other processes are rank 0's alone and
+reach the followers as what they chose: the units it ran (the power
+policy's pace, which units had work), and, in the messages, a sampling seed
+for every request that had none (`pin_seed`), so every rank draws the same
+tokens.
+
+A follower (`RecordStream`) that hears nothing for `silence_s` (rank 0 is
+gone, or stuck) exits non-zero; the supervisor restarts the whole group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import time
+
+import msgpack
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from protos import codec, transport
+from protos.messages import DecodeRequest, PrefillRequest
+
+log = logging.getLogger(__name__)
+
+# A record rank 0 cannot hand to a follower's socket within this means the
+# follower is gone or stuck (it takes one within a unit): the group is broken.
+SEND_DEADLINE_S = 30.0
+
+
+class GroupBroken(RuntimeError):
+    """A rank of the group is gone: this rank must stop (the supervisor
+    restarts the group) rather than go on alone."""
+
+
+def pin_seed(msg):
+    """`msg` with a sampling seed rank 0 chose, if it samples and has none:
+    an unseeded sampler draws its seed from the OS, and each rank would
+    draw another (and the ranks' tokens, then their KV, would differ)."""
+    if not isinstance(msg, (PrefillRequest, DecodeRequest)):
+        return msg
+    sampling = msg.sampling
+    if sampling.temperature == 0 or sampling.seed is not None:
+        return msg
+    return dataclasses.replace(msg, sampling=dataclasses.replace(sampling, seed=secrets.randbits(63)))
+
+
+def encode_record(ops: list, frames: list) -> list:
+    return [msgpack.packb(ops, use_bin_type=True), *frames]
+
+
+def decode_record(frames: list) -> list:
+    """[("m", message) | ("u", unit, wait) | ("ready",) | ("stop",)]: the
+    messages decoded. Raises codec.ProtocolError on anything malformed (a
+    follower cannot follow a record it cannot read)."""
+    try:
+        ops = msgpack.unpackb(frames[0].bytes if hasattr(frames[0], "bytes") else frames[0], raw=False)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise codec.ProtocolError(f"unreadable record: {exc}") from exc
+    out, at = [], 1
+    for op in ops:
+        if op[0] == "m":
+            out.append(("m", codec.decode(list(frames[at:at + op[1]]))))
+            at += op[1]
+        else:
+            out.append(tuple(op))
+    return out
+
+
+class Recorder:
+    """Rank 0's side: binds one PUSH socket per follower and sends them the records."""
+
+    def __init__(self, ctx: zmq.Context, run_dir: str, names: list[str], beat_s: float):
+        self.beat_s = beat_s
+        self.socks, self.monitors = [], []
+        for name in names:
+            sock = transport.make_socket(ctx, zmq.PUSH)
+            sock.setsockopt(zmq.SNDTIMEO, int(SEND_DEADLINE_S * 1000))
+            self.monitors.append(sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED))
+            sock.bind(transport.ipc_address(run_dir, name))
+            self.socks.append(sock)
+        self.ops: list = []
+        self.frames: list = []
+        self.last_sent = time.monotonic()
+        self.lost = False  # a follower's connection went away
+
+    def message(self, msg) -> None:
+        frames = codec.encode(msg)
+        self.ops.append(("m", len(frames)))
+        self.frames += frames
+
+    def unit(self, unit: str, wait: bool = False) -> None:
+        """Send what waits, with `unit`: called before rank 0 runs it."""
+        self.ops.append(("u", unit, wait))
+        self.flush()
+
+    def beat(self) -> None:
+        """Between units: what waits, or a heartbeat, once `beat_s` passed."""
+        if time.monotonic() - self.last_sent >= self.beat_s:
+            self.flush()
+
+    def send_op(self, *op, wait: bool = True) -> None:
+        """Send `op` (with what waits); `wait=False`: at once or never (a stop)."""
+        self.ops.append(op)
+        self.flush(wait)
+
+    def flush(self, wait: bool = True) -> None:
+        frames = encode_record(self.ops, self.frames)
+        self.ops, self.frames = [], []
+        for sock in self.socks:
+            try:
+                sock.send_multipart(frames, copy=False, flags=0 if wait else zmq.NOBLOCK)
+            except zmq.Again:
+                if wait:
+                    raise GroupBroken(f"a follower took no record within {SEND_DEADLINE_S:.0f} s") from None
+        self.last_sent = time.monotonic()
+
+    def follower_lost(self, wait_s: float) -> bool:
+        """Whether a follower's connection went away (its process died), waiting
+        up to `wait_s` for news: a collective that failed may be the first to know."""
+        poller = zmq.Poller()
+        for mon in self.monitors:
+            poller.register(mon, zmq.POLLIN)
+        deadline = time.monotonic() + wait_s
+        while not self.lost:
+            left = deadline - time.monotonic()
+            events = dict(poller.poll(max(0, int(left * 1000)))) if left > 0 else {}
+            if not events:
+                break
+            for mon in events:
+                if recv_monitor_message(mon)["event"] == zmq.EVENT_DISCONNECTED:
+                    self.lost = True
+        return self.lost
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.disable_monitor()
+            sock.close()
+        for mon in self.monitors:
+            mon.close()
+
+
+class RecordStream:
+    """A follower's side: the records from rank 0, each within a deadline."""
+
+    def __init__(self, ctx: zmq.Context, run_dir: str, name: str):
+        self.sock = transport.make_socket(ctx, zmq.PULL)
+        self.sock.connect(transport.ipc_address(run_dir, name))
+
+    def next(self, deadline_s: float, stopping=lambda: False, slice_s: float = 0.25) -> list | None:
+        """The next record's ops; None when `stopping()` turned true first.
+        Raises GroupBroken when none came within `deadline_s`."""
+        deadline = time.monotonic() + deadline_s
+        while not stopping():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise GroupBroken(f"no record from rank 0 for {deadline_s:.1f} s")
+            if self.sock.poll(int(min(left, slice_s) * 1000) or 1):
+                return decode_record(self.sock.recv_multipart(copy=False))
+        return None
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,108 @@
+"""The ranks of a tensor-parallel worker group on one host, and their
+mx.distributed set-up, without mlx.launch.
+
+mlx.launch starts a ring rank by exporting MLX_RANK and MLX_HOSTFILE (the
+path of a JSON list, one entry per rank, each a list of "ip:port" that rank
+listens on) and running the program; an NCCL rank gets MLX_RANK,
+MLX_WORLD_SIZE, NCCL_HOST_IP and NCCL_PORT (rank 0's address) instead.
+The supervisor does the same for local ranks: it writes the hostfile with
+fresh loopback ports at every (re)start of a group (`write_hostfile`) and
+spawns each rank like any other child; the rank sets its environment and
+joins the group (`join_group`) before it loads anything.
+
+The backend follows MLX's: `nccl` on its CUDA backend (one GPU per rank),
+`ring` elsewhere (the CPU, a Mac's GPU). JACCL and MPI, and hosts other
+than this one, are later steps (issue 31).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+# A rank that has not met every other one by then dies (the supervisor
+# restarts the group): ring's connect retries and NCCL's rendezvous would
+# otherwise wait (ring still retried after 60 s) for a peer that died at start.
+JOIN_DEADLINE_S = 60
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """One rank of a group, as the supervisor hands it to the process."""
+
+    group: str  # the group's name: its rank 0's worker id, e.g. "worker-0"
+    rank: int
+    size: int
+    hostfile: str  # the JSON file of every rank's "ip:port" (write_hostfile)
+
+    @property
+    def name(self) -> str:
+        """The process's name: the group's for rank 0 (the one the router
+        sees), "<group>.r<rank>" for the followers."""
+        return self.group if self.rank == 0 else f"{self.group}.r{self.rank}"
+
+
+def rank_names(group: str, size: int) -> list[str]:
+    return [RankSpec(group, r, size, "").name for r in range(size)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_hostfile(path: str, size: int) -> None:
+    """mlx.launch's ring hostfile for `size` ranks on 127.0.0.1, each on a
+    port free now (fresh at every group start: a restarted group never
+    waits for its dead predecessor's sockets)."""
+    ports: set[int] = set()
+    while len(ports) < size:
+        ports.add(_free_port())
+    with open(path, "w") as f:
+        json.dump([[f"127.0.0.1:{p}"] for p in sorted(ports)], f)
+
+
+def lockstep_address_name(group: str, rank: int) -> str:
+    """The ipc name (in the run dir) of rank 0's record stream to `rank`."""
+    return f"{group}.lockstep.r{rank}"
+
+
+def join_group(spec: RankSpec, deadline_s: int = JOIN_DEADLINE_S):
+    """Set this process's distributed environment and join the group; returns
+    the mx.distributed.Group. A rank that cannot join within `deadline_s`
+    seconds (a peer that never came) is killed by SIGALRM. Main thread only."""
+    os.environ["MLX_RANK"] = str(spec.rank)
+    os.environ["MLX_WORLD_SIZE"] = str(spec.size)
+    os.environ["MLX_HOSTFILE"] = spec.hostfile
+    with open(spec.hostfile) as f:
+        first = json.load(f)[0][0]
+    os.environ["NCCL_HOST_IP"], os.environ["NCCL_PORT"] = first.rsplit(":", 1)
+
+    import mlx.core as mx
+
+    from deploy.backend import on_cuda
+
+    backend = "nccl" if on_cuda() else "ring"
+    if backend == "nccl":  # one GPU per rank
+        mx.set_default_device(mx.Device(mx.gpu, spec.rank % max(1, mx.device_count(mx.gpu))))
+    # The backend's connect holds the GIL while it retries: no Python thread or
+    # handler could end it, so the kernel does (SIGALRM's default action).
+    log.info("rank %d of %s joining (%s, %d s at most)", spec.rank, spec.group, backend, deadline_s)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(max(1, int(deadline_s)))
+    try:
+        group = mx.distributed.init(strict=True, backend=backend)
+    finally:
+        signal.alarm(0)
+    if (group.rank(), group.size()) != (spec.rank, spec.size):
+        raise RuntimeError(f"{backend} made rank {group.rank()} of {group.size()}, "
+                           f"not {spec.rank} of {spec.size}")
+    log.info("rank %d of %d in %s (%s)", spec.rank, spec.size, spec.group, backend)
+    return group
