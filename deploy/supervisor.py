@@ -40,7 +40,7 @@ from deploy.blas import calm_blas_threads
 from deploy.run_dir import RunDir, sweep_leftovers
 from deploy.service.listen_socket import Listeners, ListenError, open_listeners
 from deploy.settings import Settings
-from workers.group.ranks import RankSpec, write_hostfile
+from workers.group.ranks import RankSpec, rank_environment, write_hostfile
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +71,10 @@ def _watch_parent(parent: int) -> None:
             os._exit(1)
 
 
-def _child_main(target: str, args: tuple) -> None:
-    """Entry of every child: own process group, parent watchdog, then the role's main."""
+def _child_main(target: str, args: tuple, env: dict | None = None) -> None:
+    """Entry of every child: its environment (`env`, before anything imports
+    MLX), own process group, parent watchdog, then the role's main."""
+    os.environ.update(env or {})
     os.setpgrp()
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
     module, func = target.rsplit(":", 1)
@@ -87,6 +89,7 @@ class Child:
     process: mp.Process | None = None
     restarts: list = field(default_factory=list)
     group: str | None = None  # a tensor-parallel group's name (its rank 0's): its ranks live and die together
+    env: dict = field(default_factory=dict)  # set in the child before its main is imported
 
 
 class Supervisor:
@@ -120,7 +123,8 @@ class Supervisor:
         for rank in range(size):
             spec = RankSpec(name, rank, size, os.path.join(self.settings.run_dir, f"{name}.hosts.json"))
             self.children.append(Child(spec.name, "workers.group.main:run",
-                                       lambda spec=spec: (self.settings, roles, spec), group=name))
+                                       lambda spec=spec: (self.settings, roles, spec), group=name,
+                                       env=rank_environment(rank, os.environ)))
 
     def _spawn(self, child: Child) -> None:
         if child.name == "cache":
@@ -131,7 +135,7 @@ class Supervisor:
         if child.group is not None and child.name == child.group:  # a group's start: fresh ports for its ranks
             write_hostfile(os.path.join(self.settings.run_dir, f"{child.group}.hosts.json"),
                            self.settings.tensor_parallel)
-        child.process = self.ctx.Process(target=_child_main, args=(child.target, child.args_fn()),
+        child.process = self.ctx.Process(target=_child_main, args=(child.target, child.args_fn(), child.env),
                                          name=f"tandem-{child.name}", daemon=False)
         child.process.start()
         log.info("started %s (pid %d)", child.name, child.process.pid)

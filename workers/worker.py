@@ -105,7 +105,7 @@ class Worker:
         self.prefix_client = self.prefix_cache_client()
         model = prefill = decode = vision = grammars = None
         if "prefill" in names or "decode" in names:
-            model, tokenizer = load_model(self.settings.model_dir)
+            model, tokenizer = load_model(self.settings.model_dir, lazy=self.group is not None)
             if self.group is not None:
                 shard_model(model, self.group)
             # No prefix cache in a group yet: each rank would keep its own shard of every block.

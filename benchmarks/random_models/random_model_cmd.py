@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=text.DTYPES,
                    help="weights' dtype (default: bfloat16; the tiny VLM shapes float32)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=None,
+                   help="fewer layers than the real model (its width and shapes otherwise): a model too large "
+                        "for one accelerator that still fits the disk")
     p.add_argument("--tokenizer-from", default=None,
                    help="model folder to copy the tokenizer from (default: the embedded default model)")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
@@ -44,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         info = vlm.make_random_vlm(args.like, out, args.seed, dtype=dtype, tokenizer_dir=tokenizer_dir)
     else:
         dtype = args.dtype or "bfloat16"
-        info = text.write_random_model(args.like, out, dtype=dtype, seed=args.seed, tokenizer_dir=tokenizer_dir)
+        info = text.write_random_model(args.like, out, dtype=dtype, seed=args.seed, tokenizer_dir=tokenizer_dir,
+                                        layers=args.layers)
     print(f"{out}: random {args.like} ({info['model_type']}), {info['params']:,} parameters, "
           f"{info['weight_bytes'] / 2**20:,.1f} MiB of {dtype} weights, seed {args.seed}")
     return 0

@@ -55,6 +55,18 @@ SHAPES: dict[str, dict] = {
         max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
         params=134_515_008),
     # Not a real model: a few-MB shape for unit tests (vocab = the borrowed tokenizer's 49152).
+    # https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json
+    "qwen3-8b": dict(
+        model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=4096, intermediate_size=12288,
+        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        params=8_190_735_360),
+    # https://huggingface.co/meta-llama/Meta-Llama-3-70B/blob/main/config.json (--layers cuts it to fit a disk)
+    "llama-3-70b": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=8192, intermediate_size=28672,
+        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        params=70_553_706_496),
     "tiny-llama": dict(
         model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=49152,
@@ -84,8 +96,10 @@ EMBED_STD = 0.1
 ATTN_SHARPNESS = 2.0
 
 
-def build_config(like: str, dtype: str, tokenizer_dir: Path, seed: int) -> dict:
+def build_config(like: str, dtype: str, tokenizer_dir: Path, seed: int, layers: int | None = None) -> dict:
     shape = {k: v for k, v in SHAPES[like].items() if k != "params"}
+    if layers is not None:  # fewer layers than the real model: its width, on a smaller disk
+        shape["num_hidden_layers"] = layers
     src = json.loads((tokenizer_dir / "config.json").read_text()) if (tokenizer_dir / "config.json").is_file() else {}
     n_tok = tokenizer_size(tokenizer_dir)
     shape["vocab_size"] = max(shape["vocab_size"], n_tok)  # every id the tokenizer makes needs a row
@@ -93,8 +107,14 @@ def build_config(like: str, dtype: str, tokenizer_dir: Path, seed: int) -> dict:
         if key in src:
             shape[key] = src[key]
     shape["torch_dtype"] = dtype
-    shape["tandem_random_model"] = {"like": like, "seed": seed, "tokenizer_size": n_tok}
+    shape["tandem_random_model"] = {"like": like, "seed": seed, "tokenizer_size": n_tok, "layers": layers}
     return shape
+
+
+def _outside_layers(shape: dict) -> int:
+    """Parameters outside the layers: embeddings (and an untied head), the final norm."""
+    embed = shape["vocab_size"] * shape["hidden_size"]
+    return embed * (1 if shape.get("tie_word_embeddings", True) else 2) + shape["hidden_size"]
 
 
 def tokenizer_size(tokenizer_dir: Path) -> int:
@@ -152,7 +172,7 @@ def count_parameters(model) -> int:
 
 
 def write_random_model(like: str, out: Path, *, dtype: str = "bfloat16", seed: int = 0,
-                       tokenizer_dir: Path | None = None) -> dict:
+                       tokenizer_dir: Path | None = None, layers: int | None = None) -> dict:
     """Write the folder; returns {model_type, params, weight_bytes}. Raises if
     the architecture built by mlx-lm does not have the table's parameter count."""
     import mlx.core as mx
@@ -160,10 +180,13 @@ def write_random_model(like: str, out: Path, *, dtype: str = "bfloat16", seed: i
     from mlx_lm.utils import save_config, save_model
 
     tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else embedded_model_dir()
-    config = build_config(like, dtype, tokenizer_dir, seed)
+    config = build_config(like, dtype, tokenizer_dir, seed, layers)
     model = build_model(config)
     n_params = count_parameters(model)
-    expected = SHAPES[like]["params"] + (config["vocab_size"] - SHAPES[like]["vocab_size"]) * config["hidden_size"] * (
+    full = SHAPES[like]["num_hidden_layers"]
+    per_layer = (SHAPES[like]["params"] - _outside_layers(SHAPES[like])) // full
+    expected = SHAPES[like]["params"] - (full - config["num_hidden_layers"]) * per_layer
+    expected += (config["vocab_size"] - SHAPES[like]["vocab_size"]) * config["hidden_size"] * (
         1 if config.get("tie_word_embeddings", True) else 2)
     if n_params != expected:
         raise RuntimeError(f"{like}: mlx-lm builds {n_params:,} parameters, the table says {expected:,}")

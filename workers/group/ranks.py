@@ -69,6 +69,17 @@ def write_hostfile(path: str, size: int) -> None:
         json.dump([[f"127.0.0.1:{p}"] for p in sorted(ports)], f)
 
 
+def rank_environment(rank: int, parent_env) -> dict:
+    """What a rank's process must see before it loads MLX: on CUDA, its own
+    GPU alone (the r-th of those the server may use, all by default), as
+    mlx.launch does. A stream mlx-lm makes at import (its generation stream)
+    lands on the process's first GPU: with every GPU visible and the rank's
+    chosen later, rank 1's steps failed with "invalid resource handle".
+    Harmless where there is no CUDA."""
+    visible = [d.strip() for d in parent_env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return {"CUDA_VISIBLE_DEVICES": visible[rank % len(visible)] if visible else str(rank)}
+
+
 def lockstep_address_name(group: str, rank: int) -> str:
     """The ipc name (in the run dir) of rank 0's record stream to `rank`."""
     return f"{group}.lockstep.r{rank}"
@@ -89,9 +100,7 @@ def join_group(spec: RankSpec, deadline_s: int = JOIN_DEADLINE_S):
 
     from deploy.backend import on_cuda
 
-    backend = "nccl" if on_cuda() else "ring"
-    if backend == "nccl":  # one GPU per rank
-        mx.set_default_device(mx.Device(mx.gpu, spec.rank % max(1, mx.device_count(mx.gpu))))
+    backend = "nccl" if on_cuda() else "ring"  # on CUDA each rank sees its own GPU alone (rank_environment)
     # The backend's connect holds the GIL while it retries: no Python thread or
     # handler could end it, so the kernel does (SIGALRM's default action).
     log.info("rank %d of %s joining (%s, %d s at most)", spec.rank, spec.group, backend, deadline_s)

@@ -132,15 +132,17 @@ def size_buffer_cache(processes: int = 1) -> None:
         mx.set_cache_limit(limit)
 
 
-def load_model(folder: str | os.PathLike, dequantize: bool | None = None):
+def load_model(folder: str | os.PathLike, dequantize: bool | None = None, lazy: bool = False):
     """(model, tokenizer) for an MLX model folder, via mlx_lm.load.
-    `dequantize` defaults to "only on the CPU backend"."""
+    `dequantize` defaults to "only on the CPU backend". `lazy`: the weights
+    stay unread until evaluated (a tensor-parallel rank cuts its shard first,
+    so it never holds the whole model: workers/models/sharding.py)."""
     from mlx_lm import load
     from mlx_lm.utils import dequantize_model
 
     folder = Path(folder)
     try:
-        model, tokenizer = load(str(folder))
+        model, tokenizer = load(str(folder), lazy=lazy)
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise ModelError(f"{folder}: cannot load model ({_one_line(e)})") from None
     if on_cpu() if dequantize is None else dequantize:
@@ -150,7 +152,8 @@ def load_model(folder: str | os.PathLike, dequantize: bool | None = None):
             model.set_dtype(mx.float32)
             model = dequantize_model(model)
         model.set_dtype(mx.float32)  # float16 checkpoints too: no fast fp16 BLAS
-        mx.eval(model.parameters())
+        if not lazy:
+            mx.eval(model.parameters())
     return model, tokenizer
 
 

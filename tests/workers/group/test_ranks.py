@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 
-from workers.group.ranks import RankSpec, rank_names, write_hostfile
+from workers.group.ranks import RankSpec, rank_environment, rank_names, write_hostfile
 
 
 def test_hostfile_gives_each_rank_its_own_loopback_port(tmp_path):
@@ -37,3 +37,12 @@ def test_a_rank_whose_peer_never_comes_exits(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert "joined" not in done.stdout
     assert done.returncode == -signal.SIGALRM, done.stderr  # the deadline (ring itself still retried after 60 s)
+
+
+def test_each_rank_sees_its_own_gpu_alone():
+    """On CUDA a rank must see one GPU before MLX loads (mlx-lm makes a stream
+    on the first visible GPU at import): the r-th of those the server may use."""
+    assert rank_environment(0, {}) == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert rank_environment(1, {}) == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert rank_environment(1, {"CUDA_VISIBLE_DEVICES": "2,3"}) == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert rank_environment(2, {"CUDA_VISIBLE_DEVICES": "2, 3"}) == {"CUDA_VISIBLE_DEVICES": "2"}
