@@ -71,6 +71,9 @@ class Admission:
         self.timeout_s = timeout_s
         self.admitted = 0
         self.refused = 0  # since start
+        # Rows of decode batches on other hosts (router/worker_table.py remote_rows):
+        # room remote workers add; the power policy caps only this machine's.
+        self.remote_rows: Callable[[], int] = lambda: 0
         self._lanes = (ThreadPoolExecutor(SMALL_THREADS, "parse", initializer=_yield_the_cpu),
                        ThreadPoolExecutor(LARGE_THREADS, "parse-large", initializer=_yield_the_cpu))
 
@@ -97,7 +100,7 @@ class Admission:
             raise ApiError(429, f"Server paused by its power policy: {self.refusing}; retry after "
                            f"{THERMAL_RETRY_AFTER_S} s", code="power_policy",
                            headers={"Retry-After": str(THERMAL_RETRY_AFTER_S)})
-        if self.admitted >= self.capacity:
+        if self.admitted >= self.capacity + self.remote_rows():
             self.refused += 1
             bound = "the decode batches hold plus --max-queue" if self.capacity == self.configured \
                 else "the power policy in force allows"

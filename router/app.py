@@ -93,6 +93,9 @@ class _Api:
         power = getattr(engine, "power", None)  # the dispatcher's PowerWatch; a test's engine may have none
         if power is not None:
             self.admission.follow(power)
+        table = getattr(engine, "table", None)  # the dispatcher's workers: remote ones add room
+        if table is not None:
+            self.admission.remote_rows = table.remote_rows
         self.admission_metrics = AdmissionMetrics(self.admission, power)
 
     async def _admit(self, request: Request) -> tuple[Ticket, dict]:

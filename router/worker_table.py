@@ -91,6 +91,12 @@ class WorkerTable:
                        "cache_service": cache, "expected": self.expected, "requests_in_flight": in_flight}
 
     # ------------------------------------------------------------ routing --
+    def remote_rows(self) -> int:
+        """Decode rows of the ready workers on other hosts: admission room
+        they add to this host's (router/admission.py)."""
+        return sum(w.hello.max_batch for w in self.workers.values()
+                   if w.ready and w.hello.kv_host and "decode" in w.hello.roles)
+
     def least(self, role: str, kv_host: str | None = None) -> WorkerState | None:
         """The least-loaded ready worker of a role (of that `kv_host` if given), or None."""
         ready = [w for w in self.ready_with(role) if kv_host is None or w.hello.kv_host == kv_host]

@@ -215,3 +215,41 @@ def test_a_tcp_worker_cannot_speak_as_a_local_worker(keys, caplog):
     said = caplog.text
     assert "ignored worker 'decode-0' (key 'w1')" in said
     assert "ignored worker 'remote-here' (key 'w1')" in said
+
+
+def test_remote_workers_add_their_decode_rows_to_admission(keys):
+    """A remote worker's decode batch is room this host's settings do not
+    count: admission grows by its rows while it is ready, and shrinks back
+    when it goes."""
+    from router.admission import Admission
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    good = transport.worker_keys(os.path.join(str(keys / "ours"), "w1"))
+
+    async def body(disp, worker):
+        admission = Admission(2, timeout_s=5)
+        admission.remote_rows = disp.table.remote_rows
+        ctx = zmq.Context()
+        try:
+            remote = TcpWorker(ctx, address, "remote-good", good)
+            remote.hello.max_batch = 3
+            local = worker("decode-0", ["decode"])
+            for _ in range(60):
+                await local.beat()
+                remote.beat()
+                await asyncio.sleep(0.05)
+                if disp.table.remote_rows():
+                    break
+            assert disp.table.remote_rows() == 3  # the local decode worker's rows are not "remote"
+            tickets = [admission.admit(10) for _ in range(5)]  # 2 of this host's + 3 of the remote's
+            with pytest.raises(Exception) as refused:
+                admission.admit(10)
+            assert getattr(refused.value, "status", None) == 429
+            for t in tickets:
+                t.release()
+            disp.table.drop("remote-good")
+            assert disp.table.remote_rows() == 0
+        finally:
+            ctx.destroy(linger=0)
+
+    run(body, worker_listen=address, worker_keys=os.path.join(str(keys / "ours"), "router"))
