@@ -81,6 +81,22 @@ def _child_main(target: str, args: tuple, env: dict | None = None) -> None:
     getattr(importlib.import_module(module), func)(*args)
 
 
+def _stop_all(procs: list, grace_s: float, warn: bool = False) -> None:
+    """SIGTERM to every live one of `procs`, then SIGKILL to those still
+    alive `grace_s` later; every wait bounded."""
+    procs = [p for p in procs if p is not None and p.is_alive()]
+    for p in procs:
+        p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            if warn:
+                log.warning("%s (pid %d) did not stop in %.0fs; killing", p.name, p.pid, grace_s)
+            p.kill()
+            p.join(timeout=KILL_WAIT_S)
+
+
 @dataclass
 class Child:
     name: str  # "cache", "router", "prefill-0", "decode-1", "worker-0" (colocated)
@@ -235,15 +251,7 @@ class Supervisor:
         members = [c for c in self.children if c.group == dead.group]
         dead.process.join(timeout=1)
         code = dead.process.exitcode
-        alive = [c.process for c in members if c.process is not None and c.process.is_alive()]
-        for p in alive:
-            p.terminate()
-        deadline = time.monotonic() + GROUP_STOP_GRACE_S
-        for p in alive:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=KILL_WAIT_S)
+        _stop_all([c.process for c in members], GROUP_STOP_GRACE_S)
         leader = members[0]
         now = time.monotonic()
         leader.restarts = [t for t in leader.restarts if now - t < RESTART_WINDOW_S] + [now]
@@ -274,16 +282,7 @@ class Supervisor:
         router = [c for c in self.children if c.name == "router"]
         rest = [c for c in self.children if c.name != "router"]
         for group, grace in ((router, drain + STOP_GRACE_S), (rest, STOP_GRACE_S)):
-            procs = [c.process for c in group if c.process is not None and c.process.is_alive()]
-            for p in procs:
-                p.terminate()
-            deadline = time.monotonic() + grace
-            for p in procs:
-                p.join(timeout=max(0.0, deadline - time.monotonic()))
-                if p.is_alive():
-                    log.warning("%s (pid %d) did not stop in %.0fs; killing", p.name, p.pid, grace)
-                    p.kill()
-                    p.join(timeout=KILL_WAIT_S)
+            _stop_all([c.process for c in group], grace, warn=True)
         self._cleanup_arena()
         if self.run_dir is not None:
             self.run_dir.remove()
