@@ -22,7 +22,9 @@ DEFAULT_LABEL = {"launchd": "dev.tandem.server", "systemd": "tandem"}
 LABEL_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # Serve flags naming a file or folder: made absolute, the service's working
 # directory being another than the shell's.
-PATH_FLAGS = ("--model", "--api-key-file", "--cache-dir", "--allow-local-media", "--power-state-file")
+PATH_FLAGS = ("--model", "--draft-model", "--api-key-file", "--cache-dir", "--allow-local-media", "--power-state-file",
+              "--memory-pressure-file", "--worker-keys")
+MODEL_FLAGS = ("--model", "--draft-model")  # a path or a Hugging Face repo id
 # What the service keeps from the installing shell's environment, when set.
 PASSED_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_ENDPOINT", "TANDEM_CACHE_DIR", "TANDEM_NO_OPENBLAS",
               "XDG_CACHE_HOME", "OPENBLAS_THREAD_TIMEOUT")
@@ -91,7 +93,7 @@ def parse_serve_flags(flags: list) -> argparse.Namespace:
 
 def absolute_paths(flags: list, cwd: str) -> list:
     """The serve flags with relative (and ~) paths made absolute; a --model
-    that is neither an existing path nor a repo id fails."""
+    or --draft-model that is neither an existing path nor a repo id fails."""
     out, i = [], 0
     while i < len(flags):
         flag, value, joined = flags[i], None, False
@@ -114,11 +116,11 @@ def _absolute(flag: str, value: str, cwd: str) -> str:
     expanded = os.path.expanduser(value)
     path = os.path.normpath(os.path.join(cwd, expanded))
     looks_like_path = value.startswith(("/", ".", "~")) or os.path.exists(path)
-    if flag == "--model":
+    if flag in MODEL_FLAGS:
         if not looks_like_path:
             return value  # a Hugging Face repo id
         if not os.path.exists(path):
-            raise SpecError(f"--model {value}: no such file or folder")
+            raise SpecError(f"{flag} {value}: no such file or folder")
     return path
 
 

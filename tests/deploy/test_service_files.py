@@ -166,3 +166,21 @@ def test_dry_run_launchd_prints_a_valid_plist_on_any_platform(tmp_path):
     assert f"would run: launchctl bootstrap gui/{uid} {tmp_path}/Library/LaunchAgents/dev.tandem.server.plist" \
         in done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_draft_model_and_worker_keys_paths_become_absolute_too(home, tmp_path):
+    """The service runs from another folder than the installing shell: every
+    flag naming a file or folder is made absolute (a draft model like the
+    model, a repo id left as it is; the remote workers' keys folder)."""
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "keys").mkdir()
+    spec = build_spec("systemd", None, ["--draft-model", "draft", "--worker-listen", "tcp://0.0.0.0:7100",
+                                        "--worker-keys=keys", "--memory-pressure-file", "p"],
+                      cwd=str(tmp_path), home=str(home))
+    flags = spec.program[spec.program.index("serve") + 1:]
+    assert flags == ["--draft-model", str(tmp_path / "draft"), "--worker-listen", "tcp://0.0.0.0:7100",
+                     f"--worker-keys={tmp_path / 'keys'}", "--memory-pressure-file", str(tmp_path / "p")]
+    spec = build_spec("systemd", None, ["--draft-model", "org/small-draft"], cwd=str(tmp_path), home=str(home))
+    assert spec.program[-2:] == ["--draft-model", "org/small-draft"]
+    with pytest.raises(SpecError, match="--draft-model ./nope: no such file or folder"):
+        build_spec("systemd", None, ["--draft-model", "./nope"], cwd=str(tmp_path), home=str(home))
