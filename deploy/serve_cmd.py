@@ -98,6 +98,9 @@ def add_layout_arguments(p: argparse.ArgumentParser, d: Settings) -> None:
                    help="split each worker's model over N processes of this host (mx.distributed: ring on the CPU "
                         "and Metal, NCCL with one GPU a rank on CUDA); needs --colocate; no prefix cache or "
                         "speculation in a group yet")
+    p.add_argument("--tensor-parallel-timeout", type=_positive, default=int(d.group_unit_timeout_s), metavar="S",
+                   help="a group's prefill chunk or decode step running longer than this means a rank is stuck: "
+                        "the group restarts and its requests move (default %(default)s s)")
     add_remote_worker_arguments(p)  # workers of other hosts (deploy/worker_cmd.py)
 
 
@@ -233,7 +236,8 @@ def run(args: argparse.Namespace) -> int:
         spec_max_batch=args.spec_max_batch, worker_listen=args.worker_listen, worker_keys=args.worker_keys,
     )
     if args.tensor_parallel > 1:  # a group: no drafts (their timing is each rank's own)
-        settings = replace(settings, tensor_parallel=args.tensor_parallel, speculative="off")
+        settings = replace(settings, tensor_parallel=args.tensor_parallel, speculative="off",
+                           group_unit_timeout_s=float(args.tensor_parallel_timeout))
     if not args.cache_memory:  # sized by the machine and the model (deploy/settings.py)
         copies = sum(1 for _, roles in settings.worker_plan() if {"prefill", "decode"} & set(roles))
         settings = replace(settings, cache_memory_bytes=default_cache_memory(weights=weight_bytes(model_dir),

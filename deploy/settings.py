@@ -107,6 +107,9 @@ class Settings:
     # now) is a group of N processes, rank 0 facing the router, over
     # mx.distributed (`ring` on the CPU and Metal, `nccl` on CUDA).
     tensor_parallel: int = 1
+    # A group's unit of work (a prefill chunk, a decode step) running longer
+    # than this: a rank is stuck in a collective; the group restarts.
+    group_unit_timeout_s: float = 300.0
     # The processes' ipc sockets; the supervisor makes one per run (deploy/run_dir.py).
     run_dir: str = ""
     # Remote workers (deploy/worker_cmd.py, router/worker_socket.py). The router's side:

@@ -27,6 +27,7 @@ from tests.support.server import module_server, pid_alive
 PROMPTS = ["Tell me a story about a cat.", "What is two plus two?",
            "Write a poem about the sea, the wind and the lighthouse keeper who watched them.", "List colors."]
 MAX_TOKENS = [24, 9, 17, 30]
+UNIT_TIMEOUT_S = 6  # the llama group's: a unit of a tiny model takes milliseconds
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def follower_pids(srv) -> list[int]:
 def llama_group(request, tmp_path_factory, random_models):
     """A group serving tiny-llama, shared by the llama comparison and the kill test (which ends it)."""
     return module_server(request, tmp_path_factory, "--model", str(random_models / "tiny-llama"), "--colocate",
-                         "--no-disk-cache", "--tensor-parallel", "2")
+                         "--no-disk-cache", "--tensor-parallel", "2", "--tensor-parallel-timeout", str(UNIT_TIMEOUT_S))
 
 
 def one_process(folder: str) -> list:
@@ -135,3 +136,28 @@ def test_models_and_flags_a_group_cannot_take_are_refused_at_start(embedded_mode
     for flags, proc in procs.items():
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 2 and cases[flags] in err and "Traceback" not in err, (flags, err)
+
+
+def test_a_stuck_follower_ends_its_group_at_the_unit_deadline_and_requests_go_on(llama_group):
+    """A rank that hangs without dying (SIGSTOP here; a stuck GPU or ranks
+    whose steps went apart in life) leaves rank 0 waiting in a collective
+    that no message can end: past --tensor-parallel-timeout rank 0 dies,
+    the group restarts, and the stream goes on as if nothing happened."""
+    srv = llama_group
+    expected, _ = ask(srv, PROMPTS[2], 60)
+    leader, follower = srv.worker_pid("prefill+decode"), follower_pids(srv)[-1]
+    restarts = srv.log_path.read_text().count("restarting group worker-0")
+    pieces = stream(srv, PROMPTS[2], 60)
+    got = [next(pieces) for _ in range(3)]
+    os.kill(follower, signal.SIGSTOP)
+    try:
+        got += list(pieces)
+    finally:
+        if pid_alive(follower):
+            os.kill(follower, signal.SIGCONT)
+    assert "".join(got) == expected
+    srv.wait_healthy(timeout=90)
+    log = srv.log_path.read_text()
+    assert log.count("restarting group worker-0") == restarts + 1
+    assert "exited with code -14" in log  # rank 0, by SIGALRM: the unit's deadline
+    assert not pid_alive(leader) and not pid_alive(follower)

@@ -24,7 +24,7 @@ import zmq
 
 from protos.messages import RequestFailed
 from workers.group.lockstep import GroupBroken, Recorder, RecordStream, pin_seed
-from workers.group.ranks import RankSpec, lockstep_address_name
+from workers.group.ranks import RankSpec, lockstep_address_name, unit_deadline
 from workers.memory_relief import relieve_memory
 from workers.socket_loop import Outbox
 from workers.worker import Worker
@@ -91,7 +91,8 @@ class LeaderWorker(Worker):
         self.recorder.unit(unit, wait)
         self.outbox.held = []
         try:
-            super().run_unit(unit, wait)
+            with unit_deadline(self.settings.group_unit_timeout_s):
+                super().run_unit(unit, wait)
         finally:
             held, self.outbox.held = self.outbox.held, None
         if held and self.recorder.follower_lost(LOST_CHECK_S):
@@ -145,7 +146,8 @@ class FollowerWorker(Worker):
         if kind == "m":
             self.handle(op[1])
         elif kind == "u":
-            self.run_unit(op[1], wait=op[2])
+            with unit_deadline(self.settings.group_unit_timeout_s):
+                self.run_unit(op[1], wait=op[2])
         elif kind == "stop":
             self.stopping = True
         elif kind != "ready":

@@ -17,6 +17,7 @@ than this one, are later steps (issue 31).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -115,3 +116,22 @@ def join_group(spec: RankSpec, deadline_s: int = JOIN_DEADLINE_S):
                            f"not {spec.rank} of {spec.size}")
     log.info("rank %d of %d in %s (%s)", spec.rank, spec.size, spec.group, backend)
     return group
+
+
+@contextlib.contextmanager
+def unit_deadline(seconds: float):
+    """A unit of work that must end within `seconds`, or the process dies
+    (SIGALRM's default action): a rank blocked in a collective (a peer
+    stuck, or ranks whose steps went apart) waits in MLX for ever, where no
+    Python code and no message can reach it, and the supervisor's restart
+    of the group, with the router moving its requests, is the way out.
+    Main thread only; a no-op for seconds <= 0."""
+    if seconds <= 0:
+        yield
+        return
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(max(1, int(seconds)))
+    try:
+        yield
+    finally:
+        signal.alarm(0)

@@ -46,3 +46,21 @@ def test_each_rank_sees_its_own_gpu_alone():
     assert rank_environment(1, {}) == {"CUDA_VISIBLE_DEVICES": "1"}
     assert rank_environment(1, {"CUDA_VISIBLE_DEVICES": "2,3"}) == {"CUDA_VISIBLE_DEVICES": "3"}
     assert rank_environment(2, {"CUDA_VISIBLE_DEVICES": "2, 3"}) == {"CUDA_VISIBLE_DEVICES": "2"}
+
+
+def test_a_unit_past_its_deadline_ends_the_process_and_one_within_it_does_not():
+    """A collective that never returns cannot be interrupted from Python: the
+    unit's deadline ends the process (the supervisor restarts the group)."""
+    script = textwrap.dedent("""
+        import time
+        from workers.group.ranks import unit_deadline
+        with unit_deadline(2):
+            time.sleep(0.1)
+        print("quick unit done", flush=True)
+        with unit_deadline(1):
+            time.sleep(30)  # stands for a rank waiting on a stuck peer
+        print("never")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert "quick unit done" in done.stdout and "never" not in done.stdout
+    assert done.returncode == -signal.SIGALRM, done.stderr
