@@ -235,8 +235,8 @@ def run(args: argparse.Namespace) -> int:
         speculative=args.speculative, draft_model_dir=draft_dir, spec_tokens=args.spec_tokens,
         spec_max_batch=args.spec_max_batch, worker_listen=args.worker_listen, worker_keys=args.worker_keys,
     )
-    if args.tensor_parallel > 1:  # a group: no drafts (their timing is each rank's own)
-        settings = replace(settings, tensor_parallel=args.tensor_parallel, speculative="off",
+    if args.tensor_parallel > 1:  # a group (its ranks turn drafts and the ANE off: workers/group/main.py)
+        settings = replace(settings, tensor_parallel=args.tensor_parallel,
                            group_unit_timeout_s=float(args.tensor_parallel_timeout))
     if not args.cache_memory:  # sized by the machine and the model (deploy/settings.py)
         copies = sum(1 for _, roles in settings.worker_plan() if {"prefill", "decode"} & set(roles))

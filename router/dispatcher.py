@@ -330,7 +330,7 @@ class Dispatcher:
     async def _receive_loop(self) -> None:
         while True:
             try:
-                peer, msg = await receive_from_worker(self._sock)
+                peer, msg = await receive_from_worker(self._sock, remote=self._key_check is not None)
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as exc:

@@ -89,12 +89,15 @@ REMOTE_PREFIX = "remote-"  # how deploy/worker_cmd.py names every worker that jo
 _spoofs_logged: dict[str, float] = {}
 
 
-async def receive(sock) -> tuple[bytes | None, object]:
+async def receive(sock, remote: bool) -> tuple[bytes | None, object]:
     """(peer, message) from a worker; None for the message of a worker that
     joined over tcp (an allowed key) under a name that is not a remote
     worker's, or with a hello that says its KV is on this host: it would take
     over one of this host's workers' ids and requests, or be handed KV it
-    cannot read. (ipc peers are this host's processes: trusted as before.)"""
+    cannot read. (ipc peers are this host's processes: trusted as before.)
+    Without a tcp endpoint (`remote` False) a plain receive, as always."""
+    if not remote:
+        return await transport.arecv(sock, routed=True)
     peer, user, msg = await transport.arecv_with_user(sock)
     if msg is None or peer is None or not user:
         return peer, msg

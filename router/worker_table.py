@@ -100,7 +100,7 @@ class WorkerTable:
     def least(self, role: str, kv_host: str | None = None) -> WorkerState | None:
         """The least-loaded ready worker of a role (of that `kv_host` if given), or None."""
         ready = [w for w in self.ready_with(role) if kv_host is None or w.hello.kv_host == kv_host]
-        return min(ready, key=lambda w: (w.load(), w.hello.running + w.hello.waiting), default=None)
+        return min(ready, key=_busyness, default=None)
 
     def decodes_own(self, w: WorkerState) -> bool:
         """Whether `w` decodes what it prefills, its KV kept in the process:
@@ -123,9 +123,9 @@ class WorkerTable:
         # prefill worker while its host's decoders restart would only prefill
         # for nothing while a remote colocated one is ready.
         ready_all = self.ready_with("prefill")
-        ready = {w.hello.worker_id: w for w in ready_all if self.decodes_own(w) or self.least("decode", w.hello.kv_host)}
-        ready = ready or {w.hello.worker_id: w for w in ready_all}
-        least = min(ready.values(), key=lambda w: (w.load(), w.hello.running + w.hello.waiting))
+        served = [w for w in ready_all if self.decodes_own(w) or self.least("decode", w.hello.kv_host)]
+        ready = {w.hello.worker_id: w for w in served or ready_all}
+        least = min(ready.values(), key=_busyness)
         matched = self.affinity.matched_blocks(keys)
         best = max((wid for wid in matched if wid in ready), key=lambda wid: matched[wid], default=None)
         if best is not None and ready[best].load() - least.load() <= AFFINITY_SLACK:
@@ -193,6 +193,12 @@ class WorkerTable:
 
 ROLES = frozenset({"prefill", "decode", "vision"})
 STATES = frozenset({"loading", "ready", "stopping"})
+
+
+def _busyness(w: WorkerState) -> tuple[int, int]:
+    """How busy a worker is, for picking the least: what the router gave it,
+    then what it says it runs and queues."""
+    return w.load(), w.hello.running + w.hello.waiting
 
 
 def _sane(hello: WorkerHello) -> bool:
