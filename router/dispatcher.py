@@ -26,7 +26,6 @@ import zmq.asyncio
 
 from cache_service.client import AsyncCacheClient, CacheUnavailable
 from deploy.settings import Settings
-from protos import transport
 from protos.messages import (Cancel, DecodeRequest, KVHandoff, PrefillDone, PrefillRequest, RequestFailed, TokenBatch,
                              VisionDone, VisionRequest, WorkerHello)
 from router.engine_api import EngineError, EngineEvent, GenerationRequest
@@ -34,7 +33,7 @@ from router.metrics import Metrics
 from router.power_watch import PowerWatch
 from router.prefix_affinity import prefix_keys
 from router.stored_images import StoredImages
-from router.worker_socket import open_worker_socket, receive as receive_from_worker
+from router.worker_socket import WorkerSockets
 from router.worker_table import WorkerState, WorkerTable
 
 log = logging.getLogger(__name__)
@@ -80,8 +79,7 @@ class Dispatcher:
         self.cache_ok = False
         self.cache_stats: dict = {}
         self._ctx: Optional[zmq.asyncio.Context] = None
-        self._sock = None
-        self._key_check = None  # the tcp endpoint's ZAP handler (router/worker_socket.py), with --worker-listen
+        self._socks: Optional[WorkerSockets] = None
         self._cache: Optional[AsyncCacheClient] = None
         self._tasks: list[asyncio.Task] = []
         self._moving: set[asyncio.Task] = set()
@@ -99,7 +97,7 @@ class Dispatcher:
     # ---------------------------------------------------------- lifecycle --
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
-        self._sock, self._key_check = open_worker_socket(self._ctx, self.settings)
+        self._socks = WorkerSockets(self._ctx, self.settings)
         self._cache = AsyncCacheClient(self.settings, ctx=self._ctx)
         self._tasks = [asyncio.create_task(c) for c in (self._receive_loop(), self._watch_loop(), self._cache_loop(),
                                                         self.power.run())]
@@ -116,10 +114,8 @@ class Dispatcher:
             st.events.put_nowait(EngineError(503, "server is shutting down"))
         if self._cache:
             self._cache.close()
-        if self._key_check is not None:
-            self._key_check.stop()
-        if self._sock is not None:
-            self._sock.close()
+        if self._socks is not None:
+            self._socks.close()
         if self._ctx is not None:
             self._ctx.term()
 
@@ -134,7 +130,7 @@ class Dispatcher:
     # ------------------------------------------------------------ routing --
     async def _send(self, worker_id: str, msg, quiet: bool = False) -> bool:
         try:
-            await transport.asend(self._sock, msg, to=worker_id.encode())
+            await self._socks.send(worker_id, msg)
             return True
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer is gone
             if not quiet:
@@ -330,7 +326,7 @@ class Dispatcher:
     async def _receive_loop(self) -> None:
         while True:
             try:
-                peer, msg = await receive_from_worker(self._sock, remote=self._key_check is not None)
+                peer, msg = await self._socks.receive()
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as exc:

@@ -1,9 +1,9 @@
-"""The router's socket to its model workers: one ROUTER bound on this host's
-ipc path and, with --worker-listen, on a tcp:// address too, where workers on
-other hosts (deploy/worker_cmd.py) join over CURVE. Only worker public keys
-found in --worker-keys get in: a ZAP handler (`WorkerKeyCheck`) checks each
-one and logs each refusal. Without --worker-listen there is no tcp endpoint
-and no handler: the single-host router is what it always was.
+"""The router's sockets to its model workers: a ROUTER bound on this host's
+ipc path and, with --worker-listen, a second one on a tcp:// address, where
+workers on other hosts (deploy/worker_cmd.py) join over CURVE. Only worker
+public keys found in --worker-keys get in: a ZAP handler (`WorkerKeyCheck`)
+checks each one and logs each refusal. Without --worker-listen there is no
+tcp socket and no handler: the single-host router is what it always was.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import logging
 import time
 
 import zmq
+import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils import z85
 
@@ -61,52 +62,128 @@ class WorkerKeyCheck(AsyncioAuthenticator):
         self.zap_socket.setsockopt(zmq.LINGER, 0)  # the context's term must never wait on it
 
 
-def open_worker_socket(ctx, settings: Settings) -> tuple[zmq.Socket, WorkerKeyCheck | None]:
-    """The ROUTER socket workers connect to, bound; and the key check of its
-    tcp endpoint (None without one), to stop before the context ends."""
-    sock = transport.make_socket(ctx, zmq.ROUTER)
-    # A restarted worker reconnects under its old id; let it take the id over.
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-    sock.bind(transport.ipc_address(settings.run_dir, "router"))  # before the CURVE options: stays plain
-    if not settings.worker_listen:
-        return sock, None
-    public, secret, allowed = transport.router_keys(settings.worker_keys)
-    check = WorkerKeyCheck(ctx, allowed)
-    check.start()  # before the bind: no handshake may find no handler
-    try:
-        transport.curve_server(sock, public, secret, ZAP_DOMAIN)
-        sock.bind(settings.worker_listen)
-    except Exception:
-        check.stop()
-        sock.close()
-        raise
-    log.info("remote workers join on %s (CURVE; %d worker key(s): %s)", settings.worker_listen, len(allowed),
-             ", ".join(sorted(allowed.values())))
-    return sock, check
+class WorkerSockets:
+    """The ROUTER sockets workers connect to, bound: this host's on ipc, and
+    with --worker-listen a second one on tcp (CURVE, `WorkerKeyCheck`).
+
+    Two sockets, not one with two endpoints: the ipc socket hands a routing
+    id over to the newest peer that claims it (what lets a restarted local
+    worker take its id back at once), and no peer over tcp may take a local
+    worker's id, nor its pipe. On tcp the router does not trust routing ids
+    at all (a peer picks its own, and ZeroMQ's own are a counter): it hands
+    over none, and knows a remote worker by the name in its hello, bound to
+    the key that first said it (`RemoteNames`)."""
+
+    def __init__(self, ctx, settings: Settings):
+        self.local = transport.make_socket(ctx, zmq.ROUTER)
+        self.local.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.local.bind(transport.ipc_address(settings.run_dir, "router"))
+        self.remote, self.key_check = None, None
+        self.names = RemoteNames()
+        self._ready: list = []  # sockets the last poll found readable, not yet read
+        if settings.worker_listen:
+            try:
+                self._listen(ctx, settings)
+            except Exception:
+                self.close()
+                raise
+
+    def _listen(self, ctx, settings: Settings) -> None:
+        public, secret, allowed = transport.router_keys(settings.worker_keys)
+        self.key_check = WorkerKeyCheck(ctx, allowed)
+        self.key_check.start()  # before the bind: no handshake may find no handler
+        self.remote = transport.make_socket(ctx, zmq.ROUTER)
+        transport.curve_server(self.remote, public, secret, ZAP_DOMAIN)
+        self.remote.bind(settings.worker_listen)
+        self._poller = zmq.asyncio.Poller()
+        for sock in (self.local, self.remote):
+            self._poller.register(sock, zmq.POLLIN)
+        log.info("remote workers join on %s (CURVE; %d worker key(s): %s)", settings.worker_listen, len(allowed),
+                 ", ".join(sorted(allowed.values())))
+
+    async def send(self, worker_id: str, msg) -> None:
+        """To `worker_id`: over its tcp connection when it is a remote worker's name, else over ipc."""
+        rid = self.names.routing_id(worker_id)
+        if rid is not None and self.remote is not None:
+            await transport.asend(self.remote, msg, to=rid)
+        else:
+            await transport.asend(self.local, msg, to=worker_id.encode())
+
+    async def receive(self) -> tuple[bytes | None, object]:
+        """(worker name, message) from a worker; message None for a bad or
+        ignored one. Without a tcp socket, a plain receive as always."""
+        if self.remote is None:
+            return await transport.arecv(self.local, routed=True)
+        if not self._ready:
+            self._ready = [sock for sock, _ in await self._poller.poll()]
+        if self._ready.pop() is self.local:
+            peer, msg = await transport.arecv(self.local, routed=True)
+            if peer is not None and peer.startswith(REMOTE_PREFIX.encode()):
+                _ignore(peer.decode(errors="replace"), "over ipc",
+                        "a worker of this host must not take a name that says it joined over tcp")
+                return peer, None
+            return peer, msg
+        rid, user, msg = await transport.arecv_with_user(self.remote)
+        if rid is None or msg is None:
+            return rid, None
+        name = self.names.name_of(rid, user, msg)
+        return (name.encode(), msg) if name else (rid, None)
+
+    def close(self) -> None:
+        if self.key_check is not None:
+            self.key_check.stop()
+        for sock in (self.local, self.remote):
+            if sock is not None:
+                sock.close()
 
 
 REMOTE_PREFIX = "remote-"  # how deploy/worker_cmd.py names every worker that joins over tcp
 _spoofs_logged: dict[str, float] = {}
 
 
-async def receive(sock, remote: bool) -> tuple[bytes | None, object]:
-    """(peer, message) from a worker; None for the message of a worker that
-    joined over tcp (an allowed key) under a name that is not a remote
-    worker's, or with a hello that says its KV is on this host: it would take
-    over one of this host's workers' ids and requests, or be handed KV it
-    cannot read. (ipc peers are this host's processes: trusted as before.)
-    Without a tcp endpoint (`remote` False) a plain receive, as always."""
-    if not remote:
-        return await transport.arecv(sock, routed=True)
-    peer, user, msg = await transport.arecv_with_user(sock)
-    if msg is None or peer is None or not user:
-        return peer, msg
-    if peer.startswith(REMOTE_PREFIX.encode()) and not (isinstance(msg, WorkerHello) and not msg.kv_host):
-        return peer, msg
-    name = peer[:64].decode(errors="replace")
+class RemoteNames:
+    """Which tcp connection (routing id) is which remote worker, learnt from
+    its hellos. A name is bound to the key that first said it, for the
+    router's life: a connection of that key takes it over (the worker's
+    restart, or its reconnect after a network fault), one of another key is
+    ignored. A name must start with `remote-`, and a hello must say which
+    host its KV is on: one saying this host's would be handed KV it cannot
+    read."""
+
+    def __init__(self):
+        self._by_rid: dict[bytes, str] = {}
+        self._by_name: dict[str, tuple[bytes, str]] = {}  # name -> (routing id, key name)
+
+    def routing_id(self, name: str) -> bytes | None:
+        held = self._by_name.get(name)
+        return held[0] if held else None
+
+    def name_of(self, rid: bytes, user: str, msg) -> str | None:
+        """The worker that sent `msg` over connection `rid` with key `user`;
+        None to ignore the message (logged once a minute per name)."""
+        name = self._by_rid.get(rid)
+        if not isinstance(msg, WorkerHello):
+            return name  # a connection says who it is in a hello, before anything else
+        said = msg.worker_id
+        if name is not None and said != name:
+            return _ignore(said, f"key {user!r}", f"its connection is worker {name!r}'s")
+        if not said.startswith(REMOTE_PREFIX) or not msg.kv_host:
+            return _ignore(said, f"key {user!r}", f"a worker that joins over tcp must be named {REMOTE_PREFIX}... "
+                           "and say which host its KV is on")
+        held = self._by_name.get(said)
+        if held is not None and held[1] != user:
+            return _ignore(said, f"key {user!r}", f"that name belongs to key {held[1]!r}")
+        if held is not None and held[0] != rid:
+            self._by_rid.pop(held[0], None)  # its old connection: the worker restarted or reconnected
+        self._by_name[said] = (rid, user)
+        self._by_rid[rid] = said
+        return said
+
+
+def _ignore(name: str, source: str, why: str) -> None:
+    name = name[:64]
     now = time.monotonic()
     if now - _spoofs_logged.get(name, float("-inf")) >= REFUSALS_EVERY_S:
         _spoofs_logged[name] = now
-        log.warning("ignored worker %r (key %r): a worker that joins over tcp must be named %s... and say "
-                    "which host its KV is on", name, user, REMOTE_PREFIX)
-    return peer, None
+        log.warning("ignored worker %r (%s): %s", name, source, why)
+    return None

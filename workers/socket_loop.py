@@ -97,7 +97,11 @@ class SocketLoop(threading.Thread):
         self._pull.bind(_OUTBOX_ADDR)
 
     def run(self) -> None:
-        dealer = transport.make_socket(self.ctx, zmq.DEALER, identity=self.hello.worker_id)
+        # Over tcp the router names us by our hellos and lets ZeroMQ pick the
+        # routing id (router/worker_socket.py): a reconnect never collides with
+        # our old connection's.
+        identity = self.hello.worker_id if self.curve is None else None
+        dealer = transport.make_socket(self.ctx, zmq.DEALER, identity=identity)
         if self.curve is not None:
             transport.curve_client(dealer, *self.curve)
         dealer.connect(self.router_addr)

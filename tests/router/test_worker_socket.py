@@ -16,26 +16,28 @@ import zmq
 from deploy import keys_cmd
 from protos import transport
 from router import worker_socket
-from protos.messages import DecodeRequest, KVHandoff, PrefillDone, PrefillRequest, TokenBatch, TokenUpdate, WorkerHello
+from protos.messages import Cancel, DecodeRequest, KVHandoff, PrefillDone, PrefillRequest, TokenBatch, TokenUpdate, WorkerHello
 from tests.support.dispatcher import request, run, wait_for
 from tests.support.server import free_port
 
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
-    """Two key sets: ours (router + workers "w1") and another router's ("stranger")."""
+    """Two key sets: ours (router + workers "w1", "w2") and another router's ("stranger")."""
     base = tmp_path_factory.mktemp("keys")
-    assert keys_cmd.run(argparse.Namespace(out=str(base / "ours"), name=["w1"], force=False)) == 0
+    assert keys_cmd.run(argparse.Namespace(out=str(base / "ours"), name=["w1", "w2"], force=False)) == 0
     assert keys_cmd.run(argparse.Namespace(out=str(base / "theirs"), name=["stranger"], force=False)) == 0
     return base
 
 
 class TcpWorker:
-    """A colocated worker's heartbeat over tcp, CURVE when `curve` (a worker's keys) is given."""
+    """A colocated worker's heartbeat over tcp, CURVE when `curve` (a worker's
+    keys) is given; ZeroMQ picks its routing id, as for workers/socket_loop.py's,
+    unless `identity` names one."""
 
-    def __init__(self, ctx, address, wid, curve=None):
+    def __init__(self, ctx, address, wid, curve=None, identity=None):
         self.hello = WorkerHello(wid, ["prefill", "decode"], pid=4242, state="ready", kv_host="far")
-        self.sock = transport.make_socket(ctx, zmq.DEALER, identity=wid)
+        self.sock = transport.make_socket(ctx, zmq.DEALER, identity=identity)
         if curve is not None:
             transport.curve_client(self.sock, *curve)
         self.sock.connect(address)
@@ -45,6 +47,10 @@ class TcpWorker:
             transport.send(self.sock, self.hello, flags=zmq.NOBLOCK)
         except zmq.Again:
             pass
+
+    def received(self, timeout_s=5.0):
+        """The next message from the router, or None within `timeout_s`."""
+        return transport.recv(self.sock) if self.sock.poll(int(timeout_s * 1000)) else None
 
 
 def test_ipc_stays_plain_and_tcp_takes_only_known_curve_keys(keys, caplog):
@@ -75,7 +81,7 @@ def test_ipc_stays_plain_and_tcp_takes_only_known_curve_keys(keys, caplog):
         await wait_for(lambda: {"worker-0", "remote-good"} <= set(disp.workers))
         assert set(disp.workers) == {"worker-0", "remote-good"}
         assert disp.workers["remote-good"].hello.kv_host == "far"
-        assert disp._key_check.refused >= 1  # the unknown key; the others never got as far as the check
+        assert disp._socks.key_check.refused >= 1  # the unknown key; the others never got as far as the check
 
     with caplog.at_level(logging.WARNING, logger="router.dispatcher"):
         run(body, worker_listen=address, worker_keys=os.path.join(ours, "router"))
@@ -86,9 +92,9 @@ def test_ipc_stays_plain_and_tcp_takes_only_known_curve_keys(keys, caplog):
 
 def test_without_worker_listen_there_is_no_tcp_endpoint_and_no_key_check():
     async def body(disp, worker):
-        assert disp._key_check is None
-        assert disp._sock.getsockopt(zmq.LAST_ENDPOINT).startswith(b"ipc://")
-        assert disp._sock.getsockopt(zmq.CURVE_SERVER) == 0
+        assert disp._socks.key_check is None and disp._socks.remote is None
+        assert disp._socks.local.getsockopt(zmq.LAST_ENDPOINT).startswith(b"ipc://")
+        assert disp._socks.local.getsockopt(zmq.CURVE_SERVER) == 0
 
     run(body)
 
@@ -181,9 +187,11 @@ def test_a_split_prefill_worker_whose_host_has_no_decoder_is_passed_over_for_a_r
 
 def test_a_tcp_worker_cannot_speak_as_a_local_worker(keys, caplog):
     """An allowed key is a worker on another host, not one of this host's: a
-    tcp peer calling itself "decode-0" would take over that worker's id and
-    its requests, and one saying its KV is on this host would be handed KV
-    it cannot read. Their messages are dropped (and logged once each)."""
+    tcp peer calling itself "decode-0" (the id of a live local worker) must
+    not take that worker's id, nor its pipe: what the router sends decode-0
+    still reaches this host's decode-0. One saying its KV is on this host
+    would be handed KV it cannot read. Their messages are dropped (and
+    logged once each)."""
     address = f"tcp://127.0.0.1:{free_port()}"
     ours = str(keys / "ours")
     good = transport.worker_keys(os.path.join(ours, "w1"))
@@ -193,16 +201,14 @@ def test_a_tcp_worker_cannot_speak_as_a_local_worker(keys, caplog):
         ctx = zmq.Context()
         try:
             local = worker("decode-0", ["decode"])
-            # Allowed key, a local worker's kind of name (not one in use here: ZeroMQ's handover of a
-            # routing id in use is a race between the two peers, not what this test is about).
-            spoof = TcpWorker(ctx, address, "decode-1", good)
+            spoof = TcpWorker(ctx, address, "decode-0", good, identity="decode-0")  # a live local worker's id
             spoof.hello.pid = 9999
             here = TcpWorker(ctx, address, "remote-here", good)
             here.hello.kv_host = ""  # claims this host's arena
             honest = TcpWorker(ctx, address, "remote-good", good)
             def settled():  # the honest one joined, both impostors heard and ignored
                 said = caplog.text
-                return ({"decode-0", "remote-good"} <= set(disp.workers) and "ignored worker 'decode-1'" in said
+                return ({"decode-0", "remote-good"} <= set(disp.workers) and "ignored worker 'decode-0'" in said
                         and "ignored worker 'remote-here'" in said)
 
             for _ in range(200):  # beats (each peer's CURVE handshake takes its own time) until settled
@@ -214,13 +220,18 @@ def test_a_tcp_worker_cannot_speak_as_a_local_worker(keys, caplog):
                     break
             assert set(disp.workers) == {"decode-0", "remote-good"}
             assert all(w.hello.pid != 9999 for w in disp.workers.values())
+            for i in range(3):  # the impostor was heard (its pipe is up): decode-0's pipe is still the local one's
+                assert await disp._send("decode-0", Cancel(f"r{i}"))
+                assert await local.next() == Cancel(f"r{i}")
+                spoof.beat()
+                await asyncio.sleep(0.05)
         finally:
             ctx.destroy(linger=0)
 
     with caplog.at_level(logging.WARNING, logger="router.dispatcher"):
         run(body, worker_listen=address, worker_keys=os.path.join(ours, "router"))
     said = caplog.text
-    assert "ignored worker 'decode-1' (key 'w1')" in said
+    assert "ignored worker 'decode-0' (key 'w1')" in said
     assert "ignored worker 'remote-here' (key 'w1')" in said
 
 
@@ -260,3 +271,56 @@ def test_remote_workers_add_their_decode_rows_to_admission(keys):
             ctx.destroy(linger=0)
 
     run(body, worker_listen=address, worker_keys=os.path.join(str(keys / "ours"), "router"))
+
+
+def test_a_remote_name_belongs_to_the_key_that_said_it_first(keys, caplog):
+    """Over tcp a worker is known by its hello's name, bound to its key: a
+    peer with another allowed key saying that name is ignored and what the
+    router sends that name still reaches its worker; a new connection with
+    the same key (the worker restarted) takes the name over at once."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    ours = str(keys / "ours")
+    w1, w2 = (transport.worker_keys(os.path.join(ours, n)) for n in ("w1", "w2"))
+    worker_socket._spoofs_logged.clear()
+
+    async def beat_until(peers, done):
+        for _ in range(200):
+            for p in peers:
+                p.beat()
+            await asyncio.sleep(0.05)
+            if done():
+                return
+        raise AssertionError("not settled in 10 s")
+
+    async def body(disp, worker):
+        ctx = zmq.Context()
+        try:
+            first = TcpWorker(ctx, address, "remote-a-0", w1)
+            first.hello.pid = 1
+            await beat_until([first], lambda: "remote-a-0" in disp.workers)
+            thief = TcpWorker(ctx, address, "remote-a-0", w2)
+            thief.hello.pid = 2
+            await beat_until([first, thief], lambda: "belongs to key 'w1'" in caplog.text)
+            assert disp.workers["remote-a-0"].hello.pid == 1
+            assert await disp._send("remote-a-0", Cancel("r1"))
+            seen = first.received()
+            while seen is not None and not isinstance(seen, Cancel):  # WorkerLimits come first
+                seen = first.received()
+            assert seen == Cancel("r1")
+            assert thief.received(0.2) is None  # never heard as a worker: sent nothing at all
+
+            first.sock.close(linger=0)  # the worker died; its restart connects anew, same key
+            again = TcpWorker(ctx, address, "remote-a-0", w1)
+            again.hello.pid = 3
+            await beat_until([again, thief], lambda: disp.workers.get("remote-a-0") is not None
+                             and disp.workers["remote-a-0"].hello.pid == 3)
+            assert await disp._send("remote-a-0", Cancel("r2"))
+            seen = again.received()
+            while seen is not None and not isinstance(seen, Cancel):
+                seen = again.received()
+            assert seen == Cancel("r2")
+        finally:
+            ctx.destroy(linger=0)
+
+    with caplog.at_level(logging.WARNING, logger="router.dispatcher"):
+        run(body, worker_listen=address, worker_keys=os.path.join(ours, "router"))
