@@ -73,22 +73,27 @@ def draft_model_dir(args: argparse.Namespace, model_dir) -> str | None:
     return str(draft_dir)
 
 
-def tensor_parallel_error(args: argparse.Namespace, model_dir) -> str | None:
-    """Why --tensor-parallel cannot run as asked (None: it can, or it is 1)."""
-    n = args.tensor_parallel
-    if n <= 1:
+def group_error(args: argparse.Namespace, model_dir) -> str | None:
+    """Why --tensor-parallel or --pipeline-parallel cannot run as asked
+    (None: it can, or both are 1)."""
+    tp, pp = args.tensor_parallel, args.pipeline_parallel
+    if tp > 1 and pp > 1:
+        return (f"--tensor-parallel {tp} and --pipeline-parallel {pp} together would need a 2-D group, "
+                "which is not built: give one of them")
+    if tp <= 1 and pp <= 1:
         return None
+    flag = f"--tensor-parallel {tp}" if tp > 1 else f"--pipeline-parallel {pp}"
     if not args.colocate:
-        return (f"--tensor-parallel {n} needs --colocate for now (split prefill and decode workers would hand "
+        return (f"{flag} needs --colocate for now (split prefill and decode workers would hand "
                 "KV off shard by shard, which is not built yet)")
     if args.speculative not in ("off", "auto") or args.draft_model:
-        return f"--tensor-parallel {n} does not speculate yet: leave --speculative at off or auto, without --draft-model"
+        return f"{flag} does not speculate yet: leave --speculative at off or auto, without --draft-model"
     if args.prefill_backend == "ane":
-        return f"--tensor-parallel {n} prefills with MLX only (not --prefill-backend ane)"
+        return f"{flag} prefills with MLX only (not --prefill-backend ane)"
     if is_vlm(model_dir):
-        return f"--tensor-parallel {n}: vision-language models are not sharded yet ({model_dir})"
-    why = folder_shard_problem(model_dir, n)
-    return f"--tensor-parallel {n} cannot split {model_dir}: {why}" if why else None
+        return f"{flag}: vision-language models are not sharded yet ({model_dir})"
+    why = folder_shard_problem(model_dir, max(tp, pp), pipeline=pp > 1)
+    return f"{flag} cannot split {model_dir}: {why}" if why else None
 
 
 def add_layout_arguments(p: argparse.ArgumentParser, d: Settings) -> None:
@@ -96,8 +101,12 @@ def add_layout_arguments(p: argparse.ArgumentParser, d: Settings) -> None:
     p.add_argument("--colocate", action="store_true", help="prefill and decode in one process (one copy of the weights)")
     p.add_argument("--tensor-parallel", type=_positive, default=d.tensor_parallel, metavar="N",
                    help="split each worker's model over N processes of this host (mx.distributed: ring on the CPU "
-                        "and Metal, NCCL with one GPU a rank on CUDA); needs --colocate; no prefix cache or "
+                        "and Metal, NCCL with one GPU a rank on CUDA); needs --colocate; no "
                         "speculation in a group yet")
+    p.add_argument("--pipeline-parallel", type=_positive, default=d.pipeline_parallel, metavar="N",
+                   help="split each worker's model by layers over N processes of this host (a run of whole layers "
+                        "each; architectures with mlx-lm's `pipeline`: qwen2, qwen3_moe, deepseek_v3, ...); "
+                        "as --tensor-parallel otherwise, and not with it")
     p.add_argument("--tensor-parallel-timeout", type=_positive, default=int(d.group_unit_timeout_s), metavar="S",
                    help="a group's prefill chunk or decode step running longer than this means a rank is stuck: "
                         "the group restarts and its requests move (default %(default)s s)")
@@ -211,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     except ModelError as exc:
         print(f"tandem: {exc}", file=sys.stderr)
         return 2
-    why = tensor_parallel_error(args, model_dir)
+    why = group_error(args, model_dir)
     if why:
         print(f"tandem: {why}", file=sys.stderr)
         return 2
@@ -235,8 +244,8 @@ def run(args: argparse.Namespace) -> int:
         speculative=args.speculative, draft_model_dir=draft_dir, spec_tokens=args.spec_tokens,
         spec_max_batch=args.spec_max_batch, worker_listen=args.worker_listen, worker_keys=args.worker_keys,
     )
-    if args.tensor_parallel > 1:  # a group (its ranks turn drafts and the ANE off: workers/group/main.py)
-        settings = replace(settings, tensor_parallel=args.tensor_parallel,
+    if max(args.tensor_parallel, args.pipeline_parallel) > 1:  # a group (its ranks turn drafts and the ANE off)
+        settings = replace(settings, tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
                            group_unit_timeout_s=float(args.tensor_parallel_timeout))
     if not args.cache_memory:  # sized by the machine and the model (deploy/settings.py)
         copies = sum(1 for _, roles in settings.worker_plan() if {"prefill", "decode"} & set(roles))

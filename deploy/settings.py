@@ -107,6 +107,16 @@ class Settings:
     # now) is a group of N processes, rank 0 facing the router, over
     # mx.distributed (`ring` on the CPU and Metal, `nccl` on CUDA).
     tensor_parallel: int = 1
+    # Or split by layers (pipeline parallel, mlx-lm's `pipeline`): each of N
+    # ranks keeps a run of whole layers. At most one of the two is > 1 (serve
+    # refuses both: 2-D groups are not built); `group_size` is the group's size.
+    pipeline_parallel: int = 1
+
+    @property
+    def group_size(self) -> int:
+        """Processes each model worker is (1: one, the whole model)."""
+        return max(self.tensor_parallel, self.pipeline_parallel)
+
     # A group's unit of work (a prefill chunk, a decode step) running longer
     # than this: a rank is stuck in a collective; the group restarts.
     group_unit_timeout_s: float = 300.0

@@ -130,11 +130,11 @@ class Supervisor:
         self.children.append(Child("router", "router.main:run", lambda: (self.settings, self.listeners.sockets)))
 
     def _worker(self, name: str, roles: list[str]) -> None:
-        size = self.settings.tensor_parallel
+        size = self.settings.group_size
         if size <= 1:
             self.children.append(Child(name, "workers.main:run", lambda: (self.settings, roles, name)))
             return
-        # A tensor-parallel group: rank 0 takes the name the router knows,
+        # A group (tensor or pipeline parallel): rank 0 takes the name the router knows,
         # the followers "<name>.r<rank>" (workers/group/).
         for rank in range(size):
             spec = RankSpec(name, rank, size, os.path.join(self.settings.run_dir, f"{name}.hosts.json"))
@@ -150,7 +150,7 @@ class Supervisor:
                 self.run_dir.record_arena(self.settings.arena_name)
         if child.group is not None and child.name == child.group:  # a group's start: fresh ports for its ranks
             write_hostfile(os.path.join(self.settings.run_dir, f"{child.group}.hosts.json"),
-                           self.settings.tensor_parallel)
+                           self.settings.group_size)
         child.process = self.ctx.Process(target=_child_main, args=(child.target, child.args_fn(), child.env),
                                          name=f"tandem-{child.name}", daemon=False)
         child.process.start()

@@ -40,12 +40,14 @@ DECODE_TOKENS = 4
 REQUEST_ID = "tandem-warm-up"
 
 
-def warm_up(model, decode=None, batch: bool = False) -> float:
+def warm_up(model, decode=None, batch: bool = False, fatal: bool = False) -> float:
     """Prefill a fixed prompt with `model` and, given a DecodeEngine, decode a
     few tokens of it there; with `batch` (a worker that prefills batches of
     prompts), also two follow-ups of it in one batch. Returns the seconds
     taken. Any failure is logged and swallowed: a worker that cannot warm up
-    still serves (the first request then fails or pays, as it would have)."""
+    still serves (the first request then fails or pays, as it would have).
+    `fatal` (a group's rank): raised instead, as a rank that stopped halfway
+    would leave the others waiting in a collective it never joins."""
     from workers.prefill.engine import PrefillEngine
 
     t0 = time.perf_counter()
@@ -61,7 +63,9 @@ def warm_up(model, decode=None, batch: bool = False) -> float:
             shorter = tokens[:SHORTER_TOKENS]
             rows.append((REQUEST_ID + "-2", shorter, engine.run(shorter, greedy)))
             _decode(decode, [row for row in rows if row[2].first_token not in decode.eos_token_ids], greedy)
-    except Exception as e:  # noqa: BLE001 - never fatal; see the docstring
+    except Exception as e:  # noqa: BLE001 - never fatal but in a group; see the docstring
+        if fatal:
+            raise
         log.warning("warm-up failed (%s: %s); the first request will pay for set-up", type(e).__name__, e)
     return time.perf_counter() - t0
 

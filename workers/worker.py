@@ -38,6 +38,7 @@ from workers.decode.engine import DecodeEngine
 from workers.decode.speculation import speculation_for
 from workers.decode.role import DecodeRole
 from workers.grammar import Grammars, logits_width
+from workers.group.prefix_agreement import group_prefix
 from workers.kv.prefix_cache import make_prefix_cache
 from workers.kv.store_thread import StoreThread
 from workers.loop_clock import LoopClock
@@ -107,9 +108,10 @@ class Worker:
         if "prefill" in names or "decode" in names:
             model, tokenizer = load_model(self.settings.model_dir, lazy=self.group is not None)
             if self.group is not None:
-                shard_model(model, self.group)
-            # No prefix cache in a group yet: each rank would keep its own shard of every block.
-            self.prefix = self.make_prefix(model) if self.group is None else None
+                shard_model(model, self.group, pipeline=self.settings.pipeline_parallel > 1)
+            # A group's ranks each keep their own shard of every block and agree on each hit.
+            self.prefix = self.make_prefix(model) if self.group is None else group_prefix(
+                self.make_prefix(model), self.group, pipeline=self.settings.pipeline_parallel > 1)
             # Requests with a grammar (workers/grammar.py); llguidance's view of
             # the tokenizer is built beside the warm-up (no MLX in it).
             grammars = Grammars(tokenizer, logits_width(model))
@@ -142,7 +144,8 @@ class Worker:
 
     def warm_up(self, prefill: PrefillEngine | None, decode: DecodeEngine | None) -> None:
         batch = prefill is not None and self.settings.prefill_batch > 1
-        log.info("worker %s warmed up in %.2fs", self.worker_id, warm_up(self.model, decode, batch))
+        log.info("worker %s warmed up in %.2fs", self.worker_id, warm_up(self.model, decode, batch,
+                                                                          fatal=self.group is not None))
         self.cold = False
 
     def make_outbox(self):

@@ -79,6 +79,13 @@ SHAPES: dict[str, dict] = {
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=49152,
         max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
         params=3_219_840),
+    # Not a real model: tiny-llama's width as a Qwen2 (q/k/v biases; mlx-lm can pipeline it),
+    # 3 layers, so a pipeline-parallel test over two ranks splits them unevenly (2 + 1).
+    "tiny-qwen2": dict(
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
+        max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        params=3_257_152),
 }
 REAL_SHAPES = [name for name in SHAPES if not name.startswith("tiny")]
 DTYPES = ("float16", "bfloat16", "float32")

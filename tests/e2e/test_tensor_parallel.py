@@ -1,10 +1,12 @@
-"""`tandem serve --colocate --tensor-parallel 2`: one worker's model split
-over two ranks (MLX's ring backend on 127.0.0.1, workers/group/) against
-the same weights in one process; a rank killed; models that cannot split.
+"""`tandem serve --colocate --tensor-parallel 2` (and `--pipeline-parallel 2`):
+one worker's model split over two ranks (MLX's ring backend on 127.0.0.1,
+workers/group/) against the same weights in one process; a rank killed;
+models that cannot split.
 
 Float32 random models (benchmarks/random_models/text.py, with the embedded
 model's tokenizer): sharding moves no weight value, only which rank sums
-which part of each product, so greedy tokens must be the same."""
+which part of each product (or, in a pipeline, which rank runs which layer),
+so greedy tokens must be the same."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import httpx
 import pytest
 
 from benchmarks.random_models.text import write_random_model
-from tests.support.server import module_server, pid_alive
+from tests.support.server import metric, module_server, pid_alive
 
 # Different lengths, asked at once: prefill chunks and a decode batch whose
 # rows join and end at different steps, all replayed by the follower.
@@ -33,7 +35,7 @@ UNIT_TIMEOUT_S = 6  # the llama group's: a unit of a tiny model takes millisecon
 @pytest.fixture(scope="module")
 def random_models(tmp_path_factory, embedded_model_dir):
     out = tmp_path_factory.mktemp("tp-models")
-    for like in ("tiny-qwen3", "tiny-llama"):
+    for like in ("tiny-qwen3", "tiny-llama", "tiny-qwen2"):
         write_random_model(like, out / like, dtype="float32", seed=3, tokenizer_dir=embedded_model_dir)
     return out
 
@@ -106,6 +108,54 @@ def test_two_ranks_give_one_process_greedy_tokens(server_factory, request, rando
     assert [n for _, n in expected] == MAX_TOKENS  # every row ran to its length: rows ended at different steps
 
 
+def test_a_pipeline_of_two_ranks_gives_one_process_greedy_tokens(server_factory, random_models):
+    """tiny-qwen2's 3 layers over two ranks (mlx-lm's `pipeline`): rank 1 runs
+    the first and sends its hidden states to rank 0, which runs the last two;
+    both all_gather rank 0's last hidden state, so both sample the same token.
+    Warm-up on: every rank's first passes in step, as a real start has them."""
+    model = str(random_models / "tiny-qwen2")
+    expected = one_process(model)
+    two = server_factory("--model", model, "--colocate", "--no-disk-cache", "--pipeline-parallel", "2",
+                         warm_up=True)
+    assert len(follower_pids(two)) == 1 and pid_alive(follower_pids(two)[0])
+    assert len(two.health()[1]["workers"]) == 1
+    assert ask_all_at_once(two) == expected
+    log = two.log_path.read_text()
+    assert "pipeline rank 0 of 2 keeps layers 1-2 of 3" in log and "pipeline rank 1 of 2 keeps layers 0-0 of 3" in log
+
+
+# Long enough for many KV blocks (4 tokens each on a CPU) past any other test's prompt.
+LONG_PROMPT = "The lighthouse keeper wrote down every ship that passed the rocks that night. " * 10
+
+
+def test_a_group_finds_its_shards_of_a_repeated_prompt_in_the_prefix_cache(llama_group, random_models):
+    """Each rank stores its own shard of a prompt's KV blocks (its KV heads, under
+    keys of its own) in the host's cache service and finds it again; the ranks
+    agree on the hit (workers/group/prefix_agreement.py), so the second ask
+    computes only the prompt's end, with one process's greedy tokens."""
+    from mlx_lm.generate import stream_generate
+
+    from workers.models.loading import load_model
+
+    model, tokenizer = load_model(str(random_models / "tiny-llama"))
+    tokens = [r.token for r in stream_generate(model, tokenizer, prompt=tokenizer.encode(LONG_PROMPT), max_tokens=12)]
+    expected = tokenizer.decode(tokens)
+
+    def ask_cached() -> tuple[str, int, int]:
+        r = httpx.post(llama_group.base_url + "/v1/completions", timeout=60, json={
+            "model": "default", "prompt": LONG_PROMPT, "max_tokens": 12, "temperature": 0})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        return r.json()["choices"][0]["text"], usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+    text, n, cold = ask_cached()
+    assert text == expected and cold == 0 and n > 100
+    text, _, cached = ask_cached()
+    # A hit only if every rank found its own shard: the group takes the smallest rank's.
+    assert text == expected and n // 2 < cached < n
+    assert metric(llama_group, "tandem_prefix_cache_hit_tokens_total") >= cached
+
+
 def test_a_killed_follower_restarts_the_group_and_requests_go_on(llama_group):
     srv = llama_group
     expected, _ = ask(srv, PROMPTS[0], 120)
@@ -130,6 +180,9 @@ def test_models_and_flags_a_group_cannot_take_are_refused_at_start(embedded_mode
         ("--colocate", "--tensor-parallel", "2"): "9 attention heads, 3 KV heads do not divide by --tensor-parallel 2",
         ("--tensor-parallel", "2"): "needs --colocate",
         ("--colocate", "--tensor-parallel", "3", "--speculative", "prompt-lookup"): "does not speculate",
+        # SmolLM2 is a llama: mlx-lm has no pipeline for it.
+        ("--colocate", "--pipeline-parallel", "2"): "no pipeline-parallel `pipeline` method",
+        ("--colocate", "--tensor-parallel", "2", "--pipeline-parallel", "2"): "2-D group, which is not built",
     }
     procs = {flags: subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "--port", "1", *flags],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for flags in cases}

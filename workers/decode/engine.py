@@ -95,6 +95,7 @@ from workers.grammar import ConstrainedRows, GrammarError, matcher_after
 from workers.kernels import mlx_hooks
 from workers.kernels.generation_batch import DecodeBatch, JoiningRows
 from workers.loop_clock import part
+from workers.models.sharding import is_pipelined
 from workers.kv.store_thread import PreparedStore
 from workers.sampling import GREEDY_SAMPLER, build_sampling, token_logprob, wants_logprobs
 
@@ -142,7 +143,9 @@ class DecodeEngine:
         # cost more than the copies they save (measured on an H100:
         # BENCHMARKS.md), so there, and for models whose attention cannot
         # take it, the batch is mlx-lm's padded BatchKVCache.
-        self.ragged = mlx_hooks.install(model) and (on_cpu() if ragged is None else ragged)
+        # Not in a pipeline (workers/models/sharding.py is_pipelined): its send hangs on a cache.keys.
+        self.ragged = (mlx_hooks.install(model) and not is_pipelined(model)
+                       and (on_cpu() if ragged is None else ragged))
         # Rows whose prompts start alike (a swarm's system prompt) share that
         # prefix's KV: read once per step, held once.
         self.sharing = PrefixSharing() if self.ragged else None

@@ -32,6 +32,12 @@ no salt, so a salted prompt's keys (its tail blocks and snapshots too, which
 derive from them) never meet another salt's or the shared cache's, and the
 unsalted keys are those of before salts existed.
 
+A rank of a tensor-parallel group (workers/group/) holds only its own KV
+heads (or, pipeline parallel, its layers) of every block: its hasher's
+`extra` ends with its shard (the split, rank and group size, `shard_extra`), so the ranks keep their shards side by side in
+the host's one cache service and never read each other's (or a single
+worker's) blocks. A worker alone adds nothing: its keys are those of before.
+
 Every variable-length field is length-prefixed, so no two different inputs
 concatenate to the same bytes. Keys are the full 32 bytes, never truncated.
 Pure Python + hashlib + numpy (no MLX), so the router can compute the same
@@ -56,6 +62,7 @@ SEED = hashlib.sha256(b"tandem kv block chain seed v1").digest()
 LAYOUT_VERSION = b"tandem-kv-layout-1"
 TAIL = b"tandem kv tail block v1"  # sets a tail block's key apart from a full block's
 SALT = b"tandem kv cache salt v1"  # sets a salted chain's seed apart from SEED
+SHARD = b"tandem kv tensor-parallel shard v1"  # a group rank's shard of each block
 
 _EDGE_BYTES = 1 << 20  # fingerprint reads this much from each end of a weights file
 _WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf", ".bin")
@@ -114,6 +121,22 @@ def block_extra(fingerprint: bytes, kv_dtype: str, block_size: int, adapter: str
         LAYOUT_VERSION, fingerprint, kv_dtype.encode(), str(int(block_size)).encode(), adapter.encode()))
 
 
+def shard_extra(extra: bytes, rank: int, size: int, split: str = "tensor") -> bytes:
+    """`extra` for rank `rank` of a group of `size` ranks, whose KV is that
+    rank's share alone: its KV heads (`split` "tensor") or its layers
+    ("pipeline"; the split goes in: a tensor rank's block and a pipeline
+    rank's may be the same size). A group of one holds the whole KV:
+    `extra` unchanged, as for a worker alone."""
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is not in a group of {size}")
+    if split not in ("tensor", "pipeline"):
+        raise ValueError(f"no {split!r} split of a model")
+    if size == 1:
+        return bytes(extra)
+    shard = split.encode() + int(rank).to_bytes(4, "little") + int(size).to_bytes(4, "little")
+    return bytes(extra) + _field(SHARD) + _field(shard)
+
+
 def _token_bytes(tokens: Sequence[int]) -> bytes:
     arr = np.asarray(tokens, dtype=np.int64)
     if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
@@ -134,6 +157,10 @@ class BlockHasher:
         # its store), and a swarm's prompts share long system prompts: the
         # keys of a common leading run are reused, not recomputed.
         self._last: tuple = (b"", None, "", [])
+
+    def for_shard(self, rank: int, size: int, split: str = "tensor") -> "BlockHasher":
+        """The hasher of rank `rank`'s shard in a group of `size` (shard_extra)."""
+        return BlockHasher(shard_extra(self.extra, rank, size, split), self.block_size)
 
     def full_blocks(self, n_tokens: int) -> int:
         return n_tokens // self.block_size
