@@ -152,4 +152,4 @@ def _explain(out: str, names: list[str], made_router: bool) -> None:
     print("  It lets in the workers whose NAME.key is in that folder; delete one (and restart) to shut it out.")
     for name in names:
         print(f"On worker {name!r}'s host: copy {out}/{name}/ (private: that worker's secret key) and run")
-        print(f"    tandem worker --connect tcp://ROUTER-HOST:PORT --keys {out}/{name} --role colocated ...")
+        print(f"    tandem worker --connect tcp://ROUTER-HOST:PORT --keys {out}/{name} [--role colocated|prefill|decode] ...")

@@ -108,6 +108,11 @@ class KVHandoff:
     # holds them. `layers` then covers only the tokens after them (none, and
     # no allocation, when the prompt ends on a block boundary).
     blocks: HeldBlocks = field(default_factory=HeldBlocks)
+    # By value (PrefillRequest.kv_by_value: decode is on another host, which
+    # cannot read this host's arena): the bytes of the slices themselves, one
+    # out-of-band frame, `layers` offsets into it; arena "", allocation -1, no
+    # blocks. None: the KV is in the arena (or local), as above.
+    payload: Optional[np.ndarray] = None  # uint8, 1-d
 
 
 @dataclass
@@ -183,6 +188,9 @@ class PrefillRequest:
     # Callers share cached KV only under the same salt (router/cache_salt.py):
     # it is mixed into every block key. "": the shared, unsalted cache.
     cache_salt: str = ""
+    # The KV goes by value (KVHandoff.payload): its decode worker is on
+    # another host than this worker's KV (router/handoff_route.py).
+    kv_by_value: bool = False
 
 
 @dataclass

@@ -3,8 +3,9 @@
 It owns the state of every request in flight and of every worker it has heard
 from. A request goes: PrefillRequest to the least-loaded prefill worker ->
 PrefillDone (the first token, streamed at once) -> KVHandoff (the KV is in
-the arena; with --colocate it stays in the worker and PrefillDone carries the
-handoff) -> DecodeRequest to the least-loaded decode worker -> TokenBatch
+the arena, or in the message when it must leave its host; with --colocate it
+stays in the worker and PrefillDone carries the handoff: router/handoff_route.py)
+-> DecodeRequest to the least-loaded decode worker -> TokenBatch
 updates until finish. Any worker silent for `heartbeat_timeout_s`, or replaced
 by a new process, is dead (router/worker_table.py): each of its requests
 resumes on a live or restarted worker (`_move`: the prompt and the answer so
@@ -29,6 +30,7 @@ from deploy.settings import Settings
 from protos.messages import (Cancel, DecodeRequest, KVHandoff, PrefillDone, PrefillRequest, RequestFailed, TokenBatch,
                              VisionDone, VisionRequest, WorkerHello)
 from router.engine_api import EngineError, EngineEvent, GenerationRequest
+from router.handoff_route import HandoffRoute
 from router.metrics import Metrics
 from router.power_watch import PowerWatch
 from router.prefix_affinity import prefix_keys
@@ -86,6 +88,7 @@ class Dispatcher:
         self.started = time.monotonic()  # this router process's; /health's uptime_s
         self.power = PowerWatch(settings)  # the power policy in force; sent to workers with their heartbeats
         self.metrics = Metrics(self)
+        self.kv = HandoffRoute(self.table, self.metrics, self._moving)
         self._stored_images = StoredImages()
         # Wire ids no request here has (client gone, moved, router restarted): cancelled once.
         self._orphans: OrderedDict[str, None] = OrderedDict()
@@ -98,7 +101,7 @@ class Dispatcher:
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
         self._socks = WorkerSockets(self._ctx, self.settings)
-        self._cache = AsyncCacheClient(self.settings, ctx=self._ctx)
+        self._cache = self.kv.cache = AsyncCacheClient(self.settings, ctx=self._ctx)
         self._tasks = [asyncio.create_task(c) for c in (self._receive_loop(), self._watch_loop(), self._cache_loop(),
                                                         self.power.run())]
 
@@ -209,7 +212,7 @@ class Dispatcher:
         images = self._stored_images.for_prefill(st.req.images, pixels)
         if not await self._send(st.prefill_worker, PrefillRequest(
                 st.wire_id, st.prompt(), st.req.sampling, st.prefill_worker if local else "", images,
-                generated=st.resumed, cache_salt=st.req.cache_salt)):
+                generated=st.resumed, cache_salt=st.req.cache_salt, kv_by_value=self.kv.by_value(w))):
             self._relocate(st, "prefill worker unreachable", strike=False)
         return any(a is not b for a, b in zip(images, st.req.images))
 
@@ -396,7 +399,7 @@ class Dispatcher:
             if done.handoff is not None and done.handoff.local:  # the worker keeps that KV until told
                 await self._send(wid, Cancel(done.request_id), quiet=True)
             elif done.handoff is not None:
-                await self._free(done.handoff)
+                self.kv.free(done.handoff)
             return
         self.metrics.prefix_queries.inc()
         self.metrics.prefix_hit_tokens.inc(done.cached_tokens)
@@ -422,19 +425,11 @@ class Dispatcher:
         """The prompt's KV is ready: pass the request to a decode worker."""
         st = self.requests.get(h.request_id)
         if st is None or st.phase != "prefill" or st.first_token is None or st.prefill_worker != wid:
-            await self._free(h)  # the client left, or the request failed or moved
+            self.kv.free(h)  # the client left, or the request failed or moved
             return
-        if h.local:
-            self.metrics.handoff_tokens.labels("local").inc(h.num_tokens)
-            decode = self.workers.get(wid)
-        else:
-            self.metrics.handoff.observe(h.write_ms / 1000)
-            self.metrics.handoff_tokens.labels("copied").inc(h.num_tokens - h.blocks.tokens)
-            self.metrics.handoff_tokens.labels("referenced").inc(h.blocks.tokens)
-            prefill = self.workers.get(wid)  # its decode on the host of its KV, never across hosts
-            decode = self.table.least("decode", kv_host=prefill.hello.kv_host if prefill else "")
+        decode = self.kv.decode_for(wid, h)
         if decode is None:  # the decode worker died: prefill again once one is back
-            await self._free(h)
+            self.kv.free(h)
             self._relocate(st, "no decode worker was ready for its KV", strike=False)
             return
         st.phase, st.decode_worker = "decode", decode.hello.worker_id
@@ -444,25 +439,8 @@ class Dispatcher:
             st.wire_id, st.prompt(), st.first_token, h, st.req.sampling, generated=st.resumed + 1,
             media=[im.content_hash for im in st.req.images], cache_salt=st.req.cache_salt))
         if not ok:
-            await self._free(h)
+            self.kv.free(h)
             self._relocate(st, "decode worker unreachable", st.decode_worker, strike=False)
-
-    async def _free(self, handoff) -> None:
-        """A handoff that no decode worker will take: its allocation and its
-        blocks' lease go back now rather than when their TTL ends, off the
-        receive loop (a slow cache service must not hold it)."""
-        if not handoff.local:
-            task = asyncio.create_task(self._give_back(handoff))
-            self._moving.add(task)
-            task.add_done_callback(self._moving.discard)
-
-    async def _give_back(self, handoff) -> None:
-        try:
-            if handoff.allocation >= 0:
-                await self._cache.free(allocations=[handoff.allocation], arena=handoff.arena)
-            await self._cache.release(handoff.blocks.lease)
-        except CacheUnavailable:
-            pass  # the reservation's and the lease's TTLs free them
 
     # ---------------------------------------------------------- watchdog --
     def _moved_off(self, wid: str, w: WorkerState, why: str) -> None:

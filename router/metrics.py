@@ -172,7 +172,7 @@ class Metrics:
         # referred to as prefix-cache blocks, or kept in one process (local).
         self.handoff_tokens = Counter("tandem_kv_handoff_tokens", "Prompt tokens handed from prefill to decode",
                                       ["path"], registry=r)
-        for path in ("copied", "referenced", "local"):  # shown at 0 before the first request
+        for path in ("copied", "referenced", "local", "sent"):  # shown at 0 before the first request
             self.handoff_tokens.labels(path)
         self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generation_tokens = Counter("tandem_generation_tokens", "Tokens generated", registry=r)

@@ -6,8 +6,9 @@ A worker says hello when it connects and then as its heartbeat; one silent for
 (router/dispatcher.py moves its requests elsewhere).
 
 A hello's `kv_host` says where the worker's KV lives ("": this host's arena; a
-remote worker's host otherwise): a prompt's KV is handed only to a decode
-worker of the same kv_host, never across hosts.
+remote worker's host otherwise): a prompt's KV goes by reference (through
+the arena) only to a decode worker of the same kv_host; to another host's,
+it goes by value, in the message (router/handoff_route.py).
 """
 
 from __future__ import annotations
@@ -117,19 +118,23 @@ class WorkerTable:
     def pick_prefill(self, keys: list[bytes]) -> WorkerState:
         """Cache-aware: the worker that last prefilled the longest part of this
         prompt, unless it is busier than the least-loaded one by more than
-        AFFINITY_SLACK requests (then reuse is not worth the wait)."""
+        AFFINITY_SLACK requests (then reuse is not worth the wait). A worker
+        whose KV would have to leave its host (by value: no decoder there)
+        gives way to one whose KV stays, unless that one is busier by more
+        than AFFINITY_SLACK too; with no decoder anywhere, all are alike."""
         self.pick("prefill")  # 503 when none is ready
-        # Those whose KV has a decode worker on its host, if any has: a split
-        # prefill worker while its host's decoders restart would only prefill
-        # for nothing while a remote colocated one is ready.
         ready_all = self.ready_with("prefill")
-        served = [w for w in ready_all if self.decodes_own(w) or self.least("decode", w.hello.kv_host)]
-        ready = {w.hello.worker_id: w for w in served or ready_all}
+        near = [w for w in ready_all if self.decodes_own(w) or self.least("decode", w.hello.kv_host)]
+        far = [w for w in ready_all if w not in near] if self.least("decode") else []
+        ready = {w.hello.worker_id: w for w in (near + far) or ready_all}
         least = min(ready.values(), key=_busyness)
         matched = self.affinity.matched_blocks(keys)
         best = max((wid for wid in matched if wid in ready), key=lambda wid: matched[wid], default=None)
         if best is not None and ready[best].load() - least.load() <= AFFINITY_SLACK:
             return ready[best]
+        nearest = min(near, key=_busyness, default=None)
+        if least in far and nearest is not None and nearest.load() - least.load() <= AFFINITY_SLACK:
+            return nearest
         return least
 
     async def wait_ready(self, roles: tuple[str, ...], deadline: float, gone=lambda: False) -> bool:

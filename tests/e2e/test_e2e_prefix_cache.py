@@ -126,11 +126,13 @@ def test_tiny_cache_evicts_without_failing_or_changing_output(server_factory, em
     client = client_for(srv)
     convs = [[{"role": "system", "content": f"Persona {i}: {LONG_SYSTEM}"},
               {"role": "user", "content": f"Give me fact number {i} about rivers."}] for i in range(8)]
-    refs = [reference(embedded_model, c, 12)[1] for c in convs]
     with cf.ThreadPoolExecutor(6) as pool:
         first = list(pool.map(lambda c: ask(client, c, 12)[0], convs))
         again = list(pool.map(lambda c: ask(client, c, 12)[0], convs))
-    assert first == refs and again == refs
+    # mlx-lm's own answers for three of them (each costs seconds on a CPU); the
+    # second round, after the evictions, must give every first answer again.
+    assert [first[i] for i in (0, 3, 7)] == [reference(embedded_model, convs[i], 12)[1] for i in (0, 3, 7)]
+    assert again == first
     assert metric(srv, "tandem_cache_evictions_total", '{tier="memory"}') > 0
     assert metric(srv, "tandem_requests_total", '{status="ok"}') == 16
 

@@ -4,7 +4,10 @@ real processes over ZeroMQ tcp with CURVE. The remote worker serves streamed
 chats (the router's own worker stopped, so nobody else can) with the same
 greedy tokens as the local one, a request moves when it is killed, and its
 restart comes back under its old id; workers with a key the router does not
-know, or the wrong router key, never join. Every wait has a deadline."""
+know, or the wrong router key, never join. A remote `--role prefill` worker
+serves a split router whose own prefill worker is stopped: the prompt's KV
+comes to this host's decode worker by value, over the socket, and the greedy
+answer is mlx-lm's. Every wait has a deadline."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import zmq
 from deploy import keys_cmd
 from protos import transport
 from protos.messages import WorkerHello
+from tests.support.embedded_chat import reference
 from tests.support.server import free_port, module_server, pid_alive
 from workers.socket_loop import SocketLoop
 
@@ -55,9 +59,9 @@ def srv(request, tmp_path_factory, keys, listen):
 class RemoteWorker:
     """`tandem worker` in its own process group, its log in a file."""
 
-    def __init__(self, listen: str, keys_dir, log_path):
+    def __init__(self, listen: str, keys_dir, log_path, *flags: str):
         self.args = [sys.executable, "-m", "deploy.cli", "worker", "--connect", listen, "--keys", str(keys_dir),
-                     "--no-warm-up", "--no-disk-cache", "--join-timeout", "2"]
+                     "--no-warm-up", "--no-disk-cache", "--join-timeout", "2", *flags]
         self.log_path = log_path
         self.proc = None
 
@@ -168,3 +172,34 @@ def test_a_remote_worker_serves_and_its_requests_survive_its_death(srv, keys, li
     text = (tmp_path / "worker.log").read_text(errors="replace")
     assert "joined the router at " + listen in text
     wait_workers(srv, lambda ws: rid not in ws, "the stopped remote worker gone", timeout=15)
+
+
+def test_a_remote_prefill_worker_hands_its_kv_to_this_hosts_decoder_by_value(request, tmp_path_factory, keys,
+                                                                              embedded_model, tmp_path):
+    listen = f"tcp://127.0.0.1:{free_port()}"
+    # Started first: it loads its model while the server starts, and joins once the router listens
+    # (a join timeout longer than that start, so it logs no "no answer" error meanwhile).
+    remote = RemoteWorker(listen, keys / "ours" / "mac2", tmp_path / "worker.log", "--role", "prefill",
+                          "--join-timeout", "60").start()
+    request.addfinalizer(lambda: remote.proc.poll() is not None or os.killpg(remote.proc.pid, signal.SIGKILL))
+    _, want, _ = reference(embedded_model, QUESTION, TOKENS)
+    split = module_server(request, tmp_path_factory, "--no-disk-cache", "--worker-listen", listen,
+                          "--worker-keys", str(keys / "ours" / "router"))
+    local_prefill = next(w["pid"] for w in workers(split).values() if w["role"] == "prefill")
+    try:
+        ws = wait_workers(split, lambda ws: any(w.get("kv_host") and w["state"] == "ready" for w in ws.values()),
+                          "a ready remote prefill worker")
+        rid, remote_w = next((i, w) for i, w in ws.items() if w.get("kv_host"))
+        assert remote_w["role"] == "prefill" and remote_w["kv_host"] == rid  # its own cache service's KV
+        os.kill(local_prefill, signal.SIGSTOP)  # the router drops it: only the remote one prefills
+        try:
+            wait_workers(split, lambda ws: "prefill-0" not in ws, "the local prefill worker dropped")
+            assert "".join(greedy_stream(split)) == want
+            sent = [line for line in httpx.get(split.base_url + "/metrics", timeout=10).text.splitlines()
+                    if line.startswith('tandem_kv_handoff_tokens_total{path="sent"}')]
+            assert sent and float(sent[0].split()[-1]) > 0, sent  # the prompt's KV came in the message
+        finally:
+            os.kill(local_prefill, signal.SIGCONT)
+    finally:
+        code = remote.stop()
+    assert code == 0, (tmp_path / "worker.log").read_text(errors="replace")[-3000:]

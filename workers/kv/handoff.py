@@ -9,6 +9,12 @@ takes it in (`take_in`: read the tail, on CUDA from `start_copy`'s copy on its
 reader thread; free the slot; take the held blocks, PrefixCache.take; join
 them), or gives it back unread (`give_back`, a request cancelled before).
 
+By value (`write_handoff(by_value=True)`, PrefillRequest.kv_by_value: the
+decode worker is on another host): the same layout written into a numpy
+buffer of its own instead of an arena slot, sent in the message itself
+(KVHandoff.payload, one zero-copy frame), no blocks by reference; the decode
+end reads it from there (`handoff_buf`) and has nothing to free.
+
 Layout: per layer, keys then values, each the first `offset` tokens of the
 cache as one C-contiguous array of shape (1, kv_heads, tokens, head_dim)
 (arena_io.py's slices). `write_kv` / `read_kv` / `kv_nbytes` take plain
@@ -28,6 +34,7 @@ import time
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from cache_service.client import CacheUnavailable
@@ -133,15 +140,19 @@ def read_cache(buf, layers: Sequence, meta: Sequence) -> list:
 # ------------------------------------------------------------- prefill end --
 def write_handoff(client, arena_buf: Callable[[str], object], request_id: str, result,
                   held: Optional[HeldBlocks] = None, staged: Optional[list] = None,
-                  release_held: Callable[[int], None] = lambda lease: None) -> KVHandoff:
+                  release_held: Callable[[int], None] = lambda lease: None, by_value: bool = False) -> KVHandoff:
     """Put a prefilled prompt's KV (`result`: a PrefillResult) in the arena,
     where a decode worker will find it: after `held`'s blocks only, when
     given (those are referred to). `client` reserves the slot; `arena_buf`
     names an arena's buffer. With `staged` (a list) the copy into the arena
     is left to the caller: (copy, arrays it reads) is appended
     (arena_io.stage_encoded's). A refused reservation raises CacheUnavailable,
-    after `release_held(held.lease)`."""
+    after `release_held(held.lease)`. With `by_value` the KV goes into a
+    buffer of its own (KVHandoff.payload), not the arena: all of it, so
+    `held` must be None."""
     t0 = time.perf_counter()
+    if by_value and held is not None:
+        raise ValueError("a handoff by value carries all its KV: it refers to no held blocks")
     cache, blocks = result.cache, held if held is not None else HeldBlocks()
     if held is not None:
         cache = tail_of(cache, held.tokens) if held.tokens < result.num_tokens else None
@@ -152,17 +163,23 @@ def write_handoff(client, arena_buf: Callable[[str], object], request_id: str, r
     # sliding-window / recurrent layers as class + state (cache_meta).
     enc = encode_cache(cache)
     nbytes = enc.nbytes
-    reply = client.alloc(nbytes, owner=request_id, ttl_s=HANDOFF_TTL_S)
-    if not reply.ok:
-        if held is not None:
-            release_held(held.lease)
-        raise CacheUnavailable(f"KV handoff of {nbytes} bytes refused: {reply.error}")
-    layers, copy, kept = stage_encoded(arena_buf(reply.arena), reply.offset, enc)
+    if by_value:  # no reservation: the buffer goes with the message, freed when it is sent
+        payload = np.empty(nbytes, np.uint8)
+        where = dict(payload=payload)
+        layers, copy, kept = stage_encoded(payload, 0, enc)
+    else:
+        reply = client.alloc(nbytes, owner=request_id, ttl_s=HANDOFF_TTL_S)
+        if not reply.ok:
+            if held is not None:
+                release_held(held.lease)
+            raise CacheUnavailable(f"KV handoff of {nbytes} bytes refused: {reply.error}")
+        where = dict(arena=reply.arena, allocation=reply.allocation)
+        layers, copy, kept = stage_encoded(arena_buf(reply.arena), reply.offset, enc)
     if staged is None:
         copy()
-    handoff = KVHandoff(request_id, result.num_tokens, result.rope_offset, arena=reply.arena,
-                        allocation=reply.allocation, layers=layers, kv_dtype=dtype, bytes_moved=nbytes,
-                        write_ms=(time.perf_counter() - t0) * 1000, cache_meta=enc.meta, blocks=blocks)
+    handoff = KVHandoff(request_id, result.num_tokens, result.rope_offset, layers=layers, kv_dtype=dtype,
+                        bytes_moved=nbytes, write_ms=(time.perf_counter() - t0) * 1000, cache_meta=enc.meta,
+                        blocks=blocks, **where)
     if staged is not None:
         def timed_copy():  # the handoff's write time counts its copy, wherever it runs
             t = time.perf_counter()
@@ -170,17 +187,24 @@ def write_handoff(client, arena_buf: Callable[[str], object], request_id: str, r
             handoff.write_ms += (time.perf_counter() - t) * 1000
 
         staged.append((timed_copy, kept))
-    log.debug("handoff %s: %s %d bytes in %.2f ms (%d tokens by reference)", request_id,
-              "wrote" if staged is None else "laid out", nbytes, handoff.write_ms, blocks.tokens)
+    log.debug("handoff %s: %s %d bytes%s in %.2f ms (%d tokens by reference)", request_id,
+              "wrote" if staged is None else "laid out", nbytes, " by value" if by_value else "",
+              handoff.write_ms, blocks.tokens)
     return handoff
 
 
+def handoff_buf(h: KVHandoff, arena_buf: Callable[[str], object]):
+    """The buffer a handoff's `layers` point into: its payload when it came
+    by value, else its arena."""
+    return h.payload if h.payload is not None else arena_buf(h.arena)
+
+
 def handoff_tail(h: KVHandoff, arena_buf: Callable[[str], object]):
-    """(first token, host views) of a handoff's plain-KV tail in the arena,
-    as PrefixCache.store's `host`; None when it has none."""
+    """(first token, host views) of a handoff's plain-KV tail in the arena
+    (or its payload), as PrefixCache.store's `host`; None when it has none."""
     if not h.layers or h.cache_meta:
         return None
-    return h.blocks.tokens, arena_kv_views(arena_buf(h.arena), h.layers)
+    return h.blocks.tokens, arena_kv_views(handoff_buf(h, arena_buf), h.layers)
 
 
 # -------------------------------------------------------------- decode end --
@@ -190,22 +214,25 @@ def start_copy(reader, arena_buf: Callable[[str], object], h: KVHandoff):
     nothing it can copy (local, no tail, not plain KV)."""
     if reader is None or not h.layers or h.local or h.cache_meta:
         return None
-    return reader.submit(copy_kv, arena_buf(h.arena), h.layers)
+    return reader.submit(copy_kv, handoff_buf(h, arena_buf), h.layers)
 
 
 def take_in(h: KVHandoff, client, arena_buf: Callable[[str], object], prefix, clock, copies=None) -> Optional[list]:
     """A handoff's KV as per-layer caches, the decode end of it: its tail read
     from the arena (or from `copies`, start_copy's future), its slot freed,
     its held blocks taken from `prefix` and joined before the tail. `clock`:
-    the worker's LoopClock, for the parts."""
+    the worker's LoopClock, for the parts. A handoff by value is read from
+    its payload and frees nothing."""
     t0 = time.perf_counter()
+    if h.payload is not None and (h.blocks.hashes or h.allocation >= 0):
+        raise ValueError("a handoff by value must carry all its KV (no held blocks, no arena slot)")
     cache = None
     if h.layers:
         with clock.part("read handoff"):
             if copies is not None:
                 cache = kv_from_copies(copies.result(timeout=0), h.layers)
             else:
-                cache = read_cache(arena_buf(h.arena), h.layers, h.cache_meta)
+                cache = read_cache(handoff_buf(h, arena_buf), h.layers, h.cache_meta)
     if h.allocation >= 0:  # the arena slot is free to reuse once the KV is ours
         client.free(allocations=[h.allocation], arena=h.arena, wait=False)
     if h.blocks.hashes:
@@ -213,8 +240,9 @@ def take_in(h: KVHandoff, client, arena_buf: Callable[[str], object], prefix, cl
             blocks = take_blocks(prefix, client, h.blocks)
         with clock.part("join"):
             cache = join(blocks, cache)
-    log.debug("handoff %s: read %d bytes and %d tokens by reference in %.2f ms (write took %.2f ms)",
-              h.request_id, h.bytes_moved, h.blocks.tokens, (time.perf_counter() - t0) * 1000, h.write_ms)
+    log.debug("handoff %s: read %d bytes%s and %d tokens by reference in %.2f ms (write took %.2f ms)",
+              h.request_id, h.bytes_moved, " by value" if h.payload is not None else "", h.blocks.tokens,
+              (time.perf_counter() - t0) * 1000, h.write_ms)
     return cache
 
 

@@ -6,8 +6,10 @@ units of MLX work, and each call runs one chunk of the current prompt
 pass over several short prompts together (workers/prefill/batch.py). A
 finished prompt's first token goes out at once (PrefillDone); then its KV
 is handed off through the arena (workers/kv/handoff.py write_handoff, after
-the blocks the prefix cache holds for it, which go by reference) or, when
-this process decodes it too (--colocate), kept in `local_kv`; and its new
+the blocks the prefix cache holds for it, which go by reference), or in
+the message itself when its decode worker is on another host
+(PrefillRequest.kv_by_value), or, when this process decodes it too
+(--colocate), kept in `local_kv`; and its new
 blocks are stored, by the store thread when there is one
 (workers/kv/store_thread.py).
 """
@@ -166,9 +168,9 @@ class PrefillRole(Role):
             self.guarded(r.request_id, self.finish_prefill, r, j, result)
 
     def handoff_bytes(self, req: PrefillRequest, job) -> int:
-        """The KV a batch's row will put in the arena (0 colocated), its
-        blocks held for it now (`held`): what the cache service lacks."""
-        if self.keeps_kv(req):
+        """The KV a batch's row will put in the arena (0 colocated or by
+        value), its blocks held for it now (`held`): what the cache service lacks."""
+        if self.keeps_kv(req) or req.kv_by_value:
             return 0
         if req.request_id not in self.held:  # a prompt that did not fit the last batch holds its blocks still
             self.held[req.request_id] = self.hold_blocks(req, job, job.cache, job.total)
@@ -267,8 +269,10 @@ class PrefillRole(Role):
         first token and its decode. A prompt with images is held under its
         image-aware block keys. None when the handoff must carry all the KV:
         no prefix cache, a cache that holds no blocks or is not plain KV
-        (Gemma 3's sliding window)."""
-        if self.prefix is None or not is_plain_kv(cache) or len(req.prompt_tokens) != num_tokens:
+        (Gemma 3's sliding window), or a handoff by value (another host's
+        decode worker cannot take this host's blocks)."""
+        if (self.prefix is None or req.kv_by_value or not is_plain_kv(cache)
+                or len(req.prompt_tokens) != num_tokens):
             return None
         hold = self.prefix.hold(req.prompt_tokens, owner=req.request_id, lease_s=kv_handoff.HANDOFF_TTL_S,
                                 per_block=getattr(job, "per_block", None), salt=req.cache_salt)
@@ -277,10 +281,11 @@ class PrefillRole(Role):
     def hand_off(self, req: PrefillRequest, result, hold: Optional[HeldBlocks] = None,
                  staged: Optional[list] = None) -> KVHandoff:
         """Put the prompt's KV in the arena (workers/kv/handoff.py
-        write_handoff), after `hold`'s blocks only when given."""
+        write_handoff), after `hold`'s blocks only when given; or, for a
+        decode worker on another host, in the message (`kv_by_value`)."""
         release = self.prefix.release if self.prefix is not None else (lambda lease: None)
         return kv_handoff.write_handoff(self.cache, self.arena_buf, req.request_id, result, hold, staged,
-                                        release_held=release)
+                                        release_held=release, by_value=req.kv_by_value)
 
     def handoff_tail(self, h: KVHandoff):
         return kv_handoff.handoff_tail(h, self.arena_buf)
