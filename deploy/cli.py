@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     from deploy import keys_cmd, worker_cmd
     keys_cmd.add_arguments(sub.add_parser("keys", help="make CURVE keys for workers on other hosts (--out DIR)"))
     worker_cmd.add_arguments(sub.add_parser("worker", help="run a worker on this host for a router elsewhere (--connect)"))
+    # A group's rank on another host, started there over ssh by `serve --hosts` (deploy/remote_rank.py).
+    from deploy import rank_cmd
+    rank_cmd.add_arguments(sub.add_parser("rank", help="(internal) one rank of a `serve --hosts` group, over ssh"))
     return parser
 
 

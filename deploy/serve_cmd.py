@@ -8,6 +8,7 @@ import signal
 import sys
 from dataclasses import replace
 
+from deploy.hosts_flags import add_hosts_arguments, hosts_settings
 from deploy.keys_cmd import worker_listen_error
 from deploy.logs import setup_logging
 from deploy.model_folder import ModelError, is_vlm, vocabulary_mismatch, weight_bytes
@@ -100,7 +101,7 @@ def add_layout_arguments(p: argparse.ArgumentParser, d: Settings) -> None:
     """How each model worker runs: both roles in one process, split over ranks (workers/group/)."""
     p.add_argument("--colocate", action="store_true", help="prefill and decode in one process (one copy of the weights)")
     p.add_argument("--tensor-parallel", type=_positive, default=d.tensor_parallel, metavar="N",
-                   help="split each worker's model over N processes of this host (mx.distributed: ring on the CPU "
+                   help="split each worker's model over N processes of this host (or several: --hosts; mx.distributed: ring on the CPU "
                         "and Metal, NCCL with one GPU a rank on CUDA); needs --colocate; no "
                         "speculation in a group yet")
     p.add_argument("--pipeline-parallel", type=_positive, default=d.pipeline_parallel, metavar="N",
@@ -111,6 +112,7 @@ def add_layout_arguments(p: argparse.ArgumentParser, d: Settings) -> None:
                    help="a group's prefill chunk or decode step running longer than this means a rank is stuck: "
                         "the group restarts and its requests move (default %(default)s s)")
     add_remote_worker_arguments(p)  # workers of other hosts (deploy/worker_cmd.py)
+    add_hosts_arguments(p)  # a group's ranks on several hosts (deploy/hosts_flags.py)
 
 
 def add_remote_worker_arguments(p: argparse.ArgumentParser) -> None:
@@ -221,6 +223,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"tandem: {exc}", file=sys.stderr)
         return 2
     why = group_error(args, model_dir)
+    try:  # a group across hosts: its hostfile and keys, checked before anything starts
+        across_hosts = hosts_settings(args, max(args.tensor_parallel, args.pipeline_parallel)) if not why else {}
+    except ValueError as exc:
+        why = str(exc)
     if why:
         print(f"tandem: {why}", file=sys.stderr)
         return 2
@@ -246,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if max(args.tensor_parallel, args.pipeline_parallel) > 1:  # a group (its ranks turn drafts and the ANE off)
         settings = replace(settings, tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
-                           group_unit_timeout_s=float(args.tensor_parallel_timeout))
+                           group_unit_timeout_s=float(args.tensor_parallel_timeout), **across_hosts)
     if not args.cache_memory:  # sized by the machine and the model (deploy/settings.py)
         copies = sum(1 for _, roles in settings.worker_plan() if {"prefill", "decode"} & set(roles))
         settings = replace(settings, cache_memory_bytes=default_cache_memory(weights=weight_bytes(model_dir),

@@ -120,6 +120,16 @@ class Settings:
     # A group's unit of work (a prefill chunk, a decode step) running longer
     # than this: a rank is stuck in a collective; the group restarts.
     group_unit_timeout_s: float = 300.0
+    # A group across hosts (--hosts, workers/group/hosts.py): mlx.launch's hostfile's
+    # entries (ssh name, ips), rank i on entry i, entry 0 this host; its "envs"; the
+    # command that starts a rank on another host; rank 0's CURVE folder (its pair and the
+    # other hosts' ranks' public keys, `tandem keys`) and each other host's rank's folder
+    # (the same path on every host). (): a group on this host, as before.
+    group_hosts: tuple = ()
+    group_envs: tuple = ()
+    ssh_command: str = "ssh -o BatchMode=yes -o ConnectTimeout=10"
+    group_keys: str = ""
+    rank_keys: str = ""
     # The processes' ipc sockets; the supervisor makes one per run (deploy/run_dir.py).
     run_dir: str = ""
     # Remote workers (deploy/worker_cmd.py, router/worker_socket.py). The router's side:

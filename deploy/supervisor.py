@@ -40,6 +40,7 @@ from deploy.blas import calm_blas_threads
 from deploy.run_dir import RunDir, sweep_leftovers
 from deploy.service.listen_socket import Listeners, ListenError, open_listeners
 from deploy.settings import Settings
+from workers.group.hosts import is_remote, local_index, write_group_plan
 from workers.group.ranks import RankSpec, rank_environment, write_hostfile
 
 log = logging.getLogger(__name__)
@@ -135,12 +136,16 @@ class Supervisor:
             self.children.append(Child(name, "workers.main:run", lambda: (self.settings, roles, name)))
             return
         # A group (tensor or pipeline parallel): rank 0 takes the name the router knows,
-        # the followers "<name>.r<rank>" (workers/group/).
+        # the followers "<name>.r<rank>" (workers/group/). With --hosts, a rank on another
+        # host is an ssh client here (deploy/remote_rank.py): its exit is that rank's death.
+        hosts = self.settings.group_hosts
         for rank in range(size):
             spec = RankSpec(name, rank, size, os.path.join(self.settings.run_dir, f"{name}.hosts.json"))
-            self.children.append(Child(spec.name, "workers.group.main:run",
-                                       lambda spec=spec: (self.settings, roles, spec), group=name,
-                                       env=rank_environment(rank, os.environ)))
+            target = "deploy.remote_rank:run" if is_remote(hosts, rank) else "workers.group.main:run"
+            env = {} if is_remote(hosts, rank) else {**rank_environment(local_index(hosts, rank), os.environ),
+                                                     **dict(e.split("=", 1) for e in self.settings.group_envs)}
+            self.children.append(Child(spec.name, target, lambda spec=spec: (self.settings, roles, spec),
+                                       group=name, env=env))
 
     def _spawn(self, child: Child) -> None:
         if child.name == "cache":
@@ -149,8 +154,11 @@ class Supervisor:
             if self.run_dir is not None:
                 self.run_dir.record_arena(self.settings.arena_name)
         if child.group is not None and child.name == child.group:  # a group's start: fresh ports for its ranks
-            write_hostfile(os.path.join(self.settings.run_dir, f"{child.group}.hosts.json"),
-                           self.settings.group_size)
+            hostfile = os.path.join(self.settings.run_dir, f"{child.group}.hosts.json")
+            if self.settings.group_hosts:
+                write_group_plan(hostfile, self.settings.group_hosts)
+            else:
+                write_hostfile(hostfile, self.settings.group_size)
         child.process = self.ctx.Process(target=_child_main, args=(child.target, child.args_fn(), child.env),
                                          name=f"tandem-{child.name}", daemon=False)
         child.process.start()

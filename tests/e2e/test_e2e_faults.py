@@ -51,9 +51,9 @@ def test_kill_decoding_worker_mid_stream_and_the_stream_goes_on(server_factory):
     decode worker dies in test_chaos_streams_survive_killed_workers."""
     role = "prefill+decode"
     srv = server_factory("--colocate")
-    expected = "".join(greedy_stream(srv, QUESTION, 48))
+    expected = "".join(greedy_stream(srv, QUESTION, 32))
     pid = srv.worker_pid(role)
-    pieces = greedy_stream(srv, QUESTION, 48)
+    pieces = greedy_stream(srv, QUESTION, 32)
     got = [next(pieces) for _ in range(4)]
     os.kill(pid, signal.SIGKILL)
     got += list(pieces)
@@ -222,7 +222,7 @@ def test_chaos_streams_survive_killed_workers(server_factory):
     from benchmarks.bench.workloads import Target
 
     srv = server_factory()
-    cfg = ChaosConfig(streams=4, max_tokens=32, interval_s=1.0, kills=1, timeout_s=120)
+    cfg = ChaosConfig(streams=4, max_tokens=24, interval_s=1.0, kills=1, timeout_s=120)
     result = asyncio.run(chaos(Target("tandem", srv.base_url, "default"), cfg, srv.proc.pid))
     assert [k["role"] for k in result["kills"]] == ["decode"], result
     assert result["reference_failed"] == 0 and result["failed"] == 0, result["errors"]

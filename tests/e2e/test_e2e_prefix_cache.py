@@ -36,7 +36,10 @@ def worker_metric(srv, name: str, role: str, at_least: float = 1, wait_s: float 
         time.sleep(0.2)
 
 
-def ask(client, messages, max_tokens=24):
+ANSWER = 16  # tokens an answer here takes (each costs ~0.1 s on a CPU, in mlx-lm's reference and the server)
+
+
+def ask(client, messages, max_tokens=ANSWER):
     r = client.chat.completions.create(model="default", messages=messages, max_tokens=max_tokens, temperature=0)
     return r.choices[0].message.content, r.usage
 
@@ -48,7 +51,7 @@ def test_reuse_across_requests_turns_and_restart(server_factory, embedded_model,
     client = client_for(srv)
     system = {"role": "system", "content": LONG_SYSTEM}
     turn1 = [system, {"role": "user", "content": "Name a river in France."}]
-    gen1, ref1, n1 = reference(embedded_model, turn1, 24)
+    gen1, ref1, n1 = reference(embedded_model, turn1, ANSWER)
 
     # Cold: nothing cached.
     text, usage = ask(client, turn1)
@@ -63,7 +66,7 @@ def test_reuse_across_requests_turns_and_restart(server_factory, embedded_model,
 
     # Partial hit: same system prompt, another question.
     other = [system, {"role": "user", "content": "Name a mountain in Italy."}]
-    _, ref_other, n_other = reference(embedded_model, other, 24)
+    _, ref_other, n_other = reference(embedded_model, other, ANSWER)
     text, usage = ask(client, other)
     assert text == ref_other
     usages.append(usage)
@@ -74,7 +77,7 @@ def test_reuse_across_requests_turns_and_restart(server_factory, embedded_model,
     # reused too, to its very last token (the tail block after its last full
     # one): only the new message is computed, as in mlx_lm.server.
     turn2 = turn1 + [{"role": "assistant", "content": ref1}, {"role": "user", "content": "And one in Spain?"}]
-    _, ref2, n2 = reference(embedded_model, turn2, 24)
+    _, ref2, n2 = reference(embedded_model, turn2, ANSWER)
     ids1 = embedded_model[1].apply_chat_template(turn1, add_generation_prompt=True) + gen1
     ids2 = embedded_model[1].apply_chat_template(turn2, add_generation_prompt=True)
     assert ids2[:len(ids1)] == ids1 and len(ids1) % BLOCK  # the template repeats turn one's tokens exactly
@@ -107,7 +110,7 @@ def test_reuse_across_requests_turns_and_restart(server_factory, embedded_model,
 
     # Another tenant (a cache_salt) finds none of it, then its own.
     for expected_hit in (0, (n1 - 1) // BLOCK * BLOCK):
-        r = client_for(srv2).chat.completions.create(model="default", messages=turn1, max_tokens=24, temperature=0,
+        r = client_for(srv2).chat.completions.create(model="default", messages=turn1, max_tokens=ANSWER, temperature=0,
                                                      extra_body={"cache_salt": "tenant-b"})
         assert r.choices[0].message.content == ref1
         assert r.usage.prompt_tokens_details.cached_tokens == expected_hit

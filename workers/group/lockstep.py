@@ -3,7 +3,8 @@
 Every rank of a group must issue the same MLX collectives in the same
 order, or the group hangs: so the followers do exactly what rank 0's loop
 did. Rank 0 (`Recorder`) sends each follower a stream of records over its
-own ZeroMQ PUSH socket (ipc, in the run dir); a record is a list of ops:
+own ZeroMQ PUSH socket (ipc, in the run dir; tcp with CURVE to a rank on
+another host, workers/group/hosts.py); a record is a list of ops:
 
 - ("m", n): a message rank 0 handled, in its n protos/codec.py frames
   (after the op list, in order);
@@ -34,6 +35,7 @@ import time
 
 import msgpack
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from protos import codec, transport
@@ -44,6 +46,11 @@ log = logging.getLogger(__name__)
 # A record rank 0 cannot hand to a follower's socket within this means the
 # follower is gone or stuck (it takes one within a unit): the group is broken.
 SEND_DEADLINE_S = 30.0
+# A follower on another host whose tcp connection to rank 0 has not passed
+# CURVE's handshake by then cannot reach it (an address or a port not
+# reachable, or keys rank 0 does not take): it stops, saying which.
+CONNECT_DEADLINE_S = 30.0
+ZAP_DOMAIN = "tandem-group"
 
 
 class GroupBroken(RuntimeError):
@@ -85,17 +92,43 @@ def decode_record(frames: list) -> list:
     return out
 
 
-class Recorder:
-    """Rank 0's side: binds one PUSH socket per follower and sends them the records."""
+class RankKeyCheck:
+    """ZAP's verdict on a CURVE client of rank 0's tcp lockstep: its public
+    key is one of the allowed ones (--group-keys); a refusal is logged."""
 
-    def __init__(self, ctx: zmq.Context, run_dir: str, names: list[str], beat_s: float):
+    def __init__(self, allowed: dict[bytes, str]):
+        self.allowed = allowed
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self.allowed:
+            return True
+        log.warning("refused a lockstep connection: public key %s is not in --group-keys", key.decode())
+        return False
+
+
+class Recorder:
+    """Rank 0's side: binds one PUSH socket per follower (its address: ipc,
+    or tcp for a follower on another host, a CURVE server with `keys`, from
+    transport.router_keys) and sends them the records."""
+
+    def __init__(self, ctx: zmq.Context, addresses: list[str], beat_s: float, keys: tuple | None = None):
         self.beat_s = beat_s
         self.socks, self.monitors = [], []
-        for name in names:
+        self.auth = None
+        if any(a.startswith("tcp://") for a in addresses):
+            if keys is None:  # records carry prompts: never in the clear, never to just anyone
+                raise ValueError("a follower on another host needs CURVE keys (--group-keys)")
+            self.auth = ThreadAuthenticator(ctx)
+            self.auth.start()  # before the bind: no handshake may find no handler
+            self.auth.configure_curve_callback(ZAP_DOMAIN, RankKeyCheck(keys[2]))
+        for address in addresses:
             sock = transport.make_socket(ctx, zmq.PUSH)
             sock.setsockopt(zmq.SNDTIMEO, int(SEND_DEADLINE_S * 1000))
+            if address.startswith("tcp://"):
+                transport.curve_server(sock, keys[0], keys[1], ZAP_DOMAIN)
+                log.info("lockstep records to %s over tcp with CURVE", address)
             self.monitors.append(sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED))
-            sock.bind(transport.ipc_address(run_dir, name))
+            sock.bind(address)
             self.socks.append(sock)
         self.ops: list = []
         self.frames: list = []
@@ -156,26 +189,66 @@ class Recorder:
             sock.close()
         for mon in self.monitors:
             mon.close()
+        if self.auth is not None:
+            self.auth.stop()
 
 
 class RecordStream:
-    """A follower's side: the records from rank 0, each within a deadline."""
+    """A follower's side: the records from rank 0, each within a deadline.
+    Over tcp (a follower on another host) a CURVE client with `keys`
+    (transport.worker_keys), whose handshake must pass within
+    CONNECT_DEADLINE_S."""
 
-    def __init__(self, ctx: zmq.Context, run_dir: str, name: str):
+    def __init__(self, ctx: zmq.Context, address: str, keys: tuple | None = None):
+        self.address = address
         self.sock = transport.make_socket(ctx, zmq.PULL)
-        self.sock.connect(transport.ipc_address(run_dir, name))
+        self.monitor, self.connected, self.last_event = None, True, ""
+        if address.startswith("tcp://"):
+            if keys is None:
+                raise ValueError("following rank 0 over tcp needs this rank's CURVE keys (--rank-keys)")
+            transport.curve_client(self.sock, *keys)
+            self.monitor = self.sock.get_monitor_socket()
+            self.connected, self.since = False, time.monotonic()
+        self.sock.connect(address)
 
     def next(self, deadline_s: float, stopping=lambda: False, slice_s: float = 0.25) -> list | None:
         """The next record's ops; None when `stopping()` turned true first.
-        Raises GroupBroken when none came within `deadline_s`."""
+        Raises GroupBroken when none came within `deadline_s`, or rank 0
+        could not be reached over tcp within CONNECT_DEADLINE_S."""
         deadline = time.monotonic() + deadline_s
         while not stopping():
             left = deadline - time.monotonic()
             if left <= 0:
                 raise GroupBroken(f"no record from rank 0 for {deadline_s:.1f} s")
+            if not self.connected:
+                self._watch_handshake()
             if self.sock.poll(int(min(left, slice_s) * 1000) or 1):
+                if not self.connected:  # a record came: the handshake passed, whatever the monitor says yet
+                    self._connected()
                 return decode_record(self.sock.recv_multipart(copy=False))
         return None
 
+    def _connected(self) -> None:
+        self.connected = True
+        log.info("following rank 0 over %s (CURVE handshake done)", self.address)
+
+    def _watch_handshake(self) -> None:
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connected()
+                return
+            self.last_event = {zmq.EVENT_CONNECT_RETRIED: "connection refused, retrying",
+                               zmq.EVENT_HANDSHAKE_FAILED_AUTH: "rank 0 refused this rank's key (--rank-keys)",
+                               zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "CURVE handshake failed (rank 0's public key?)",
+                               zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
+                               }.get(event, self.last_event)
+        if time.monotonic() - self.since > CONNECT_DEADLINE_S:
+            raise GroupBroken(f"cannot reach rank 0's lockstep at {self.address} within {CONNECT_DEADLINE_S:.0f} s"
+                              f" ({self.last_event or 'no answer'})")
+
     def close(self) -> None:
+        if self.monitor is not None:
+            self.sock.disable_monitor()
+            self.monitor.close()
         self.sock.close()

@@ -24,7 +24,8 @@ import zmq
 
 from protos.messages import RequestFailed
 from workers.group.lockstep import GroupBroken, Recorder, RecordStream, pin_seed
-from workers.group.ranks import RankSpec, lockstep_address_name, unit_deadline
+from protos import transport
+from workers.group.ranks import RankSpec, lockstep_address, unit_deadline
 from workers.memory_relief import relieve_memory
 from workers.socket_loop import Outbox
 from workers.worker import Worker
@@ -72,8 +73,10 @@ class LeaderWorker(Worker):
     def __init__(self, settings, roles: list[str], worker_id: str, ctx: zmq.Context, loop, *, group,
                  spec: RankSpec):
         super().__init__(settings, roles, worker_id, ctx, loop, group=group)
-        names = [lockstep_address_name(spec.group, r) for r in range(1, spec.size)]
-        self.recorder = Recorder(ctx, settings.run_dir, names, beat_s=settings.heartbeat_interval_s)
+        addresses = [lockstep_address(spec, settings.run_dir, r) for r in range(1, spec.size)]
+        # Followers on other hosts (tcp): CURVE, with this host's pair and their public keys.
+        keys = transport.router_keys(settings.group_keys) if settings.group_keys else None
+        self.recorder = Recorder(ctx, addresses, beat_s=settings.heartbeat_interval_s, keys=keys)
 
     def make_outbox(self):
         return HoldingOutbox(Outbox(self.ctx))
@@ -118,12 +121,25 @@ class FollowerWorker(Worker):
     def __init__(self, settings, roles: list[str], worker_id: str, ctx: zmq.Context, loop, *, group,
                  spec: RankSpec):
         super().__init__(settings, roles, worker_id, ctx, loop, group=group)
-        self.stream = RecordStream(ctx, settings.run_dir, lockstep_address_name(spec.group, spec.rank))
+        address = lockstep_address(spec, settings.run_dir, spec.rank)
+        # A rank on another host (tcp) has no cache service there (deploy/remote_rank.py).
+        self.other_host = address.startswith("tcp://")
+        self.stream = RecordStream(ctx, address, transport.worker_keys(settings.rank_keys) if self.other_host else None)
         # Rank 0 beats every heartbeat interval when idle; a few missed: it is gone.
         self.silence_s = max(settings.heartbeat_timeout_s, 6 * settings.heartbeat_interval_s)
 
     def make_outbox(self):
         return DiscardOutbox()
+
+    def make_prefix(self, model):
+        """Built as on every rank (its probe runs the model, the same
+        collectives as rank 0's), then dropped on another host, which has no
+        cache service: `group_prefix` then turns the group's cache off."""
+        prefix = super().make_prefix(model)
+        if prefix is not None and self.other_host:
+            log.info("prefix caching off on rank %d: no cache service on its host", self.group.rank())
+            return None
+        return prefix
 
     def serve(self) -> None:
         self.start_clock()

@@ -11,8 +11,10 @@ spawns each rank like any other child; the rank sets its environment and
 joins the group (`join_group`) before it loads anything.
 
 The backend follows MLX's: `nccl` on its CUDA backend (one GPU per rank),
-`ring` elsewhere (the CPU, a Mac's GPU). JACCL and MPI, and hosts other
-than this one, are later steps (issue 31).
+`ring` elsewhere (the CPU, a Mac's GPU). JACCL and MPI are later steps
+(issue 31). A group across hosts (--hosts) writes its hostfile from the
+file's ips instead, and its ranks on other hosts follow rank 0 over tcp
+(workers/group/hosts.py, deploy/remote_rank.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import os
 import signal
 import socket
 from dataclasses import dataclass
+
+from protos import transport
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +88,14 @@ def rank_environment(rank: int, parent_env) -> dict:
 def lockstep_address_name(group: str, rank: int) -> str:
     """The ipc name (in the run dir) of rank 0's record stream to `rank`."""
     return f"{group}.lockstep.r{rank}"
+
+
+def lockstep_address(spec: RankSpec, run_dir: str, rank: int) -> str:
+    """Where rank 0's record stream to `rank` is: tcp for a rank on another
+    host (the group's plan, workers/group/hosts.py), else ipc in the run dir."""
+    from workers.group.hosts import read_plan
+
+    return read_plan(spec.hostfile).get(rank) or transport.ipc_address(run_dir, lockstep_address_name(spec.group, rank))
 
 
 def join_group(spec: RankSpec, deadline_s: int = JOIN_DEADLINE_S):

@@ -9,6 +9,7 @@ import time
 import pytest
 import zmq
 
+from protos import transport
 from protos.messages import Cancel, DecodeRequest, KVHandoff, PrefillRequest, SamplingParams
 from workers.group.lockstep import GroupBroken, Recorder, RecordStream, pin_seed
 
@@ -21,8 +22,8 @@ def ctx():
 
 
 def pair(ctx, run_dir, beat_s=0.05):
-    recorder = Recorder(ctx, str(run_dir), ["g.lockstep.r1"], beat_s=beat_s)
-    return recorder, RecordStream(ctx, str(run_dir), "g.lockstep.r1")
+    address = transport.ipc_address(str(run_dir), "g.lockstep.r1")
+    return Recorder(ctx, [address], beat_s=beat_s), RecordStream(ctx, address)
 
 
 def test_messages_go_with_the_next_unit_in_the_order_handled(ctx, tmp_path):

@@ -1,0 +1,144 @@
+"""A group across hosts (workers/group/hosts.py, deploy/hosts_flags.py): the
+hostfile's checks, each group start's plan, and rank 0's lockstep to a rank
+of another host over real tcp sockets with CURVE (keys from `tandem keys`):
+records arrive, a stranger's key is refused and the rank says it cannot
+reach rank 0 by its deadline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+import zmq
+
+from deploy import keys_cmd
+from deploy.hosts_flags import hosts_settings
+from protos import transport
+from tests.support.server import free_port
+from workers.group import lockstep
+from workers.group.hosts import HostsError, is_remote, local_index, read_hosts, read_plan, write_group_plan
+from workers.group.lockstep import GroupBroken, Recorder, RecordStream
+
+THIS = {"ssh": "localhost", "ips": ["127.0.0.1"]}
+OTHER = {"ssh": "mac2", "ips": ["10.0.0.2"]}
+
+
+def hostfile(tmp_path, data) -> str:
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_mlx_launch_hostfiles_are_read_in_both_forms(tmp_path):
+    hosts, envs = read_hosts(hostfile(tmp_path, [THIS, OTHER]), 2)
+    assert hosts == (("localhost", ("127.0.0.1",)), ("mac2", ("10.0.0.2",)))
+    assert envs == ()
+    hosts, envs = read_hosts(hostfile(tmp_path, {"backend": "ring", "envs": ["MLX_METAL_FAST_SYNCH=1"],
+                                                 "hosts": [THIS, {**OTHER, "rdma": [None]}]}), 2)
+    assert [h.ssh for h in hosts] == ["localhost", "mac2"] and envs == ("MLX_METAL_FAST_SYNCH=1",)
+
+
+@pytest.mark.parametrize("data, size, says", [
+    ([THIS], 2, "lists 1 hosts for a group of 2 ranks"),
+    ([THIS, OTHER, OTHER], 2, "lists 3 hosts for a group of 2 ranks"),
+    ([OTHER, THIS], 2, "entry 0 (mac2) must be this host"),
+    ([THIS, {"ssh": "mac2"}], 2, 'entry 1 (mac2) has no "ips"'),
+    ([THIS, {"ssh": "mac2", "ips": ["mac2.local"]}], 2, "not an IPv4 address"),
+    ([THIS, {"ips": ["10.0.0.2"]}], 2, 'entry 1 has no "ssh"'),
+    ([THIS, {"ssh": "mac2", "ips": ["10.0.0.2", "10.0.1.2"]}], 2, "every entry needs as many ips"),
+    ({"backend": "jaccl", "hosts": [THIS, OTHER]}, 2, "backend 'jaccl' is not built"),
+    ({"hosts": "mac2"}, 2, "expected mlx.launch's hostfile"),
+])
+def test_a_hostfile_that_cannot_run_the_group_is_refused_saying_why(tmp_path, data, size, says):
+    with pytest.raises(HostsError) as err:
+        read_hosts(hostfile(tmp_path, data), size)
+    assert says in str(err.value)
+
+
+def test_serve_flags_refuse_hosts_without_a_group_or_without_keys(tmp_path):
+    path = hostfile(tmp_path, [THIS, {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}])
+    args = argparse.Namespace(hosts=path, ssh_command="ssh", group_keys="", rank_keys="")
+    with pytest.raises(ValueError, match="give --tensor-parallel N"):
+        hosts_settings(args, 1)
+    with pytest.raises(ValueError, match="needs --group-keys DIR and --rank-keys DIR"):
+        hosts_settings(args, 2)
+    with pytest.raises(ValueError, match="give --hosts FILE"):
+        hosts_settings(argparse.Namespace(hosts=None, ssh_command="ssh", group_keys="k", rank_keys=""), 2)
+    # Every rank on this host (one ssh name): no ssh, no tcp, no keys needed.
+    local = hostfile(tmp_path, [THIS, THIS])
+    fields = hosts_settings(argparse.Namespace(hosts=local, ssh_command="ssh", group_keys="", rank_keys=""), 2)
+    assert not any(is_remote(fields["group_hosts"], r) for r in range(2))
+
+
+def test_each_start_plans_the_ring_from_the_ips_and_tcp_lockstep_for_other_hosts(tmp_path):
+    hosts = (("localhost", ("127.0.0.1",)), ("localhost", ("127.0.0.1",)), ("mac2", ("10.0.0.2",)))
+    path = str(tmp_path / "g.hosts.json")
+    write_group_plan(path, hosts)
+    ring = json.loads(open(path).read())
+    assert [node[0].split(":")[0] for node in ring] == ["127.0.0.1", "127.0.0.1", "10.0.0.2"]
+    assert len({node[0] for node in ring}) == 3
+    plan = read_plan(path)
+    assert list(plan) == [2] and plan[2].startswith("tcp://127.0.0.1:")  # rank 0's address, for rank 2 alone
+    assert [local_index(hosts, r) for r in range(3)] == [0, 1, 0]  # rank 2 is its host's first (its GPU 0)
+    write_group_plan(path, hosts)
+    assert json.loads(open(path).read()) != ring  # fresh ports at every start
+
+
+@pytest.fixture
+def keys(tmp_path):
+    for out, name in (("ours", "mac2"), ("theirs", "stranger")):
+        assert keys_cmd.run(argparse.Namespace(out=str(tmp_path / out), name=[name], force=False)) == 0
+    return tmp_path
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+def test_records_go_to_another_host_over_tcp_with_curve(ctx, keys):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    recorder = Recorder(ctx, [address], beat_s=0.05, keys=transport.router_keys(str(keys / "ours" / "router")))
+    other = zmq.Context()  # the follower's process, as it were
+    stream = RecordStream(other, address, transport.worker_keys(str(keys / "ours" / "mac2")))
+    try:
+        recorder.unit("prefill")  # waits (within its deadline) for the follower's CURVE handshake
+        assert stream.next(10.0) == [("u", "prefill", False)]
+        assert stream.connected
+        assert recorder.socks[0].getsockopt(zmq.CURVE_SERVER) == 1
+    finally:
+        recorder.close()
+        stream.close()
+        other.destroy(linger=0)
+
+
+def test_a_rank_with_a_key_rank_0_does_not_know_stops_saying_so(ctx, keys, monkeypatch):
+    monkeypatch.setattr(lockstep, "CONNECT_DEADLINE_S", 1.0)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    recorder = Recorder(ctx, [address], beat_s=0.05, keys=transport.router_keys(str(keys / "ours" / "router")))
+    other = zmq.Context()
+    stream = RecordStream(other, address, transport.worker_keys(str(keys / "theirs" / "stranger")))
+    try:
+        with pytest.raises(GroupBroken, match="cannot reach rank 0's lockstep at tcp://127.0.0.1:.*within 1 s"):
+            stream.next(30.0)
+    finally:
+        stream.close()
+        recorder.close()
+        other.destroy(linger=0)
+
+
+def test_a_tcp_follower_without_keys_is_refused_at_once(ctx):
+    with pytest.raises(ValueError, match="CURVE keys"):
+        Recorder(ctx, [f"tcp://127.0.0.1:{free_port()}"], beat_s=0.05)
+
+
+def test_a_rank_whose_settings_never_come_exits_saying_so():
+    """`tandem rank` (started over ssh) with its stdin closed at once: exit 2, a clear line."""
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "rank"], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "no usable settings from rank 0's side" in done.stderr, done.stderr

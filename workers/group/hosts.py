@@ -1,0 +1,159 @@
+"""A worker group across hosts (`tandem serve --hosts FILE`): mlx.launch's
+hostfile, read and checked at start, and each group start's plan.
+
+The file is mlx.launch's: a JSON list of {"ssh": NAME, "ips": [IP, ...]}, or
+{"hosts": [...], "backend": ..., "envs": ["KEY=VALUE", ...]} ("rdma", for
+JACCL, is ignored). Rank i runs on entry i; entry 0 is this host (rank 0
+faces the router). A rank whose entry names the same `ssh` host as entry 0
+runs here, as any group's rank does; the others are started on their host
+over --ssh-command (deploy/remote_rank.py), as mlx.launch does.
+
+At every (re)start of a group the supervisor writes its plan
+(`write_group_plan`): the ring hostfile MLX reads (each rank's "ip:port"
+from its entry's ips) and, for each rank on another host, the tcp address
+rank 0 sends its lockstep records to (workers/group/lockstep.py, CURVE).
+Every port is chosen free on this host, fresh at each start, as for a group
+on one host: a port that happens to be taken on another host fails that
+rank's join (the ring's bind error in its log) and the group restarts with
+other ports. mlx.launch instead numbers ports from a fixed one (32323)
+that must be free on every host.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import socket
+from typing import NamedTuple
+
+BACKENDS = ("", "ring", "nccl")  # what join_group runs (workers/group/ranks.py); JACCL and MPI are not built
+
+
+class HostsError(ValueError):
+    """A hostfile that cannot run the group asked for; the message says why."""
+
+
+class HostEntry(NamedTuple):
+    """One entry; a plain tuple, so settings carry it to every rank (pickled,
+    and as JSON to other hosts, where it arrives as a list)."""
+
+    ssh: str  # the name --ssh-command reaches it by
+    ips: tuple  # the IPv4 addresses its rank listens on (the ring), reachable from the other hosts
+
+
+def _entries(data, path: str) -> tuple[list, str, list]:
+    backend, envs = "", []
+    if isinstance(data, dict):
+        backend, envs, data = data.get("backend", "") or "", data.get("envs", []) or [], data.get("hosts")
+    if not isinstance(data, list) or not data:
+        raise HostsError(f"{path}: expected mlx.launch's hostfile, a JSON list of "
+                         '{"ssh": HOST, "ips": [IP, ...]} (or {"hosts": [...]})')
+    if not isinstance(envs, list) or not all(isinstance(e, str) and "=" in e for e in envs):
+        raise HostsError(f'{path}: "envs" must be a list of "KEY=VALUE"')
+    return data, backend, envs
+
+
+def _entry(item, i: int, path: str) -> HostEntry:
+    if not isinstance(item, dict) or not isinstance(item.get("ssh"), str) or not item["ssh"].strip():
+        raise HostsError(f'{path}: entry {i} has no "ssh" host name')
+    ips = item.get("ips") or []
+    if not isinstance(ips, list) or not ips:
+        raise HostsError(f'{path}: entry {i} ({item["ssh"]}) has no "ips": the ranks of a group meet over '
+                         "the addresses listed there (MLX's ring backend needs IPs, not host names)")
+    for ip in ips:
+        try:
+            ipaddress.IPv4Address(ip)
+        except (ValueError, TypeError):  # MLX's ring reads "ip:port" up to the first colon: IPv4 only
+            raise HostsError(f"{path}: entry {i} ({item['ssh']}): {ip!r} is not an IPv4 address") from None
+    return HostEntry(item["ssh"].strip(), tuple(ips))
+
+
+def read_hosts(path: str, size: int) -> tuple[tuple, tuple]:
+    """(entries, envs) of the hostfile at `path` for a group of `size`
+    ranks. Raises HostsError saying what is wrong: not mlx.launch's format,
+    another count of hosts, entry 0 not this host, a backend not built."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise HostsError(f"{path}: {exc}") from None
+    items, backend, envs = _entries(data, path)
+    if backend not in BACKENDS:
+        raise HostsError(f"{path}: backend {backend!r} is not built for Tandem's groups (ring on the CPU and "
+                         "Metal, nccl on CUDA, as on one host); leave it out")
+    hosts = tuple(_entry(item, i, path) for i, item in enumerate(items))
+    if len(hosts) != size:
+        raise HostsError(f"{path} lists {len(hosts)} hosts for a group of {size} ranks: rank i runs on entry i, "
+                         "so give one entry per rank")
+    if len({len(h.ips) for h in hosts}) != 1:
+        raise HostsError(f"{path}: every entry needs as many ips (MLX's ring connects each rank to its "
+                         "neighbours once per ip, as many on each side)")
+    foreign = [ip for ip in hosts[0].ips if not is_local_address(ip)]
+    if foreign:
+        raise HostsError(f"{path}: entry 0 ({hosts[0].ssh}) must be this host, where rank 0 runs and listens, "
+                         f"but {', '.join(foreign)} is not an address of this host")
+    return hosts, tuple(envs)
+
+
+def is_local_address(ip: str) -> bool:
+    """Whether `ip` is an address of this host (one a socket can bind)."""
+    with socket.socket() as s:
+        try:
+            s.bind((ip, 0))
+        except OSError:
+            return False
+    return True
+
+
+def is_remote(hosts, rank: int) -> bool:
+    """Rank `rank` runs on another host than rank 0 (started over ssh)."""
+    return bool(hosts) and hosts[rank][0] != hosts[0][0]
+
+
+def local_index(hosts, rank: int) -> int:
+    """Rank `rank`'s place among the ranks of its host (its GPU there, on CUDA)."""
+    return rank if not hosts else sum(1 for r in range(rank) if hosts[r][0] == hosts[rank][0])
+
+
+def plan_path(hostfile: str) -> str:
+    """Where a group's plan (lockstep addresses) sits, beside its ring hostfile."""
+    return os.path.splitext(hostfile)[0] + ".plan.json"
+
+
+def _free_ports(n: int) -> list[int]:
+    ports: set[int] = set()
+    while len(ports) < n:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            ports.add(s.getsockname()[1])
+    return sorted(ports)
+
+
+def write_group_plan(hostfile: str, hosts) -> None:
+    """A group start's ring hostfile (MLX's: each rank's "ip:port" list) at
+    `hostfile`, and its plan beside it: rank 0's tcp lockstep address for
+    each rank on another host. Fresh ports (see the module's note)."""
+    entries = [HostEntry(h[0], tuple(h[1])) for h in hosts]
+    remote = [r for r in range(len(entries)) if is_remote(hosts, r)]
+    ports = iter(_free_ports(sum(len(h.ips) for h in entries) + len(remote)))
+    ring = [[f"{ip}:{next(ports)}" for ip in h.ips] for h in entries]
+    lockstep = {str(r): f"tcp://{entries[0].ips[0]}:{next(ports)}" for r in remote}
+    with open(hostfile, "w") as f:
+        json.dump(ring, f)
+    write_plan(plan_path(hostfile), lockstep)
+
+
+def write_plan(path: str, lockstep: dict) -> None:
+    with open(path, "w") as f:
+        json.dump({"lockstep": lockstep}, f)
+
+
+def read_plan(hostfile: str) -> dict[int, str]:
+    """{rank: rank 0's tcp lockstep address for it}: the ranks of other
+    hosts; {} for a group on one host (no plan)."""
+    try:
+        with open(plan_path(hostfile)) as f:
+            return {int(r): a for r, a in json.load(f)["lockstep"].items()}
+    except FileNotFoundError:
+        return {}
