@@ -24,8 +24,10 @@ $(VENV)/.installed: pyproject.toml deploy/setup_system.sh
 serve: setup
 	$(BIN)/tandem serve $(ARGS)
 
+# Two pytest-xdist workers: the end-to-end tests one after another on one, the rest on the
+# other (tests/conftest.py pytest_xdist_make_scheduler); `make test ARGS="-n 0 ..."` runs serially.
 test: setup
-	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest $(ARGS)
+	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -n 2 $(ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -8,6 +8,33 @@ import pytest
 from tests.support.server import TandemServer
 from tests.support.tiny_models import load_tiny_model, make_tiny_llama
 
+E2E = "tests/e2e/"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """With pytest-xdist's two workers (`make test`): the end-to-end tests
+    go to one worker as one unit, first, one after another (each runs whole
+    servers; two at once would starve each other's deadlines), while the
+    other worker takes the other modules, each whole (its module fixtures
+    made once)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EndToEndApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "e2e" if nodeid.startswith(E2E) else nodeid.split("::", 1)[0]
+
+    config.option.loadscopereorder = False  # the collection's order: the end-to-end unit first
+    return EndToEndApart(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The end-to-end tests first (each part keeps its order): their unit is
+    the longest, so it starts at once on its worker. (Under xdist only: a
+    worker has `workerinput`; a plain run keeps the files' order.)"""
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: not item.nodeid.startswith(E2E))
+
 
 @pytest.fixture(scope="session")
 def embedded_model_dir():
