@@ -222,9 +222,9 @@ def run(args: argparse.Namespace) -> int:
     except ModelError as exc:
         print(f"tandem: {exc}", file=sys.stderr)
         return 2
-    why = group_error(args, model_dir)
+    why, group_size = group_error(args, model_dir), max(args.tensor_parallel, args.pipeline_parallel)
     try:  # a group across hosts: its hostfile and keys, checked before anything starts
-        across_hosts = hosts_settings(args, max(args.tensor_parallel, args.pipeline_parallel)) if not why else {}
+        across_hosts = hosts_settings(args, group_size) if not why else {}
     except ValueError as exc:
         why = str(exc)
     if why:
@@ -250,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
         speculative=args.speculative, draft_model_dir=draft_dir, spec_tokens=args.spec_tokens,
         spec_max_batch=args.spec_max_batch, worker_listen=args.worker_listen, worker_keys=args.worker_keys,
     )
-    if max(args.tensor_parallel, args.pipeline_parallel) > 1:  # a group (its ranks turn drafts and the ANE off)
+    if group_size > 1:  # a group (its ranks turn drafts and the ANE off)
         settings = replace(settings, tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
                            group_unit_timeout_s=float(args.tensor_parallel_timeout), **across_hosts)
     if not args.cache_memory:  # sized by the machine and the model (deploy/settings.py)

@@ -103,8 +103,8 @@ class WorkerSockets:
 
     async def send(self, worker_id: str, msg) -> None:
         """To `worker_id`: over its tcp connection when it is a remote worker's name, else over ipc."""
-        rid = self.names.routing_id(worker_id)
-        if rid is not None and self.remote is not None:
+        rid = self.names.routing_id(worker_id)  # only names heard on the tcp socket have one
+        if rid is not None:
             await transport.asend(self.remote, msg, to=rid)
         else:
             await transport.asend(self.local, msg, to=worker_id.encode())

@@ -67,16 +67,24 @@ def arch_can_pipeline(model_type: str) -> bool:
     return "PipelineMixin" in source or "def pipeline(" in source
 
 
+def _arch_problem(cfg: dict, can, verb: str, method: str) -> str | None:
+    """Why mlx-lm's module for `cfg`'s model type cannot `verb` it (`can`:
+    arch_can_shard or arch_can_pipeline), or None."""
+    model_type = str(cfg.get("model_type", ""))
+    if can(model_type):
+        return None
+    return f"mlx-lm cannot {verb} a {model_type or 'model of unknown type'} model (its architecture has no {method})"
+
+
 def shard_problem(config: dict, ranks: int) -> str | None:
     """Why a model of `config` (its config.json) cannot be split over `ranks`
     tensor-parallel ranks, or None when it can."""
     if ranks <= 1:
         return None
     cfg = _text_config(config)
-    model_type = str(cfg.get("model_type", ""))
-    if not arch_can_shard(model_type):
-        return (f"mlx-lm cannot shard a {model_type or 'model of unknown type'} model "
-                f"(its architecture has no tensor-parallel `shard` method)")
+    why = _arch_problem(cfg, arch_can_shard, "shard", "tensor-parallel `shard` method")
+    if why:
+        return why
     sizes = {"attention heads": cfg.get("num_attention_heads"),
              "KV heads": cfg.get("num_key_value_heads", cfg.get("num_attention_heads")),
              "intermediate size": cfg.get("intermediate_size")}
@@ -93,10 +101,9 @@ def pipeline_problem(config: dict, ranks: int) -> str | None:
     if ranks <= 1:
         return None
     cfg = _text_config(config)
-    model_type = str(cfg.get("model_type", ""))
-    if not arch_can_pipeline(model_type):
-        return (f"mlx-lm cannot pipeline a {model_type or 'model of unknown type'} model "
-                f"(its architecture has no pipeline-parallel `pipeline` method)")
+    why = _arch_problem(cfg, arch_can_pipeline, "pipeline", "pipeline-parallel `pipeline` method")
+    if why:
+        return why
     layers = cfg.get("num_hidden_layers")
     if isinstance(layers, int) and layers < ranks:
         return f"its {layers} layers are fewer than --pipeline-parallel {ranks} (each rank takes whole layers)"

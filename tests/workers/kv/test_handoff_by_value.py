@@ -140,3 +140,17 @@ def test_a_handoff_by_value_carries_all_its_kv():
     bad = KVHandoff("r4", TOKENS, TOKENS, payload=np.zeros(64, np.uint8), blocks=held)
     with pytest.raises(ValueError, match="by value must carry all its KV"):
         handoff.take_in(bad, FakeCacheService(strict_leases=False), None, None, LoopClock("t"))
+
+
+def test_a_payload_shorter_than_its_slices_is_refused_not_read_past(pair):
+    """A hostile or cut payload (it comes from another host's worker, through
+    the router): slices past its end raise ValueError (the request fails)
+    rather than reading memory beyond the frame."""
+    cache = _cache("plain")
+    side = FakeCacheService()
+    h = handoff.write_handoff(side, side.buffer, "r5",
+                              SimpleNamespace(cache=cache, num_tokens=TOKENS, rope_offset=TOKENS), by_value=True)
+    got = _over(pair, h)
+    got.payload = got.payload[: got.payload.size // 2]
+    with pytest.raises(ValueError):
+        handoff.take_in(got, FakeCacheService(strict_leases=False), None, None, LoopClock("t"))
