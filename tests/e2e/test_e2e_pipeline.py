@@ -87,10 +87,11 @@ def test_prompt_lookup_speculation_is_exact_and_counted(server, client, embedded
     assert resp.choices[0].message.content == ref_text
     assert resp.usage.completion_tokens == len(ref_tokens)
     drafted, accepted = (a - b for a, b in zip(_spec_tokens(server), before))
-    # A fifth of the answer came without steps of its own (15-24 tokens seen).
-    # First in the module: how much a row drafts follows what the server
-    # learnt from the requests before it (their acceptance, its step times).
-    assert accepted >= 10 and drafted >= accepted
+    # Drafted and kept, and counted. How many follows the step times the
+    # server learns as it runs (StepCosts: 15-24 kept on a quiet box, 8 with
+    # another test run beside it), so no count above one is asserted here;
+    # tests/workers/decode/test_speculation.py counts with fixed costs.
+    assert accepted >= 1 and drafted >= accepted
 
 
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
