@@ -84,9 +84,9 @@ def group_error(args: argparse.Namespace, model_dir) -> str | None:
     if tp <= 1 and pp <= 1:
         return None
     flag = f"--tensor-parallel {tp}" if tp > 1 else f"--pipeline-parallel {pp}"
-    if not args.colocate:
-        return (f"{flag} needs --colocate for now (split prefill and decode workers would hand "
-                "KV off shard by shard, which is not built yet)")
+    if not args.colocate and args.hosts:
+        return (f"{flag} --hosts needs --colocate: split prefill and decode groups hand KV off rank by rank "
+                "through each host's arena, and the other hosts run no cache service")
     if args.speculative not in ("off", "auto") or args.draft_model:
         return f"{flag} does not speculate yet: leave --speculative at off or auto, without --draft-model"
     if args.prefill_backend == "ane":
@@ -102,7 +102,8 @@ def add_layout_arguments(p: argparse.ArgumentParser, d: Settings) -> None:
     p.add_argument("--colocate", action="store_true", help="prefill and decode in one process (one copy of the weights)")
     p.add_argument("--tensor-parallel", type=_positive, default=d.tensor_parallel, metavar="N",
                    help="split each worker's model over N processes of this host (or several: --hosts; mx.distributed: ring on the CPU "
-                        "and Metal, NCCL with one GPU a rank on CUDA); needs --colocate; no "
+                        "and Metal, NCCL with one GPU a rank on CUDA); split layout: a prefill "
+                        "and a decode group, rank i handing its KV shard to rank i through the arena; no "
                         "speculation in a group yet")
     p.add_argument("--pipeline-parallel", type=_positive, default=d.pipeline_parallel, metavar="N",
                    help="split each worker's model by layers over N processes of this host (a run of whole layers "

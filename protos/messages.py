@@ -75,6 +75,16 @@ class HeldBlocks:
 
 
 @dataclass
+class KVShard:
+    """Where another rank of a prefill group put its part of a KVHandoff in
+    this host's arena, for the same decode rank (workers/group/handoff_shards.py)."""
+
+    arena: str
+    allocation: int
+    layers: list[list[ArenaSlice]]
+
+
+@dataclass
 class KVHandoff:
     """What decode needs to rebuild a prompt's KV cache. Prefill worker ->
     router on its own (after PrefillDone), router -> decode in DecodeRequest.
@@ -113,6 +123,10 @@ class KVHandoff:
     # out-of-band frame, `layers` offsets into it; arena "", allocation -1, no
     # blocks. None: the KV is in the arena (or local), as above.
     payload: Optional[np.ndarray] = None  # uint8, 1-d
+    # From a worker group (--tensor-parallel / --pipeline-parallel, split
+    # layout): the fields above are rank 0's part; rank r's is shards[r - 1].
+    # Each rank wrote its own into this host's arena; no blocks by reference.
+    shards: list[KVShard] = field(default_factory=list)
 
 
 @dataclass
@@ -154,6 +168,10 @@ class WorkerHello:
     # the remote host (deploy/worker_cmd.py); the router hands a prompt's KV
     # only to a decode worker of the same kv_host (router/worker_table.py).
     kv_host: str = ""
+    # A worker group's split of the model ("tensor 2", "pipeline 2"; "": the
+    # whole model): a group's handoff goes only to a group of the same split,
+    # rank by rank on one host (router/handoff_route.py).
+    kv_shard: str = ""
 
 
 @dataclass
@@ -452,6 +470,7 @@ ALL_MESSAGES = [
     SamplingParams,
     ArenaSlice,
     HeldBlocks,
+    KVShard,
     KVHandoff,
     TokenLogprob,
     WorkerHello,

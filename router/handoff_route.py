@@ -11,6 +11,8 @@ Three ways (protos/messages.py KVHandoff):
   the KV in the message itself (`PrefillRequest.kv_by_value`), and the
   handoff, its bytes in one zero-copy frame, goes on to a decode worker on
   any host. Never across hosts by reference: no arena spans hosts.
+  A worker group's (split layout) goes through the arena alone, rank by
+  rank, to a decode group of the same split (workers/group/handoff_shards.py).
 
 The choice is made when the prompt goes to its prefill worker and the
 decode worker is picked when its KV is ready: a decode worker that came up
@@ -45,7 +47,9 @@ class HandoffRoute:
     def by_value(self, prefill: WorkerState) -> bool:
         """Whether `prefill` must send a prompt's KV by value: it does not
         decode its own, and no decode worker of its KV's host is ready."""
-        return not self.table.decodes_own(prefill) and self.table.least("decode", prefill.hello.kv_host) is None
+        if self.table.decodes_own(prefill) or prefill.hello.kv_shard:  # a group's KV: by reference alone
+            return False
+        return self.table.decoder_near(prefill) is None
 
     def decode_for(self, prefill_id: str, h: KVHandoff) -> Optional[WorkerState]:
         """The decode worker for a handoff from worker `prefill_id` (None:
@@ -57,11 +61,13 @@ class HandoffRoute:
         self.metrics.handoff.observe(h.write_ms / 1000)
         if h.payload is not None:  # its bytes are in the message: any host's decoder can read them
             tokens.labels("sent").inc(h.num_tokens)
-            return self.table.least("decode")
+            return self.table.decoder_far()
         tokens.labels("copied").inc(h.num_tokens - h.blocks.tokens)
         tokens.labels("referenced").inc(h.blocks.tokens)
         prefill = self.table.workers.get(prefill_id)  # a decoder on the host of its KV, never across hosts
-        return self.table.least("decode", kv_host=prefill.hello.kv_host if prefill else "")
+        if prefill is None:  # gone since it wrote: a group's split is unknown now, so it is prefilled again
+            return None if h.shards else self.table.least("decode", kv_host="", kv_shard="")
+        return self.table.decoder_near(prefill)
 
     def free(self, handoff: KVHandoff) -> None:
         """A handoff that no decode worker will take: its allocation and its
@@ -75,8 +81,9 @@ class HandoffRoute:
 
     async def _give_back(self, handoff: KVHandoff) -> None:
         try:
-            if handoff.allocation >= 0:
-                await self.cache.free(allocations=[handoff.allocation], arena=handoff.arena)
+            for part in [handoff, *handoff.shards]:  # a group's: every rank's part
+                if part.allocation >= 0:
+                    await self.cache.free(allocations=[part.allocation], arena=part.arena)
             await self.cache.release(handoff.blocks.lease)
         except CacheUnavailable:
             pass  # the reservation's and the lease's TTLs free them

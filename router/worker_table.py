@@ -8,7 +8,9 @@ A worker says hello when it connects and then as its heartbeat; one silent for
 A hello's `kv_host` says where the worker's KV lives ("": this host's arena; a
 remote worker's host otherwise): a prompt's KV goes by reference (through
 the arena) only to a decode worker of the same kv_host; to another host's,
-it goes by value, in the message (router/handoff_route.py).
+it goes by value, in the message (router/handoff_route.py). Its `kv_shard`
+says how a worker group splits the model: a group's KV goes only to a
+decode group of the same split on its host, never by value.
 """
 
 from __future__ import annotations
@@ -98,10 +100,22 @@ class WorkerTable:
         return sum(w.hello.max_batch for w in self.workers.values()
                    if w.ready and w.hello.kv_host and "decode" in w.hello.roles)
 
-    def least(self, role: str, kv_host: str | None = None) -> WorkerState | None:
-        """The least-loaded ready worker of a role (of that `kv_host` if given), or None."""
-        ready = [w for w in self.ready_with(role) if kv_host is None or w.hello.kv_host == kv_host]
+    def least(self, role: str, kv_host: str | None = None, kv_shard: str | None = None) -> WorkerState | None:
+        """The least-loaded ready worker of a role (of that `kv_host` and
+        `kv_shard` where given), or None."""
+        ready = [w for w in self.ready_with(role) if (kv_host is None or w.hello.kv_host == kv_host)
+                 and (kv_shard is None or w.hello.kv_shard == kv_shard)]
         return min(ready, key=_busyness, default=None)
+
+    def decoder_near(self, prefill: WorkerState) -> WorkerState | None:
+        """The least-loaded ready decode worker that can read `prefill`'s KV
+        where it is: on its host, of its split (a group's: rank by rank)."""
+        return self.least("decode", prefill.hello.kv_host, prefill.hello.kv_shard)
+
+    def decoder_far(self) -> WorkerState | None:
+        """The least-loaded ready decode worker that can take KV by value: not
+        a group (its ranks each read their own shard from this host's arena)."""
+        return self.least("decode", kv_shard="")
 
     def decodes_own(self, w: WorkerState) -> bool:
         """Whether `w` decodes what it prefills, its KV kept in the process:
@@ -124,8 +138,9 @@ class WorkerTable:
         than AFFINITY_SLACK too; with no decoder anywhere, all are alike."""
         self.pick("prefill")  # 503 when none is ready
         ready_all = self.ready_with("prefill")
-        near = [w for w in ready_all if self.decodes_own(w) or self.least("decode", w.hello.kv_host)]
-        far = [w for w in ready_all if w not in near] if self.least("decode") else []
+        near = [w for w in ready_all if self.decodes_own(w) or self.decoder_near(w)]
+        # By value: a group's KV never (workers/group/handoff_shards.py), and only to a decoder alone.
+        far = [w for w in ready_all if w not in near and not w.hello.kv_shard] if self.decoder_far() else []
         ready = {w.hello.worker_id: w for w in (near + far) or ready_all}
         least = min(ready.values(), key=_busyness)
         matched = self.affinity.matched_blocks(keys)

@@ -38,7 +38,8 @@ from workers.decode.engine import DecodeEngine
 from workers.decode.speculation import speculation_for
 from workers.decode.role import DecodeRole
 from workers.grammar import Grammars, logits_width
-from workers.group.prefix_agreement import group_prefix
+from workers.group.handoff_shards import own_part
+from workers.group.prefix_agreement import group_prefix, min_and_max
 from workers.kv.prefix_cache import make_prefix_cache
 from workers.kv.store_thread import StoreThread
 from workers.loop_clock import LoopClock
@@ -121,6 +122,10 @@ class Worker:
                                     grammars=grammars)
             prefill.ane = make_ane_body(model, self.settings)  # --prefill-backend ane|auto, on a Mac
             prefill.ane_mode, prefill.ane_min_tokens = self.settings.prefill_backend, self.settings.ane_min_tokens
+            if self.group is not None and not self.settings.colocate:
+                # A batch's room is counted in handoff bytes, which every rank must
+                # count alike (a pipeline rank holds fewer layers than another).
+                prefill.fix_token_nbytes(min_and_max(prefill.token_nbytes(), self.group)[1])
         if ("prefill" in names or "vision" in names) and is_vlm(self.settings.model_dir):
             vision = load_vision(self.settings.model_dir, model, self.prefix_client, self.arena_buf)
         if "decode" in names:
@@ -191,13 +196,17 @@ class Worker:
             self.prefill = PrefillRole(self.settings, prefill, prefix=self.prefix, cache=self.cache,
                                        arena_buf=self.arena_buf, hello=self.hello, local_kv=self.local_kv,
                                        colocated=self.decode is not None, stores=self.stores, vision=self.vision,
-                                       **common)
+                                       group=self.group, **common)
             self.takes[PrefillRequest] = self.prefill
         self.roles = [r for r in (self.vision, self.prefill, self.decode) if r is not None]
 
     def prefix_cache_client(self) -> CacheClient:
         """A cache client with the prefix cache's short deadline (one per thread)."""
         return CacheClient(self.settings, timeout_s=min(self.settings.cache_call_timeout_s, PREFIX_CALL_TIMEOUT_S))
+
+    def rank_and_size(self) -> tuple[int, int]:
+        """This process's rank in its group and the group's size (0, 1 alone)."""
+        return (0, 1) if self.group is None else (self.group.rank(), self.group.size())
 
     def arena_buf(self, name: str):
         return self.arenas.get(name).buf
@@ -282,6 +291,8 @@ class Worker:
             # A request whose message cannot be taken in (a handoff naming an
             # arena that is gone, say) fails alone, never the worker.
             try:
+                if isinstance(msg, DecodeRequest):  # a group's rank reads its own part of the KV
+                    msg = own_part(msg, *self.rank_and_size())
                 role.handle(msg)
             except Exception as exc:  # noqa: BLE001
                 self.fail(msg.request_id, exc)

@@ -1,6 +1,7 @@
 """`tandem serve --colocate --tensor-parallel 2` (and `--pipeline-parallel 2`):
 one worker's model split over two ranks (MLX's ring backend on 127.0.0.1,
-workers/group/) against the same weights in one process; a rank killed;
+workers/group/) against the same weights in one process; the split layout's
+prefill and decode groups, handing KV off rank by rank; a rank killed;
 models that cannot split.
 
 Float32 random models (benchmarks/random_models/text.py, with the embedded
@@ -67,7 +68,12 @@ def stream(srv, prompt: str, max_tokens: int, timeout: float = 90):
 
 def follower_pids(srv) -> list[int]:
     """The pids the supervisor logged for worker-0.r1, oldest first."""
-    return [int(p) for p in re.findall(r"started worker-0\.r1 \(pid (\d+)\)", srv.log_path.read_text())]
+    return follower_pids_of(srv, "worker-0")
+
+
+def follower_pids_of(srv, group: str) -> list[int]:
+    """The pids the supervisor logged for `group`'s rank 1, oldest first."""
+    return [int(p) for p in re.findall(rf"started {re.escape(group)}\.r1 \(pid (\d+)\)", srv.log_path.read_text())]
 
 
 @pytest.fixture(scope="module")
@@ -93,15 +99,9 @@ def one_process(folder: str) -> list:
     return out
 
 
-@pytest.mark.parametrize("like", ["tiny-qwen3", "tiny-llama"])
-def test_two_ranks_give_one_process_greedy_tokens(server_factory, request, random_models, like):
-    model = str(random_models / like)
-    expected = one_process(model)
-    if like == "tiny-llama":
-        two = request.getfixturevalue("llama_group")
-    else:  # this group also runs the warm-up, every rank in step
-        two = server_factory("--model", model, "--colocate", "--no-disk-cache", "--tensor-parallel", "2",
-                             warm_up=True)
+def test_two_ranks_give_one_process_greedy_tokens(llama_group, random_models):
+    expected = one_process(str(random_models / "tiny-llama"))
+    two = llama_group
     assert len(follower_pids(two)) == 1 and pid_alive(follower_pids(two)[0])
     assert len(two.health()[1]["workers"]) == 1  # the router sees rank 0 only
     assert ask_all_at_once(two) == expected
@@ -178,7 +178,7 @@ def test_models_and_flags_a_group_cannot_take_are_refused_at_start(embedded_mode
     cases = {  # flags -> what stderr must say
         # The embedded SmolLM2-135M: 9 attention heads and 3 KV heads do not split in two.
         ("--colocate", "--tensor-parallel", "2"): "9 attention heads, 3 KV heads do not divide by --tensor-parallel 2",
-        ("--tensor-parallel", "2"): "needs --colocate",
+        ("--tensor-parallel", "2", "--hosts", "hosts.json"): "--hosts needs --colocate",
         ("--colocate", "--tensor-parallel", "3", "--speculative", "prompt-lookup"): "does not speculate",
         # SmolLM2 is a llama: mlx-lm has no pipeline for it.
         ("--colocate", "--pipeline-parallel", "2"): "no pipeline-parallel `pipeline` method",
@@ -214,3 +214,50 @@ def test_a_stuck_follower_ends_its_group_at_the_unit_deadline_and_requests_go_on
     assert log.count("restarting group worker-0") == restarts + 1
     assert "exited with code -14" in log  # rank 0, by SIGALRM: the unit's deadline
     assert not pid_alive(leader) and not pid_alive(follower)
+
+
+@pytest.fixture(scope="module")
+def split_groups(request, tmp_path_factory, random_models):
+    """tiny-qwen3 in the split layout: a prefill group and a decode group of
+    two ranks each. Warm-up on: every rank of both groups in step, as a real
+    start has them."""
+    return module_server(request, tmp_path_factory, "--model", str(random_models / "tiny-qwen3"), "--no-disk-cache",
+                         "--tensor-parallel", "2", "--tensor-parallel-timeout", str(UNIT_TIMEOUT_S), warm_up=True)
+
+
+def test_split_groups_hand_kv_off_rank_by_rank_with_one_process_greedy_tokens(split_groups, random_models):
+    """Each prefill rank writes its own KV heads into the arena and the same
+    decode rank reads them (workers/group/handoff_shards.py): a decode rank
+    that read another's shard would attend over the wrong heads, and its
+    tokens would differ from one process's."""
+    srv = split_groups
+    expected = one_process(str(random_models / "tiny-qwen3"))
+    assert sorted(w["id"] for w in srv.health()[1]["workers"]) == ["decode-0", "prefill-0"]  # rank 0s only
+    assert all(len(follower_pids_of(srv, g)) == 1 for g in ("prefill-0", "decode-0"))
+    copied = metric(srv, "tandem_kv_handoff_tokens_total", '{path="copied"}')
+    assert ask_all_at_once(srv) == expected
+    assert metric(srv, "tandem_kv_handoff_tokens_total", '{path="copied"}') - copied >= len(PROMPTS) * 5
+    assert metric(srv, "tandem_kv_handoff_tokens_total", '{path="sent"}') == 0  # never by value
+    # The prefix cache across the handoff: the decode group's ranks store their
+    # shards of the finished prompt; the prefill group's find them.
+    first = httpx.post(srv.base_url + "/v1/completions", timeout=60, json={
+        "model": "default", "prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0}).json()
+    again = httpx.post(srv.base_url + "/v1/completions", timeout=60, json={
+        "model": "default", "prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0}).json()
+    n = again["usage"]["prompt_tokens"]
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert n // 2 < again["usage"]["prompt_tokens_details"]["cached_tokens"] < n
+
+
+def test_a_killed_decode_follower_restarts_its_group_and_the_stream_goes_on(split_groups):
+    srv = split_groups
+    expected, _ = ask(srv, PROMPTS[0], 80)
+    follower = follower_pids_of(srv, "decode-0")[-1]
+    pieces = stream(srv, PROMPTS[0], 80)
+    got = [next(pieces) for _ in range(4)]
+    os.kill(follower, signal.SIGKILL)
+    got += list(pieces)
+    assert "".join(got) == expected  # prefilled again, handed off to the new group, decoded on
+    srv.wait_healthy(timeout=90)
+    assert "restarting group decode-0" in srv.log_path.read_text()
+    assert ask(srv, PROMPTS[1], 9)[1] == 9

@@ -17,7 +17,7 @@ import zmq.asyncio
 
 from deploy import keys_cmd
 from protos import transport
-from protos.messages import (ArenaSlice, DecodeRequest, KVHandoff, PrefillDone, PrefillRequest, TokenBatch,
+from protos.messages import (ArenaSlice, DecodeRequest, KVHandoff, KVShard, PrefillDone, PrefillRequest, TokenBatch,
                              TokenUpdate, WorkerHello, WorkerLimits)
 from tests.support.dispatcher import request, run, wait_for
 from tests.support.server import free_port
@@ -211,5 +211,42 @@ def test_a_handoff_by_reference_never_goes_to_another_hosts_decoder(keys):
         assert await served(disp, "r1", play) == [7, 8, 9]
         beats.cancel()
         assert await near.silent_for(0.1)  # the unreadable handoff never went anywhere
+
+    remote_run(keys, body)
+
+
+def test_a_groups_kv_goes_to_a_decode_group_of_its_split_and_never_by_value(keys):
+    """A prefill group (split layout, workers/group/handoff_shards.py) hands
+    each rank's KV shard through this host's arena to the same rank of a
+    decode group: its handoff, every rank's part in it, goes to a decode
+    group of the same split, not to a decoder alone (here or remote) that
+    is less busy; and with no such group ready, it is not asked by value."""
+
+    async def body(disp, worker, remote):
+        pre, group, alone = worker("prefill-0", ["prefill"]), worker("decode-0", ["decode"]), \
+            worker("decode-1", ["decode"])
+        far = remote("d", "remote-d-0", ["decode"])
+        pre.hello.kv_shard = group.hello.kv_shard = "tensor 2"
+        group.hello.running = 5  # busier than the others: the split decides, not the load
+        beats = await joined(disp, [pre, group, alone, far], ["prefill-0", "decode-0", "decode-1", "remote-d-0"])
+        parts = [KVShard("a", 2, [[ArenaSlice(0, 64, "float32", [1, 1, 4, 4])] * 2])]
+
+        async def play():
+            msg = await pre.next()
+            assert isinstance(msg, PrefillRequest) and not msg.kv_by_value
+            await transport.asend(pre.sock, PrefillDone("r1", 7, None))
+            await transport.asend(pre.sock, KVHandoff("r1", 3, 3, arena="a", allocation=1, shards=parts))
+            msg = await group.next()
+            assert isinstance(msg, DecodeRequest) and msg.handoff.allocation == 1 and msg.handoff.shards == parts
+            await transport.asend(group.sock, TokenBatch([TokenUpdate("r1", 9, finish_reason="length")]))
+
+        assert await served(disp, "r1", play) == [7, 9]
+        assert await alone.silent_for(0.1)
+        state = disp.workers["prefill-0"]
+        assert disp.table.decoder_near(state).hello.worker_id == "decode-0"
+        assert disp.table.drop("decode-0") is not None
+        assert not disp.kv.by_value(state) and disp.table.decoder_near(state) is None
+        assert disp.table.decoder_far().hello.kv_shard == ""  # by value: a decoder alone
+        beats.cancel()
 
     remote_run(keys, body)

@@ -30,9 +30,9 @@ collective. Everything else the cache decides per rank issues no collective
 (stores, the hot tier, a decode worker's commit of a finished
 conversation: host copies and cache-service calls only) and only changes
 what this rank's cache holds, which the next lookup's agreement absorbs.
-A group's handoffs stay in its process (groups are colocated), so `hold`
-leases nothing: how much a handoff refers to would otherwise differ per rank
-(and with it how many prompts a batch takes).
+`hold` leases nothing: a split group's handoff carries each rank's whole
+shard (workers/group/handoff_shards.py), as how much it referred to would
+otherwise differ per rank (and with it how many prompts a batch takes).
 
 What the router sees of the cache (hello's counters, cached_tokens in
 PrefillDone) is rank 0's, whose hit is the agreed one.

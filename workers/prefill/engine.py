@@ -284,6 +284,10 @@ class PrefillEngine:
             return None
         return self.ane if self.ane.fits(cached, new_tokens) else None
 
+    def fix_token_nbytes(self, nbytes: int) -> None:
+        """What token_nbytes says from now (a worker group's ranks count alike)."""
+        self._token_nbytes = int(nbytes)
+
     def token_nbytes(self) -> int:
         """Bytes of one token's KV over all layers (plain KV caches; found once)."""
         if self._token_nbytes is None:

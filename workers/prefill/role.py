@@ -21,6 +21,7 @@ from collections import deque
 from typing import Callable, Optional
 
 from protos.messages import HeldBlocks, KVHandoff, PrefillDone, PrefillRequest, RequestFailed
+from workers.group import handoff_shards
 from workers.kv import handoff as kv_handoff
 from workers.kv.cache_state import is_plain_kv
 from workers.loop_clock import part, tally_line
@@ -38,13 +39,14 @@ class PrefillRole(Role):
     handoff reservations), `arena_buf` (arena name -> its buffer), `hello`
     (the heartbeat: batched prompts are counted there), `local_kv` (request
     id -> KV, shared with this process's DecodeRole when `colocated`),
-    `stores` (a StoreThread, or None) and `vision` (a VisionRole, for
-    prompts with images)."""
+    `stores` (a StoreThread, or None), `vision` (a VisionRole, for
+    prompts with images) and `group` (a worker group's, or None)."""
 
     def __init__(self, settings, engine, *, worker_id: str, prefix, cache, arena_buf: Callable[[str], object],
                  outbox, clock, hello, local_kv: dict, colocated: bool = False, stores=None, vision=None,
-                 fail=None):
+                 fail=None, group=None):
         super().__init__(worker_id, outbox, clock, fail)
+        self.group = group  # a worker group's mx.distributed.Group: every rank hands off its own part
         self.batch_limit = settings.prefill_batch  # prompts per pass; the power policy may lower it
         self.settings = settings
         self.engine = engine
@@ -207,8 +209,9 @@ class PrefillRole(Role):
                                      images_cached=getattr(job, "skipped", 0),
                                      encode_s=getattr(job, "encode_s", 0.0)))
         # The first token is on its way; the KV copy to the arena follows
-        # (with a store thread, the copy itself is that thread's: `staged`).
-        staged = [] if self.stores is not None else None
+        # (with a store thread, the copy itself is that thread's: `staged`;
+        # a group's is done before its ranks gather their parts).
+        staged = [] if self.stores is not None and self.group is None else None
         if not local:
             if req.request_id in self.held:  # a batch's row: leased before its pass
                 hold = self.held.pop(req.request_id)
@@ -284,8 +287,17 @@ class PrefillRole(Role):
         write_handoff), after `hold`'s blocks only when given; or, for a
         decode worker on another host, in the message (`kv_by_value`)."""
         release = self.prefix.release if self.prefix is not None else (lambda lease: None)
-        return kv_handoff.write_handoff(self.cache, self.arena_buf, req.request_id, result, hold, staged,
-                                        release_held=release, by_value=req.kv_by_value)
+
+        def write():
+            return kv_handoff.write_handoff(self.cache, self.arena_buf, req.request_id, result, hold, staged,
+                                            release_held=release, by_value=req.kv_by_value)
+
+        if self.group is None:
+            return write()
+        if req.kv_by_value:  # the router never asks a group for it (router/handoff_route.py)
+            raise ValueError("a worker group hands its KV off through this host's arena, rank by rank, "
+                             "not by value")
+        return handoff_shards.hand_off(self.group, write, lambda h: kv_handoff.give_back(self.cache, h))
 
     def handoff_tail(self, h: KVHandoff):
         return kv_handoff.handoff_tail(h, self.arena_buf)

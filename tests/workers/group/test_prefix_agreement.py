@@ -5,14 +5,11 @@ agreement's rounds over simulated ranks."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 import threading
 
+from tests.support.ring_ranks import run_ring_ranks
 from workers.group.prefix_agreement import agree_hit
-from workers.group.ranks import write_hostfile
 
 
 class SimulatedGroup:
@@ -127,18 +124,7 @@ RANK = textwrap.dedent("""
 
 
 def test_two_ring_ranks_agree_on_every_hit_and_keep_their_own_keys(tmp_path):
-    hostfile = tmp_path / "g.hosts.json"
-    write_hostfile(str(hostfile), 2)
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(hostfile)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=90) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
-    r0, r1 = (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
+    r0, r1 = run_ring_ranks(RANK, tmp_path)
     assert r0["key"] != r1["key"]  # each rank's shard under its own key
     assert r0["stats"] == "this rank's counters" and r0["held"] == [] == r1["held"]
     for r in (r0, r1):
