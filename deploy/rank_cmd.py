@@ -104,7 +104,7 @@ def _run_rank(settings: Settings, body: dict, spec: RankSpec, fd: int) -> int:
         return _fail(f"no model folder at {settings.model_dir} on this host (every host needs it at rank 0's path)")
     with open(spec.hostfile, "w") as f:
         json.dump(body["ring"], f)
-    write_plan(plan_path(spec.hostfile), {str(spec.rank): body["lockstep"]})
+    write_plan(plan_path(spec.hostfile), {str(spec.rank): body["lockstep"]}, body.get("jaccl"))
     threading.Thread(target=watch_stdin, args=(fd,), daemon=True, name="stdin-watch").start()
     log.info("tandem rank %s (pid %d): joining rank 0 at %s within %d s, then following it over %s", spec.name,
              os.getpid(), body["ring"][0][0], JOIN_DEADLINE_S, body["lockstep"])

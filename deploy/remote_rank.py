@@ -8,7 +8,7 @@ The rank runs `python -m deploy.cli rank` (deploy/rank_cmd.py) with the same
 interpreter path, in the same folder if it exists there, and reads the
 model from the same path: the same install on every host, as mlx.launch
 assumes. What it needs (settings, its place in the group, the ring hostfile,
-rank 0's lockstep address) goes as one JSON line on the ssh client's stdin,
+rank 0's lockstep address, a JACCL group's plan) goes as one JSON line on the ssh client's stdin,
 not on a command line another user of that host could read; stdin then
 stays open, and its end tells the rank that this side is gone.
 
@@ -29,7 +29,7 @@ import sys
 
 from deploy.logs import setup_logging
 from deploy.settings import Settings
-from workers.group.hosts import local_index, read_plan
+from workers.group.hosts import jaccl_plan, local_index, read_plan
 from workers.group.ranks import RankSpec
 
 log = logging.getLogger(__name__)
@@ -48,9 +48,9 @@ def rank_settings(settings: Settings) -> dict:
 def payload(settings: Settings, roles: list[str], spec: RankSpec) -> bytes:
     with open(spec.hostfile) as f:
         ring = json.load(f)
-    lockstep = read_plan(spec.hostfile)[spec.rank]
+    lockstep, jaccl = read_plan(spec.hostfile)[spec.rank], jaccl_plan(spec.hostfile)
     body = {"settings": rank_settings(settings), "roles": list(roles), "group": spec.group, "rank": spec.rank,
-            "size": spec.size, "ring": ring, "lockstep": lockstep}
+            "size": spec.size, "ring": ring, "lockstep": lockstep, "jaccl": jaccl}
     return (json.dumps(body) + "\n").encode()
 
 

@@ -121,12 +121,14 @@ class Settings:
     # than this: a rank is stuck in a collective; the group restarts.
     group_unit_timeout_s: float = 300.0
     # A group across hosts (--hosts, workers/group/hosts.py): mlx.launch's hostfile's
-    # entries (ssh name, ips), rank i on entry i, entry 0 this host; its "envs"; the
+    # entries (ssh name, ips, rdma), rank i on entry i, entry 0 this host; its "envs" and
+    # "backend" ("": ring, or nccl on CUDA; "jaccl"/"jaccl-ring" on Macs); the
     # command that starts a rank on another host; rank 0's CURVE folder (its pair and the
     # other hosts' ranks' public keys, `tandem keys`) and each other host's rank's folder
     # (the same path on every host). (): a group on this host, as before.
     group_hosts: tuple = ()
     group_envs: tuple = ()
+    group_backend: str = ""
     ssh_command: str = "ssh -o BatchMode=yes -o ConnectTimeout=10"
     group_keys: str = ""
     rank_keys: str = ""

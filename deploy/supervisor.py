@@ -156,7 +156,7 @@ class Supervisor:
         if child.group is not None and child.name == child.group:  # a group's start: fresh ports for its ranks
             hostfile = os.path.join(self.settings.run_dir, f"{child.group}.hosts.json")
             if self.settings.group_hosts:
-                write_group_plan(hostfile, self.settings.group_hosts)
+                write_group_plan(hostfile, self.settings.group_hosts, self.settings.group_backend)
             else:
                 write_hostfile(hostfile, self.settings.group_size)
         child.process = self.ctx.Process(target=_child_main, args=(child.target, child.args_fn(), child.env),

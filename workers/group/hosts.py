@@ -2,16 +2,21 @@
 hostfile, read and checked at start, and each group start's plan.
 
 The file is mlx.launch's: a JSON list of {"ssh": NAME, "ips": [IP, ...]}, or
-{"hosts": [...], "backend": ..., "envs": ["KEY=VALUE", ...]} ("rdma", for
-JACCL, is ignored). Rank i runs on entry i; entry 0 is this host (rank 0
-faces the router). A rank whose entry names the same `ssh` host as entry 0
+{"hosts": [...], "backend": ..., "envs": ["KEY=VALUE", ...]}. Rank i runs on
+entry i; entry 0 is this host (rank 0 faces the router). With the backend
+"jaccl" (RDMA over Thunderbolt 5, macOS 26.2+) or "jaccl-ring", each entry's
+"rdma" lists, per rank, the RDMA device that reaches it (null for itself),
+checked as mlx.launch checks it; the group then meets through JACCL, with
+rank 0's first ip as its coordinator (`jaccl_plan`), and the ips still
+carry rank 0's lockstep records. A rank whose entry names the same `ssh` host as entry 0
 runs here, as any group's rank does; the others are started on their host
 over --ssh-command (deploy/remote_rank.py), as mlx.launch does.
 
 At every (re)start of a group the supervisor writes its plan
 (`write_group_plan`): the ring hostfile MLX reads (each rank's "ip:port"
 from its entry's ips) and, for each rank on another host, the tcp address
-rank 0 sends its lockstep records to (workers/group/lockstep.py, CURVE).
+rank 0 sends its lockstep records to (workers/group/lockstep.py, CURVE);
+with JACCL also its coordinator's address and the RDMA devices.
 Every port is chosen free on this host, fresh at each start, as for a group
 on one host: a port that happens to be taken on another host fails that
 rank's join (the ring's bind error in its log) and the group restarts with
@@ -27,7 +32,8 @@ import os
 import socket
 from typing import NamedTuple
 
-BACKENDS = ("", "ring", "nccl")  # what join_group runs (workers/group/ranks.py); JACCL and MPI are not built
+# What join_group runs (workers/group/ranks.py): "" is ring, or nccl on CUDA. MPI is not built.
+BACKENDS = ("", "ring", "nccl", "jaccl", "jaccl-ring")
 
 
 class HostsError(ValueError):
@@ -40,6 +46,7 @@ class HostEntry(NamedTuple):
 
     ssh: str  # the name --ssh-command reaches it by
     ips: tuple  # the IPv4 addresses its rank listens on (the ring), reachable from the other hosts
+    rdma: tuple = ()  # JACCL: per rank, the RDMA device (or devices) that reaches it; None for itself
 
 
 def _entries(data, path: str) -> tuple[list, str, list]:
@@ -66,13 +73,37 @@ def _entry(item, i: int, path: str) -> HostEntry:
             ipaddress.IPv4Address(ip)
         except (ValueError, TypeError):  # MLX's ring reads "ip:port" up to the first colon: IPv4 only
             raise HostsError(f"{path}: entry {i} ({item['ssh']}): {ip!r} is not an IPv4 address") from None
-    return HostEntry(item["ssh"].strip(), tuple(ips))
+    rdma = item.get("rdma") or []
+    if not isinstance(rdma, list) or not all(d is None or isinstance(d, str) or (
+            isinstance(d, list) and all(isinstance(x, str) for x in d)) for d in rdma):
+        raise HostsError(f'{path}: entry {i} ({item["ssh"]}): "rdma" must list a device name (or names, '
+                         "or null) per rank")
+    return HostEntry(item["ssh"].strip(), tuple(ips), tuple(tuple(d) if isinstance(d, list) else d for d in rdma))
 
 
-def read_hosts(path: str, size: int) -> tuple[tuple, tuple]:
-    """(entries, envs) of the hostfile at `path` for a group of `size`
-    ranks. Raises HostsError saying what is wrong: not mlx.launch's format,
-    another count of hosts, entry 0 not this host, a backend not built."""
+def _check_rdma(hosts: tuple, backend: str, path: str) -> None:
+    """mlx.launch's checks of a JACCL hostfile: a device per rank on every
+    entry, none for itself, one for every peer it talks to (every other
+    rank; with jaccl-ring, its two neighbours)."""
+    n = len(hosts)
+    if any(len(h.rdma) != n for h in hosts):
+        raise HostsError(f'{path}: backend {backend} needs "rdma" on every entry, one device (or null) per rank '
+                         f"({n}): the RDMA device that reaches that rank")
+    if any(h.rdma[i] is not None for i, h in enumerate(hosts)):
+        raise HostsError(f'{path}: an entry\'s own place in its "rdma" list must be null')
+    ring = backend == "jaccl-ring"
+    missing = [(i, j) for i, h in enumerate(hosts) for j in (((i - 1) % n, (i + 1) % n) if ring else range(n))
+               if i != j and h.rdma[j] is None]
+    if missing:
+        pairs = ", ".join(f"{hosts[i].ssh} to {hosts[j].ssh}" for i, j in missing[:3])
+        raise HostsError(f"{path}: no RDMA device is listed for {pairs}")
+
+
+def read_hosts(path: str, size: int) -> tuple[tuple, tuple, str]:
+    """(entries, envs, backend) of the hostfile at `path` for a group of
+    `size` ranks. Raises HostsError saying what is wrong: not mlx.launch's
+    format, another count of hosts, entry 0 not this host, a backend not
+    built, JACCL devices missing."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -93,7 +124,9 @@ def read_hosts(path: str, size: int) -> tuple[tuple, tuple]:
     if foreign:
         raise HostsError(f"{path}: entry 0 ({hosts[0].ssh}) must be this host, where rank 0 runs and listens, "
                          f"but {', '.join(foreign)} is not an address of this host")
-    return hosts, tuple(envs)
+    if backend.startswith("jaccl"):
+        _check_rdma(hosts, backend, path)
+    return hosts, tuple(envs), backend
 
 
 def is_local_address(ip: str) -> bool:
@@ -130,23 +163,37 @@ def _free_ports(n: int) -> list[int]:
     return sorted(ports)
 
 
-def write_group_plan(hostfile: str, hosts) -> None:
+def write_group_plan(hostfile: str, hosts, backend: str = "") -> None:
     """A group start's ring hostfile (MLX's: each rank's "ip:port" list) at
     `hostfile`, and its plan beside it: rank 0's tcp lockstep address for
-    each rank on another host. Fresh ports (see the module's note)."""
-    entries = [HostEntry(h[0], tuple(h[1])) for h in hosts]
+    each rank on another host, and with JACCL its coordinator and devices.
+    Fresh ports (see the module's note)."""
+    entries = [HostEntry(h[0], tuple(h[1]), tuple(h[2]) if len(h) > 2 else ()) for h in hosts]
     remote = [r for r in range(len(entries)) if is_remote(hosts, r)]
-    ports = iter(_free_ports(sum(len(h.ips) for h in entries) + len(remote)))
+    ports = iter(_free_ports(sum(len(h.ips) for h in entries) + len(remote) + 1))
     ring = [[f"{ip}:{next(ports)}" for ip in h.ips] for h in entries]
     lockstep = {str(r): f"tcp://{entries[0].ips[0]}:{next(ports)}" for r in remote}
+    jaccl = None
+    if backend.startswith("jaccl"):  # mlx.launch's MLX_JACCL_COORDINATOR, MLX_IBV_DEVICES, MLX_JACCL_RING
+        jaccl = {"coordinator": f"{entries[0].ips[0]}:{next(ports)}", "ring": backend == "jaccl-ring",
+                 "devices": [[list(d) if isinstance(d, tuple) else d for d in h.rdma] for h in entries]}
     with open(hostfile, "w") as f:
         json.dump(ring, f)
-    write_plan(plan_path(hostfile), lockstep)
+    write_plan(plan_path(hostfile), lockstep, jaccl)
 
 
-def write_plan(path: str, lockstep: dict) -> None:
+def write_plan(path: str, lockstep: dict, jaccl: dict | None = None) -> None:
     with open(path, "w") as f:
-        json.dump({"lockstep": lockstep}, f)
+        json.dump({"lockstep": lockstep, **({"jaccl": jaccl} if jaccl else {})}, f)
+
+
+def jaccl_plan(hostfile: str) -> dict | None:
+    """A JACCL group start's {"coordinator", "ring", "devices"}; None otherwise."""
+    try:
+        with open(plan_path(hostfile)) as f:
+            return json.load(f).get("jaccl")
+    except FileNotFoundError:
+        return None
 
 
 def read_plan(hostfile: str) -> dict[int, str]:

@@ -11,10 +11,11 @@ spawns each rank like any other child; the rank sets its environment and
 joins the group (`join_group`) before it loads anything.
 
 The backend follows MLX's: `nccl` on its CUDA backend (one GPU per rank),
-`ring` elsewhere (the CPU, a Mac's GPU). JACCL and MPI are later steps
-(issue 31). A group across hosts (--hosts) writes its hostfile from the
-file's ips instead, and its ranks on other hosts follow rank 0 over tcp
-(workers/group/hosts.py, deploy/remote_rank.py).
+`ring` elsewhere (the CPU, a Mac's GPU). A group across hosts (--hosts)
+writes its hostfile from the file's ips instead, and its ranks on other
+hosts follow rank 0 over tcp (workers/group/hosts.py, deploy/remote_rank.py);
+its hostfile may ask for JACCL (RDMA over Thunderbolt 5 between Macs). MPI
+is not built.
 """
 
 from __future__ import annotations
@@ -98,22 +99,41 @@ def lockstep_address(spec: RankSpec, run_dir: str, rank: int) -> str:
     return read_plan(spec.hostfile).get(rank) or transport.ipc_address(run_dir, lockstep_address_name(spec.group, rank))
 
 
+def group_environment(spec: RankSpec, cuda: bool) -> tuple[str, dict]:
+    """(backend, environment) a rank joins with, as mlx.launch would set
+    them: the ring's hostfile (and NCCL's rank 0 address, from its first
+    entry); with a JACCL plan (workers/group/hosts.py, --hosts) its
+    coordinator, the RDMA device matrix (in a file beside the hostfile, as
+    mlx.launch writes one) and the ring flag. Writes that file."""
+    from workers.group.hosts import jaccl_plan
+
+    env = {"MLX_RANK": str(spec.rank), "MLX_WORLD_SIZE": str(spec.size), "MLX_HOSTFILE": spec.hostfile}
+    with open(spec.hostfile) as f:
+        first = json.load(f)[0][0]
+    env["NCCL_HOST_IP"], env["NCCL_PORT"] = first.rsplit(":", 1)
+    jaccl = jaccl_plan(spec.hostfile)
+    if jaccl is None:
+        return ("nccl" if cuda else "ring"), env  # on CUDA each rank sees its own GPU alone (rank_environment)
+    devices = os.path.splitext(spec.hostfile)[0] + ".ibv.json"
+    with open(devices, "w") as f:
+        json.dump(jaccl["devices"], f)
+    env.update(MLX_IBV_DEVICES=devices, MLX_JACCL_COORDINATOR=jaccl["coordinator"])
+    if jaccl["ring"]:
+        env["MLX_JACCL_RING"] = "1"
+    return "jaccl", env
+
+
 def join_group(spec: RankSpec, deadline_s: int = JOIN_DEADLINE_S):
     """Set this process's distributed environment and join the group; returns
     the mx.distributed.Group. A rank that cannot join within `deadline_s`
     seconds (a peer that never came) is killed by SIGALRM. Main thread only."""
-    os.environ["MLX_RANK"] = str(spec.rank)
-    os.environ["MLX_WORLD_SIZE"] = str(spec.size)
-    os.environ["MLX_HOSTFILE"] = spec.hostfile
-    with open(spec.hostfile) as f:
-        first = json.load(f)[0][0]
-    os.environ["NCCL_HOST_IP"], os.environ["NCCL_PORT"] = first.rsplit(":", 1)
+    from deploy.backend import on_cuda
+
+    backend, env = group_environment(spec, on_cuda())
+    os.environ.update(env)
 
     import mlx.core as mx
 
-    from deploy.backend import on_cuda
-
-    backend = "nccl" if on_cuda() else "ring"  # on CUDA each rank sees its own GPU alone (rank_environment)
     # The backend's connect holds the GIL while it retries: no Python thread or
     # handler could end it, so the kernel does (SIGALRM's default action).
     log.info("rank %d of %s joining (%s, %d s at most)", spec.rank, spec.group, backend, deadline_s)

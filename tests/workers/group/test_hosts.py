@@ -15,12 +15,14 @@ import pytest
 import zmq
 
 from deploy import keys_cmd
-from deploy.hosts_flags import hosts_settings
+from deploy.hosts_flags import hosts_settings, jaccl_problem
 from protos import transport
 from tests.support.server import free_port
 from workers.group import lockstep
-from workers.group.hosts import HostsError, is_remote, local_index, read_hosts, read_plan, write_group_plan
+from workers.group.hosts import (HostsError, is_remote, jaccl_plan, local_index, read_hosts, read_plan,
+                                 write_group_plan)
 from workers.group.lockstep import GroupBroken, Recorder, RecordStream
+from workers.group.ranks import RankSpec, group_environment
 
 THIS = {"ssh": "localhost", "ips": ["127.0.0.1"]}
 OTHER = {"ssh": "mac2", "ips": ["10.0.0.2"]}
@@ -33,12 +35,13 @@ def hostfile(tmp_path, data) -> str:
 
 
 def test_mlx_launch_hostfiles_are_read_in_both_forms(tmp_path):
-    hosts, envs = read_hosts(hostfile(tmp_path, [THIS, OTHER]), 2)
-    assert hosts == (("localhost", ("127.0.0.1",)), ("mac2", ("10.0.0.2",)))
-    assert envs == ()
-    hosts, envs = read_hosts(hostfile(tmp_path, {"backend": "ring", "envs": ["MLX_METAL_FAST_SYNCH=1"],
-                                                 "hosts": [THIS, {**OTHER, "rdma": [None]}]}), 2)
+    hosts, envs, backend = read_hosts(hostfile(tmp_path, [THIS, OTHER]), 2)
+    assert hosts == (("localhost", ("127.0.0.1",), ()), ("mac2", ("10.0.0.2",), ()))
+    assert envs == () and backend == ""
+    hosts, envs, backend = read_hosts(hostfile(tmp_path, {"backend": "ring", "envs": ["MLX_METAL_FAST_SYNCH=1"],
+                                                          "hosts": [THIS, {**OTHER, "rdma": [None]}]}), 2)
     assert [h.ssh for h in hosts] == ["localhost", "mac2"] and envs == ("MLX_METAL_FAST_SYNCH=1",)
+    assert backend == "ring"
 
 
 @pytest.mark.parametrize("data, size, says", [
@@ -49,13 +52,64 @@ def test_mlx_launch_hostfiles_are_read_in_both_forms(tmp_path):
     ([THIS, {"ssh": "mac2", "ips": ["mac2.local"]}], 2, "not an IPv4 address"),
     ([THIS, {"ips": ["10.0.0.2"]}], 2, 'entry 1 has no "ssh"'),
     ([THIS, {"ssh": "mac2", "ips": ["10.0.0.2", "10.0.1.2"]}], 2, "every entry needs as many ips"),
-    ({"backend": "jaccl", "hosts": [THIS, OTHER]}, 2, "backend 'jaccl' is not built"),
+    ({"backend": "mpi", "hosts": [THIS, OTHER]}, 2, "backend 'mpi' is not built"),
+    # JACCL: mlx.launch's checks of the RDMA devices.
+    ({"backend": "jaccl", "hosts": [THIS, OTHER]}, 2, 'needs "rdma" on every entry, one device (or null) per rank'),
+    ({"backend": "jaccl", "hosts": [{**THIS, "rdma": ["rdma_en2", "rdma_en3"]}, {**OTHER, "rdma": ["rdma_en2", None]}]},
+     2, "own place in its \"rdma\" list must be null"),
+    ({"backend": "jaccl", "hosts": [{**THIS, "rdma": [None, None]}, {**OTHER, "rdma": ["rdma_en2", None]}]},
+     2, "no RDMA device is listed for localhost to mac2"),
+    ({"backend": "jaccl", "hosts": [{**THIS, "rdma": [None, 5]}, {**OTHER, "rdma": ["rdma_en2", None]}]},
+     2, '"rdma" must list a device name'),
     ({"hosts": "mac2"}, 2, "expected mlx.launch's hostfile"),
 ])
 def test_a_hostfile_that_cannot_run_the_group_is_refused_saying_why(tmp_path, data, size, says):
     with pytest.raises(HostsError) as err:
         read_hosts(hostfile(tmp_path, data), size)
     assert says in str(err.value)
+
+
+def jaccl_file(tmp_path, backend="jaccl") -> str:
+    """Four Macs on Thunderbolt 5: entry i's rdma[j] reaches rank j."""
+    macs = [THIS, OTHER, {"ssh": "mac3", "ips": ["10.0.0.3"]}, {"ssh": "mac4", "ips": ["10.0.0.4"]}]
+    return hostfile(tmp_path, {"backend": backend, "hosts": [
+        {**m, "rdma": [None if j == i else f"rdma_en{j + 2}" for j in range(4)]} for i, m in enumerate(macs)]})
+
+
+def test_a_jaccl_hostfile_plans_what_mlx_launch_would_set_and_is_refused_off_a_mac(tmp_path):
+    """JACCL (RDMA over Thunderbolt 5) runs between Macs only: everything up
+    to MLX's init is checked here (the devices, the plan a group start
+    writes, the environment each rank joins with, as mlx.launch sets it:
+    MLX_IBV_DEVICES, MLX_JACCL_COORDINATOR, MLX_JACCL_RING); `tandem serve`
+    refuses it on this Linux box, and on a Mac whose MLX lacks it."""
+    hosts, _, backend = read_hosts(jaccl_file(tmp_path), 4)
+    assert backend == "jaccl" and hosts[1].rdma == ("rdma_en2", None, "rdma_en4", "rdma_en5")
+    path = str(tmp_path / "g.hosts.json")
+    write_group_plan(path, hosts, backend)
+    plan = jaccl_plan(path)
+    assert plan["coordinator"].startswith("127.0.0.1:") and plan["ring"] is False  # rank 0's first ip
+    for rank in (0, 3):
+        chosen, env = group_environment(RankSpec("worker-0", rank, 4, path), cuda=False)
+        assert chosen == "jaccl" and env["MLX_RANK"] == str(rank) and "MLX_JACCL_RING" not in env
+        assert env["MLX_JACCL_COORDINATOR"] == plan["coordinator"]
+        assert json.loads(open(env["MLX_IBV_DEVICES"]).read()) == [[None if j == i else f"rdma_en{j + 2}"
+                                                                   for j in range(4)] for i in range(4)]
+    # jaccl-ring: each Mac needs devices to its two neighbours only.
+    ring_file = json.loads(open(jaccl_file(tmp_path, "jaccl-ring")).read())
+    ring_file["hosts"][0]["rdma"][2] = None  # 0 and 2 are not neighbours in a ring of 4
+    hosts, _, backend = read_hosts(hostfile(tmp_path, ring_file), 4)
+    write_group_plan(path, hosts, backend)
+    assert group_environment(RankSpec("worker-0", 1, 4, path), cuda=True)[1]["MLX_JACCL_RING"] == "1"
+    # A plan without JACCL: ring, or NCCL on CUDA, as before.
+    write_group_plan(path, hosts[:2])
+    assert [group_environment(RankSpec("worker-0", 0, 2, path), cuda)[0] for cuda in (False, True)] == ["ring", "nccl"]
+    with pytest.raises(ValueError, match="runs between Macs only .* and this host is linux"):
+        jaccl_problem("jaccl", "linux")
+    with pytest.raises(ValueError, match="has no JACCL"):  # this MLX (Linux's) has none: as an old Mac's
+        jaccl_problem("jaccl", "darwin")
+    args = argparse.Namespace(hosts=jaccl_file(tmp_path), ssh_command="ssh", group_keys="", rank_keys="")
+    with pytest.raises(ValueError, match="JACCL"):
+        hosts_settings(args, 4)
 
 
 def test_serve_flags_refuse_hosts_without_a_group_or_without_keys(tmp_path):
