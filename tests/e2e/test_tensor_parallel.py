@@ -195,16 +195,17 @@ def test_a_stuck_follower_ends_its_group_at_the_unit_deadline_and_requests_go_on
     """A rank that hangs without dying (SIGSTOP here; a stuck GPU or ranks
     whose steps went apart in life) leaves rank 0 waiting in a collective
     that no message can end: past --tensor-parallel-timeout rank 0 dies,
-    the group restarts, and the stream goes on as if nothing happened."""
+    the group restarts, and the stream comes as if nothing happened."""
     srv = llama_group
     expected, _ = ask(srv, PROMPTS[2], 60)
     leader, follower = srv.worker_pid("prefill+decode"), follower_pids(srv)[-1]
     restarts = srv.log_path.read_text().count("restarting group worker-0")
-    pieces = stream(srv, PROMPTS[2], 60)
-    got = [next(pieces) for _ in range(3)]
+    # Stopped before the request comes, so rank 0 surely waits in the first
+    # collective of its units, however fast the box (a tiny model's answer
+    # read mid-stream may be done on the server already).
     os.kill(follower, signal.SIGSTOP)
     try:
-        got += list(pieces)
+        got = list(stream(srv, PROMPTS[2], 60))
     finally:
         if pid_alive(follower):
             os.kill(follower, signal.SIGCONT)
