@@ -112,14 +112,18 @@ def test_a_pipeline_of_two_ranks_gives_one_process_greedy_tokens(server_factory,
     """tiny-qwen2's 3 layers over two ranks (mlx-lm's `pipeline`): rank 1 runs
     the first and sends its hidden states to rank 0, which runs the last two;
     both all_gather rank 0's last hidden state, so both sample the same token.
-    Warm-up on: every rank's first passes in step, as a real start has them."""
+    In the split layout: each prefill rank hands the KV of its own layers to
+    the same decode rank (a rank of uneven layers: the ranks count a batch's
+    handoff bytes alike). Warm-up on: every rank's first passes in step, as
+    a real start has them. (Colocated, a pipeline group keeps its KV in its
+    process, as the tensor-parallel llama group above does.)"""
     model = str(random_models / "tiny-qwen2")
     expected = one_process(model)
-    two = server_factory("--model", model, "--colocate", "--no-disk-cache", "--pipeline-parallel", "2",
-                         warm_up=True)
-    assert len(follower_pids(two)) == 1 and pid_alive(follower_pids(two)[0])
-    assert len(two.health()[1]["workers"]) == 1
+    two = server_factory("--model", model, "--no-disk-cache", "--pipeline-parallel", "2", warm_up=True)
+    assert all(len(follower_pids_of(two, g)) == 1 for g in ("prefill-0", "decode-0"))
+    assert sorted(w["id"] for w in two.health()[1]["workers"]) == ["decode-0", "prefill-0"]
     assert ask_all_at_once(two) == expected
+    assert metric(two, "tandem_kv_handoff_tokens_total", '{path="copied"}') >= len(PROMPTS) * 5
     log = two.log_path.read_text()
     assert "pipeline rank 0 of 2 keeps layers 1-2 of 3" in log and "pipeline rank 1 of 2 keeps layers 0-0 of 3" in log
 

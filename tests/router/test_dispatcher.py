@@ -72,10 +72,14 @@ def test_silent_worker_is_dropped_and_its_request_fails_when_none_comes_back():
         alive.cancel()
         # The request waited migrate_timeout_s for a prefill worker to come back.
         assert e.value.status == 503 and "missed heartbeats" in str(e.value) and "no worker took its place" in str(e.value)
-        assert time.monotonic() - t0 < 3.0
+        # Expected ~1.5 s (1 s of silence, then 0.5 s); without the migrate wait
+        # it would be run()'s 30 s cap or the 60 s default.
+        assert time.monotonic() - t0 < 5.0
         assert "prefill-0" not in disp.workers and "decode-0" in disp.workers
 
-    run(body, migrate_timeout_s=0.5)
+    # Silence is what this test is about: a short heartbeat timeout (run()'s is
+    # 5 s), long enough that the beating decoder survives a stalled loop.
+    run(body, migrate_timeout_s=0.5, heartbeat_timeout_s=1.0)
 
 
 def test_restarted_worker_replaces_the_old_one_at_once():

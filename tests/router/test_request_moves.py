@@ -19,7 +19,7 @@ from tests.support.dispatcher import request, run, wait_for
 
 
 async def ready(*workers):
-    """Each worker says hello, then keeps beating (the test's dispatcher drops a worker silent for 0.5 s)."""
+    """Each worker says hello, then keeps beating, as a live worker does."""
     async def beat(w):
         while True:
             await w.beat()

@@ -55,10 +55,13 @@ class ScriptedWorker:
 
 def run(coro_fn, **overrides):
     """Run `coro_fn(dispatcher, worker)` against a started Dispatcher, where
-    `worker(wid, roles)` makes a ScriptedWorker; Settings take `overrides`."""
+    `worker(wid, roles)` makes a ScriptedWorker; Settings take `overrides`.
+    A worker is dropped after 5 s of silence, so one that beat once stays
+    through an event-loop stall on a loaded box; a test of a silent worker
+    being dropped passes a small heartbeat_timeout_s."""
     async def main(tmp):
-        settings = Settings(run_dir=tmp, heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5, model_id="m",
-                            cache_call_timeout_s=0.2, **overrides)
+        settings = Settings(**{"run_dir": tmp, "heartbeat_interval_s": 0.05, "heartbeat_timeout_s": 5.0,
+                               "model_id": "m", "cache_call_timeout_s": 0.2, **overrides})
         disp = Dispatcher(settings, max_context=1024)
         await disp.start()
         ctx = zmq.asyncio.Context()
