@@ -86,6 +86,7 @@ class WorkerTable:
                 "waiting": w.hello.waiting,
                 "last_seen_s": round(now - w.last_seen, 3),
                 **({"kv_host": w.hello.kv_host} if w.hello.kv_host else {}),
+                **({"kv_shard": w.hello.kv_shard} if w.hello.kv_shard else {}),  # a group's split
             }
             for wid, w in sorted(self.workers.items())
         ]

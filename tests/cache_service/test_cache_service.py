@@ -505,7 +505,9 @@ def test_client_unavailable_when_service_dead_then_recovers(procs, make_settings
         t0 = time.monotonic()
         with pytest.raises(CacheUnavailable):
             call()
-        assert 0.45 <= time.monotonic() - t0 < 1.5
+        # Its 0.5 s deadline, not sooner; the ceiling only catches a call that
+        # hangs (no deadline), with room for a loaded box.
+        assert 0.45 <= time.monotonic() - t0 < 5
 
     async def async_dead():
         aclient = AsyncCacheClient(first)
@@ -515,7 +517,7 @@ def test_client_unavailable_when_service_dead_then_recovers(procs, make_settings
         aclient.close()
         return time.monotonic() - t0
 
-    assert 0.45 <= asyncio.run(async_dead()) < 1.5
+    assert 0.45 <= asyncio.run(async_dead()) < 5  # as above
     # The killed service could not unlink its segment: the supervisor does.
     assert unlink_arena(first.arena_name) is True
 
@@ -590,8 +592,10 @@ def test_sigterm_stops_service_and_unlinks_arena(procs, make_settings):
     Arena.attach(settings.arena_name).close()
     t0 = time.monotonic()
     p.terminate()  # SIGTERM
-    p.join(5)
-    assert p.exitcode == 0 and time.monotonic() - t0 < 2
+    p.join(10)
+    # Within a loop tick (0.25 s) and the disk flush (<= 1 s) on a quiet box;
+    # waiting for the reservation (120 s ttl) or missing the signal is the failure.
+    assert p.exitcode == 0 and time.monotonic() - t0 < 5
     with pytest.raises(FileNotFoundError):
         Arena.attach(settings.arena_name)
 
@@ -636,17 +640,19 @@ def test_release_and_a_free_without_wait_are_sent_not_waited_for(procs, make_set
     assert client.free([handoff.allocation], arena=handoff.arena, wait=False) is None
     st = client.stats()  # the very next call: both done, their replies dropped
     assert (st["leases"], st["handoffs"], st["frees_total"]) == (0, 0, 1)
-    # A client that only posts (a decode worker's frees) keeps no backlog of replies.
+    # A client that only posts (a decode worker's frees) keeps no backlog of
+    # replies: each post drops the replies already in. Waiting for each reply
+    # to arrive (the queue was empty, so poll sees that one) before the next
+    # post makes the count exact: the last reply alone stays; without the
+    # drop, all 50 would.
     for i in range(50):
         client.free([10_000 + i], arena=handoff.arena, wait=False)
-        time.sleep(0.005)
-    assert wait_for(lambda: client._sock.poll(0), timeout_s=5)
-    time.sleep(0.2)
+        assert client._sock.poll(5000), "no reply to a post"
     pending = 0
-    while client._sock.poll(0):
+    while client._sock.poll(200):  # nothing more is owed: this ends at once after the last
         client._sock.recv_multipart()
         pending += 1
-    assert pending <= 2, f"{pending} stale replies kept"
+    assert pending == 1, f"{pending} stale replies kept"
     p.kill()
     p.join(5)
     t0 = time.monotonic()
@@ -736,7 +742,8 @@ def test_eviction_spares_leased_blocks_and_handoffs(procs, make_settings):
     for h in old:
         put_blocks(client, [h])
     held = client.lookup([old[0]], owner="slow-reader", lease_s=30)
-    lapsing = client.lookup([old[1]], owner="dead-reader", lease_s=0.3)  # never released
+    # Never released; long enough to outlast the evictions below on a loaded box.
+    lapsing = client.lookup([old[1]], owner="dead-reader", lease_s=2.0)
     assert len(held.blocks) == len(lapsing.blocks) == 1
     new = [H("new", i) for i in range(5)]
     put_blocks(client, new[:1])  # the last free slot
@@ -744,7 +751,7 @@ def test_eviction_spares_leased_blocks_and_handoffs(procs, make_settings):
     st = client.stats()
     assert st["evictions_total"] == 2 and st["blocks"] == 5
     put_blocks(client, new[3:4])  # old[0], old[1] are leased: new[0] goes
-    assert wait_for(lambda: client.stats()["leases_expired_total"] == 1, timeout_s=5)
+    assert wait_for(lambda: client.stats()["leases_expired_total"] == 1, timeout_s=10)
     put_blocks(client, new[4:5])  # old[1]'s lease lapsed: now it can go
     assert [looked_up(client, [h]) != [] for h in old] == [True, False, False, False]
     assert [looked_up(client, [h]) != [] for h in new] == [False, True, True, True, True]

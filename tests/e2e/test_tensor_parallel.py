@@ -237,7 +237,8 @@ def test_split_groups_hand_kv_off_rank_by_rank_with_one_process_greedy_tokens(sp
     tokens would differ from one process's."""
     srv = split_groups
     expected = one_process(str(random_models / "tiny-qwen3"))
-    assert sorted(w["id"] for w in srv.health()[1]["workers"]) == ["decode-0", "prefill-0"]  # rank 0s only
+    workers = srv.health()[1]["workers"]
+    assert sorted((w["id"], w["kv_shard"]) for w in workers) == [("decode-0", "tensor 2"), ("prefill-0", "tensor 2")]
     assert all(len(follower_pids_of(srv, g)) == 1 for g in ("prefill-0", "decode-0"))
     copied = metric(srv, "tandem_kv_handoff_tokens_total", '{path="copied"}')
     assert ask_all_at_once(srv) == expected

@@ -173,17 +173,20 @@ def _leave_while_silent(server, engine):
 def _leave_while_tokenized(server, engine, monkeypatch):
     """The client goes while its prompt is in a thread: the place comes back once the thread is done."""
     original = TokenizerWrapper.apply_chat_template
-    started = threading.Event()
+    started, go = threading.Event(), threading.Event()
 
     def slow(*args, **kwargs):
         started.set()
-        time.sleep(1.0)
+        go.wait(10)  # held until the test has looked (the timeout only bounds a failed test)
         return original(*args, **kwargs)
 
     monkeypatch.setattr(TokenizerWrapper, "apply_chat_template", slow)
-    with send_raw(server, "/v1/chat/completions", CHAT):
-        assert started.wait(5)
-    assert metric(server, "tandem_requests_admitted") == 1  # the thread still works for it
+    try:
+        with send_raw(server, "/v1/chat/completions", CHAT):
+            assert started.wait(5)
+        assert metric(server, "tandem_requests_admitted") == 1  # the thread still works for it
+    finally:
+        go.set()  # the thread ends: the caller waits for the place to come back
 
 
 def _template_crashes(server, engine, monkeypatch):
@@ -235,22 +238,40 @@ def test_every_ending_gives_the_place_back(server, engine, monkeypatch, ending):
 # --------------------------------------------------------------------------- #
 
 
+async def _until(predicate, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition never held"
+        await asyncio.sleep(0.01)
+
+
+def _held(started, go):
+    """Work for a lane thread that runs until the test sets `go` (the timeout only bounds a failed test)."""
+    def work():
+        started.release()
+        go.wait(10)
+    return work
+
+
 def test_a_thread_still_working_keeps_the_place_of_a_request_that_gave_up():
     async def main():
         admission = Admission(1, timeout_s=5)
         ticket = admission.admit(10)
-        work = asyncio.ensure_future(ticket.off_loop(time.sleep, 0.3))
-        await asyncio.sleep(0.05)
-        work.cancel()  # the request is gone; its thread is not
-        with pytest.raises(asyncio.CancelledError):
-            with ticket:
-                await work
-        ticket.release()  # twice: still once
-        assert admission.admitted == 1
-        with pytest.raises(ApiError):
-            admission.admit(10)
-        await asyncio.sleep(0.4)
-        assert admission.admitted == 0
+        started, go = threading.Semaphore(0), threading.Event()
+        work = asyncio.ensure_future(ticket.off_loop(_held(started, go)))
+        try:
+            await _until(lambda: started.acquire(blocking=False))  # its thread runs
+            work.cancel()  # the request is gone; its thread is not
+            with pytest.raises(asyncio.CancelledError):
+                with ticket:
+                    await work
+            ticket.release()  # twice: still once
+            assert admission.admitted == 1
+            with pytest.raises(ApiError):
+                admission.admit(10)
+        finally:
+            go.set()
+        await _until(lambda: admission.admitted == 0)  # the thread ended: the place is back
 
     asyncio.run(main())
 
@@ -259,20 +280,24 @@ def test_a_request_waiting_for_a_thread_past_its_deadline_is_504_and_frees_its_p
     async def main():
         admission = Admission(3, timeout_s=0.2)
         busy = [admission.admit(10) for _ in range(2)]
-        blockers = [asyncio.ensure_future(t.off_loop(time.sleep, 0.5)) for t in busy]
-        await asyncio.sleep(0.05)  # both small-lane threads busy
-        late = admission.admit(10)
-        with pytest.raises(ApiError) as caught:
-            with late:
-                await late.off_loop(lambda: None)
-        assert caught.value.status == 504
-        assert admission.admitted == 2  # the late one never ran: its place is back at once
-        await asyncio.gather(*blockers, return_exceptions=True)  # past their deadline too, their threads asleep
-        for ticket in busy:
-            ticket.release()
-        assert admission.admitted == 2
-        await asyncio.sleep(0.5)
-        assert admission.admitted == 0
+        started, go = threading.Semaphore(0), threading.Event()
+        blockers = [asyncio.ensure_future(t.off_loop(_held(started, go))) for t in busy]
+        try:
+            for _ in busy:  # both small-lane threads busy
+                await _until(lambda: started.acquire(blocking=False))
+            late = admission.admit(10)
+            with pytest.raises(ApiError) as caught:
+                with late:
+                    await late.off_loop(lambda: None)
+            assert caught.value.status == 504
+            assert admission.admitted == 2  # the late one never ran: its place is back at once
+            await asyncio.gather(*blockers, return_exceptions=True)  # past their deadline too, their threads held
+            for ticket in busy:
+                ticket.release()
+            assert admission.admitted == 2
+        finally:
+            go.set()
+        await _until(lambda: admission.admitted == 0)  # their threads ended: the places are back
 
     asyncio.run(main())
 

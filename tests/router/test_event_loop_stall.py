@@ -2,16 +2,17 @@
 
 Its chat template and tokenization (the embedded model's real tokenizer:
 seconds of work) must not run on the router's event loop, which sends every
-stream's tokens: the streams' inter-token gaps while the big prompt is
-prepared stay close to their gaps before it. The prompt itself is far longer
-than the model's context, so it ends as a 400, which must come back.
+stream's tokens: no stream's tokens stop while the big prompt is prepared.
+The prompt itself is far longer than the model's context, so it ends as a
+400, which must come back.
 
-A timing test, by design: the bound is generous (twice the quiet p99 plus
-SLACK_S, against the multi-second freeze it guards against: 8-40 s with the
-template on the loop). On a quiet box the p99 during the prompt stays within
-1.7x of the quiet one; the slack is for other processes' load, under which
-the tokenizing thread's short GIL-holding steps (JSON decoding, converting
-and freeing the tokenizer's output) stretch."""
+The bound is on the failure mode, not on a ratio to the quiet gaps (which
+moves with the box's load): with the template on the loop every stream
+froze for the whole preparation, 8-40 s. MAX_GAP_S is far below that and
+far above a working router's worst gap (tens of ms on a quiet box; the
+tokenizing thread's short GIL-holding steps, JSON decoding and converting
+and freeing the tokenizer's output, stretch under load, not to seconds).
+The quiet gaps are printed for comparison."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ STREAMS = 4
 TOKEN_DELAY_S = 0.02  # the scripted engine's pace: 50 tokens/s per stream
 QUIET_S = 3.0
 BODY_BYTES = 8 * 1024 * 1024  # the default --max-request-bytes
-SLACK_S = 0.2
+MAX_GAP_S = 2.0  # the worst inter-token gap while the prompt is prepared; a freeze is 8-40 s
 
 
 @pytest.fixture(scope="module")
@@ -104,4 +105,4 @@ def test_an_8_mib_prompt_leaves_the_streams_decoding(smollm2_tokenizer):
           f"quiet p99 {_p99(quiet) * 1e3:.1f} ms (max {max(quiet) * 1e3:.1f}), "
           f"during the prompt p99 {_p99(loaded) * 1e3:.1f} ms (max {max(loaded) * 1e3:.1f}, {len(loaded)} gaps)")
     assert len(loaded) >= STREAMS  # the streams kept going while the prompt was prepared
-    assert _p99(loaded) <= 2 * _p99(quiet) + SLACK_S
+    assert max(loaded) < MAX_GAP_S  # overlapping gaps: a freeze still running at `answered` counts

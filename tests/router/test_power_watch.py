@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 
@@ -104,23 +105,31 @@ def test_workers_get_the_limits_with_their_heartbeats_until_they_echo_them():
     and apply WorkerLimits as a worker does: their heartbeats echo the version."""
     from tests.support.dispatcher import run
 
+    async def limits_come(w, n, timeout=5.0):
+        """Wait (with a deadline, not a fixed time) until `w` has applied `n` WorkerLimits."""
+        deadline = time.monotonic() + timeout
+        while len(w.limits) < n:
+            assert time.monotonic() < deadline, f"{len(w.limits)} WorkerLimits, {n} expected"
+            assert await w.silent_for(0.05)
+
     async def body(disp, worker):
         dec, vis = worker("decode-0", ["decode"]), worker("vision-0", ["vision"])
         await dec.beat()
         await vis.beat()
-        assert await dec.silent_for(0.3) is True and [l.policy for l in dec.limits] == ["performance"]
+        await limits_come(dec, 1)
+        assert [l.policy for l in dec.limits] == ["performance"]
         assert vis.limits == [] and await vis.silent_for(0.1)  # nothing of it to apply
         await dec.beat()  # echoes the version: nothing more
         assert await dec.silent_for(0.2) and len(dec.limits) == 1
         disp.power.update(LOW)
         await dec.beat()
-        await dec.silent_for(0.3)
+        await limits_come(dec, 2)
         assert [l.policy for l in dec.limits] == ["performance", "saver"] and dec.limits[-1].max_batch == 4
         dec.hello.pid += 1  # restarted: a new process that never heard of a policy
         dec.hello.limits_version = 0
         await dec.beat()
-        await dec.silent_for(0.3)
-        assert dec.limits[-1].policy == "saver" and len(dec.limits) == 3
+        await limits_come(dec, 3)
+        assert dec.limits[-1].policy == "saver" and await dec.silent_for(0.1) and len(dec.limits) == 3
 
     run(body, max_batch=32)
 

@@ -625,8 +625,10 @@ def test_disconnect_while_engine_is_silent_cancels_promptly(server, engine, stre
         )
         wait_for(lambda: engine.requests, 5, "the request did not reach the engine")
     closed_at = time.monotonic()
-    wait_for(lambda: engine.cancelled, 5, "the engine request was not cancelled")
-    assert time.monotonic() - closed_at < 2
+    wait_for(lambda: engine.cancelled, 10, "the engine request was not cancelled")
+    # At once on a quiet box; a missed disconnect would be noticed only when the
+    # first token (30 s away) failed to send.
+    assert time.monotonic() - closed_at < 5
 
 
 # --------------------------------------------------------------------------- #

@@ -86,9 +86,12 @@ def test_config_quantization_block(tmp_path):
 
 
 def test_embedded_header_reads_fast():
-    t = time.perf_counter()
+    # CPU time of this thread, not wall time, so a loaded box does not count:
+    # ~0.07 s here, against ~3.6 s for the gguf package's reader, which
+    # builds every array (49152 token strings).
+    t = time.thread_time()
     h = read_header(embedded_gguf())
-    assert time.perf_counter() - t < 2.0  # the gguf package's reader takes ~3 s here
+    assert time.thread_time() - t < 1.0
     assert h.metadata["general.architecture"] == "llama"
     assert h.metadata["tokenizer.ggml.tokens"] == 49152  # arrays are kept as their length
     assert {t.type_name for t in h.tensors} == {"Q4_1", "Q8_0", "F32"}
