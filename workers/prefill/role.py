@@ -285,7 +285,9 @@ class PrefillRole(Role):
                  staged: Optional[list] = None) -> KVHandoff:
         """Put the prompt's KV in the arena (workers/kv/handoff.py
         write_handoff), after `hold`'s blocks only when given; or, for a
-        decode worker on another host, in the message (`kv_by_value`)."""
+        decode worker on another host, in the message (`kv_by_value`). A
+        group's rank writes its own part and learns the others'
+        (workers/group/handoff_shards.py)."""
         release = self.prefix.release if self.prefix is not None else (lambda lease: None)
 
         def write():
