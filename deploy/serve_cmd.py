@@ -87,8 +87,6 @@ def group_error(args: argparse.Namespace, model_dir) -> str | None:
     if not args.colocate and args.hosts:
         return (f"{flag} --hosts needs --colocate: split prefill and decode groups hand KV off rank by rank "
                 "through each host's arena, and the other hosts run no cache service")
-    if args.speculative not in ("off", "auto") or args.draft_model:
-        return f"{flag} does not speculate yet: leave --speculative at off or auto, without --draft-model"
     if args.prefill_backend == "ane":
         return f"{flag} prefills with MLX only (not --prefill-backend ane)"
     if is_vlm(model_dir):
@@ -103,8 +101,8 @@ def add_layout_arguments(p: argparse.ArgumentParser, d: Settings) -> None:
     p.add_argument("--tensor-parallel", type=_positive, default=d.tensor_parallel, metavar="N",
                    help="split each worker's model over N processes of this host (or several: --hosts; mx.distributed: ring on the CPU "
                         "and Metal, NCCL with one GPU a rank on CUDA); split layout: a prefill "
-                        "and a decode group, rank i handing its KV shard to rank i through the arena; no "
-                        "speculation in a group yet")
+                        "and a decode group, rank i handing its KV shard to rank i through the arena; a draft "
+                        "model runs whole on every rank")
     p.add_argument("--pipeline-parallel", type=_positive, default=d.pipeline_parallel, metavar="N",
                    help="split each worker's model by layers over N processes of this host (a run of whole layers "
                         "each; architectures with mlx-lm's `pipeline`: qwen2, qwen3_moe, deepseek_v3, ...); "

@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -78,8 +79,11 @@ def follower_pids_of(srv, group: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def llama_group(request, tmp_path_factory, random_models):
-    """A group serving tiny-llama, shared by the llama comparison and the kill test (which ends it)."""
-    return module_server(request, tmp_path_factory, "--model", str(random_models / "tiny-llama"), "--colocate",
+    """A group serving tiny-llama, shared by the llama comparison and the kill test (which ends it).
+    It drafts with the model itself (--draft-model: whole on each rank), so every draft is right
+    and every step that drafts is a speculative step of several tokens, on both ranks alike."""
+    model = str(random_models / "tiny-llama")
+    return module_server(request, tmp_path_factory, "--model", model, "--colocate", "--draft-model", model,
                          "--no-disk-cache", "--tensor-parallel", "2", "--tensor-parallel-timeout", str(UNIT_TIMEOUT_S))
 
 
@@ -99,13 +103,33 @@ def one_process(folder: str) -> list:
     return out
 
 
+def spec_tokens(srv) -> tuple[float, float]:
+    """(drafted, accepted) tokens, once the decode worker's heartbeat (0.5 s) has brought them."""
+    text = ""
+    for _ in range(50):
+        text = httpx.get(srv.base_url + "/metrics", timeout=10).text
+        counts = tuple(sum(float(v) for v in re.findall(rf"^tandem_spec_{k}_tokens_total\{{[^}}]*\}} (\S+)$", text, re.M))
+                       for k in ("proposed", "accepted"))
+        if counts[0]:
+            return counts
+        time.sleep(0.1)
+    return counts
+
+
 def test_two_ranks_give_one_process_greedy_tokens(llama_group, random_models):
+    """Speculating (the group's draft model is the target: always right): each
+    decode step carries rank 0's step costs, so both ranks draft as many
+    tokens per row and run the same verify passes; had they drafted apart,
+    their collectives would have hung until the unit deadline restarted the group."""
     expected = one_process(str(random_models / "tiny-llama"))
     two = llama_group
     assert len(follower_pids(two)) == 1 and pid_alive(follower_pids(two)[0])
     assert len(two.health()[1]["workers"]) == 1  # the router sees rank 0 only
     assert ask_all_at_once(two) == expected
     assert [n for _, n in expected] == MAX_TOKENS  # every row ran to its length: rows ended at different steps
+    drafted, accepted = spec_tokens(two)
+    assert drafted >= 10 and accepted == drafted
+    assert "restarting group" not in two.log_path.read_text()
 
 
 def test_a_pipeline_of_two_ranks_gives_one_process_greedy_tokens(server_factory, random_models):
@@ -183,7 +207,6 @@ def test_models_and_flags_a_group_cannot_take_are_refused_at_start(embedded_mode
         # The embedded SmolLM2-135M: 9 attention heads and 3 KV heads do not split in two.
         ("--colocate", "--tensor-parallel", "2"): "9 attention heads, 3 KV heads do not divide by --tensor-parallel 2",
         ("--tensor-parallel", "2", "--hosts", "hosts.json"): "--hosts needs --colocate",
-        ("--colocate", "--tensor-parallel", "3", "--speculative", "prompt-lookup"): "does not speculate",
         # SmolLM2 is a llama: mlx-lm has no pipeline for it.
         ("--colocate", "--pipeline-parallel", "2"): "no pipeline-parallel `pipeline` method",
         ("--colocate", "--tensor-parallel", "2", "--pipeline-parallel", "2"): "2-D group, which is not built",

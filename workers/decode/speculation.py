@@ -99,6 +99,17 @@ class StepCosts:
         old = self.moments.get(rows)
         self.moments[rows] = new if old is None else [_average(a, b, self.SMOOTHING) for a, b in zip(old, new)]
 
+    def state(self) -> list:
+        """What it learnt, as msgpack-ready lists (a group's rank 0 sends its
+        own to the followers before each decode step: workers/group/members.py)."""
+        return [[[r, s] for r, s in self.plain.items()], [[r, list(m)] for r, m in self.moments.items()]]
+
+    def load(self, state: list) -> None:
+        """Take another's `state()`: its choices of k are this one's from now."""
+        plain, moments = state
+        self.plain = {int(r): float(s) for r, s in plain}
+        self.moments = {int(r): [float(x) for x in m] for r, m in moments}
+
     def model(self, rows: int) -> Tuple[float, float]:
         """(fixed, per_draft): a speculative step of k drafts a row costs
         fixed + per_draft x k ordinary steps of `rows` rows."""

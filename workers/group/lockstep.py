@@ -8,7 +8,8 @@ another host, workers/group/hosts.py); a record is a list of ops:
 
 - ("m", n): a message rank 0 handled, in its n protos/codec.py frames
   (after the op list, in order);
-- ("u", unit, wait): a unit of MLX work (workers/worker.py `run_unit`);
+- ("u", unit, wait[, costs]): a unit of MLX work (workers/worker.py
+  `run_unit`), a decode step with rank 0's speculative step costs;
 - ("ready",): rank 0 has loaded; ("stop",): rank 0 stops.
 
 Messages wait in the recorder until the next unit (or beat) sends them
@@ -18,9 +19,10 @@ heartbeat, sent when nothing else was for `beat_s`.
 
 Decisions that hang on time or on other processes are rank 0's alone and
 reach the followers as what they chose: the units it ran (the power
-policy's pace, which units had work), and, in the messages, a sampling seed
-for every request that had none (`pin_seed`), so every rank draws the same
-tokens.
+policy's pace, which units had work), what its decode steps cost
+(speculation's choice of how many tokens a row drafts follows it), and, in
+the messages, a sampling seed for every request that had none
+(`pin_seed`), so every rank draws the same tokens.
 
 A follower (`RecordStream`) that hears nothing for `silence_s` (rank 0 is
 gone, or stuck) exits non-zero; the supervisor restarts the whole group.
@@ -75,7 +77,7 @@ def encode_record(ops: list, frames: list) -> list:
 
 
 def decode_record(frames: list) -> list:
-    """[("m", message) | ("u", unit, wait) | ("ready",) | ("stop",)]: the
+    """[("m", message) | ("u", unit, wait[, costs]) | ("ready",) | ("stop",)]: the
     messages decoded. Raises codec.ProtocolError on anything malformed (a
     follower cannot follow a record it cannot read)."""
     try:
@@ -140,9 +142,11 @@ class Recorder:
         self.ops.append(("m", len(frames)))
         self.frames += frames
 
-    def unit(self, unit: str, wait: bool = False) -> None:
-        """Send what waits, with `unit`: called before rank 0 runs it."""
-        self.ops.append(("u", unit, wait))
+    def unit(self, unit: str, wait: bool = False, costs: list | None = None) -> None:
+        """Send what waits, with `unit`: called before rank 0 runs it.
+        `costs`: rank 0's speculative step costs, for a decode step
+        (StepCosts.state: the followers draft as rank 0 does)."""
+        self.ops.append(("u", unit, wait) if costs is None else ("u", unit, wait, costs))
         self.flush()
 
     def beat(self) -> None:

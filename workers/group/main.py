@@ -29,8 +29,9 @@ def run(settings: Settings, roles: list[str], spec: RankSpec) -> None:
     """Process main for one rank of a group (a `spawn` target)."""
     set_cuda_graphs()  # before any GPU work: MLX reads it once
     setup_logging(settings.log_level, f"worker:{spec.name}")
-    # Drafts and the Neural Engine stay out of a group for now (serve refuses them; auto means off, MLX).
-    settings = replace(settings, speculative="off", prefill_backend="mlx")
+    # Every rank drafts as rank 0 does (prompt lookup, or the whole draft model on each
+    # rank: workers/group/members.py); prefill runs on MLX, not the Neural Engine (serve refuses it).
+    settings = replace(settings, prefill_backend="mlx")
     group = join_group(spec)
     if spec.rank == 0:
         from workers.main import run as run_worker

@@ -93,7 +93,7 @@ class LeaderWorker(Worker):
         super().handle(msg)
 
     def run_unit(self, unit: str, wait: bool = False) -> None:
-        self.recorder.unit(unit, wait)
+        self.recorder.unit(unit, wait, self.step_costs(unit))
         self.outbox.held = []
         try:
             with unit_deadline(self.settings.group_unit_timeout_s):
@@ -104,6 +104,13 @@ class LeaderWorker(Worker):
             raise GroupBroken(f"a follower of {self.worker_id} died: {len(held)} requests left to the router to move")
         for msg in held:
             self.outbox.send(msg)
+
+    def step_costs(self, unit: str) -> list | None:
+        """What rank 0's steps cost, for a decode step that may speculate: how
+        many tokens a row drafts follows it (workers/decode/speculation.py
+        StepCosts, timed per rank), and every rank must draft alike."""
+        spec = self.decode.engine.speculation if unit == "decode" and self.decode is not None else None
+        return spec.costs.state() if spec is not None else None
 
     def drain_inbox(self, block: bool, timeout: float = 0.25) -> None:
         super().drain_inbox(block, timeout)
@@ -164,6 +171,8 @@ class FollowerWorker(Worker):
         if kind == "m":
             self.handle(op[1])
         elif kind == "u":
+            if len(op) > 3:  # rank 0's step costs: this rank drafts as rank 0 does
+                self.decode.engine.speculation.costs.load(op[3])
             with unit_deadline(self.settings.group_unit_timeout_s):
                 self.run_unit(op[1], wait=op[2])
         elif kind == "stop":

@@ -89,3 +89,28 @@ def test_rank_0_picks_the_seed_of_a_sampled_request_without_one():
     decode = DecodeRequest("c", [1], 5, KVHandoff("c", 1, 0, local=True), SamplingParams(max_tokens=2, temperature=1.0))
     assert pin_seed(decode).sampling.seed is not None
     assert pin_seed(Cancel("d")) == Cancel("d")
+
+
+def test_a_decode_step_carries_rank_0s_costs_and_a_follower_drafts_as_rank_0_does(ctx, tmp_path):
+    """How many tokens a row drafts follows what steps cost, timed per rank
+    (StepCosts): a follower that timed its own steps could draft another k
+    and run another verify pass, and the group's collectives would hang. So
+    a decode unit's record carries rank 0's costs, and a follower that loads
+    them chooses every k as rank 0 does."""
+    from workers.decode.prompt_lookup import PromptLookup
+    from workers.decode.speculation import Speculation
+
+    leader, follower = (Speculation(PromptLookup(), max_tokens=8, max_rows=8) for _ in range(2))
+    leader.costs.ordinary(1, 0.010)
+    leader.costs.speculative(1, 5, 0.030)  # dear drafts on rank 0's machine
+    follower.costs.ordinary(1, 0.010)
+    follower.costs.speculative(1, 9, 0.0105)  # cheap ones on the follower's
+    assert leader.best_k(0.6, 1) != follower.best_k(0.6, 1)
+    recorder, stream = pair(ctx, tmp_path)
+    recorder.unit("decode", costs=leader.costs.state())
+    [op] = stream.next(5.0)
+    assert op[:3] == ("u", "decode", False)
+    follower.costs.load(op[3])
+    assert all(follower.best_k(rate, rows) == leader.best_k(rate, rows) for rate in (0.3, 0.6, 0.9) for rows in (1, 2))
+    recorder.close()
+    stream.close()
