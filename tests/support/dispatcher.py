@@ -72,7 +72,27 @@ def run(coro_fn, **overrides):
             ctx.destroy(linger=0)
 
     with tempfile.TemporaryDirectory() as tmp:
-        asyncio.run(asyncio.wait_for(main(tmp), 30))
+        asyncio.run(capped(main(tmp), RUN_CAP_S))
+
+
+RUN_CAP_S = 30.0
+
+
+async def capped(coro, seconds: float):
+    """`coro`'s result, or an AssertionError after `seconds` that says where
+    every task still stood (a test stuck in the dispatcher's stop, say,
+    names the loop that did not end)."""
+    task = asyncio.ensure_future(coro)
+    done, _ = await asyncio.wait({task}, timeout=seconds)
+    if done:
+        return task.result()
+    here = asyncio.current_task()
+    where = [f"{t.get_name()} {t.get_coro().__qualname__}: "
+             + " <- ".join(f"{f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno}" for f in t.get_stack())
+             for t in asyncio.all_tasks() if t is not here]
+    task.cancel()
+    await asyncio.wait({task}, timeout=5)
+    raise AssertionError(f"the scripted run did not end within {seconds:g} s; tasks then:\n" + "\n".join(where))
 
 
 async def wait_for(pred, timeout=3.0):
