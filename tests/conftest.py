@@ -9,6 +9,18 @@ from tests.support.server import TandemServer
 from tests.support.tiny_models import load_tiny_model, make_tiny_llama
 
 E2E = "tests/e2e/"
+# End-to-end modules that run last, on the other worker, once its own modules
+# are done (about 2/3 of the end-to-end unit's time): the end-to-end unit
+# alone took ~840 s of a ~860 s run, the other worker ~490 s. Modules
+# without kills or tight deadlines, so a second server beside the unit's is safe.
+E2E_LATE = ("tests/e2e/test_e2e_agents.py", "tests/e2e/test_e2e_vision.py")
+
+
+def _part(nodeid: str) -> int:
+    """0: the end-to-end unit; 1: every other module; 2: the late end-to-end modules."""
+    if nodeid.startswith(E2E_LATE):
+        return 2
+    return 0 if nodeid.startswith(E2E) else 1
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -17,23 +29,24 @@ def pytest_xdist_make_scheduler(config, log):
     go to one worker as one unit, first, one after another (each runs whole
     servers; two at once would starve each other's deadlines), while the
     other worker takes the other modules, each whole (its module fixtures
-    made once)."""
+    made once), then the late end-to-end modules (E2E_LATE), as one unit."""
     from xdist.scheduler import LoadScopeScheduling
 
     class EndToEndApart(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "e2e" if nodeid.startswith(E2E) else nodeid.split("::", 1)[0]
+            return ("e2e", "", "e2e-late")[_part(nodeid)] or nodeid.split("::", 1)[0]
 
     config.option.loadscopereorder = False  # the collection's order: the end-to-end unit first
     return EndToEndApart(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    """The end-to-end tests first (each part keeps its order): their unit is
-    the longest, so it starts at once on its worker. (Under xdist only: a
-    worker has `workerinput`; a plain run keeps the files' order.)"""
+    """The end-to-end unit first (each part keeps its order): it is the
+    longest, so it starts at once on its worker; the late end-to-end modules
+    last, so the other worker takes them after its own. (Under xdist only:
+    a worker has `workerinput`; a plain run keeps the files' order.)"""
     if hasattr(config, "workerinput"):
-        items.sort(key=lambda item: not item.nodeid.startswith(E2E))
+        items.sort(key=lambda item: _part(item.nodeid))
 
 
 @pytest.fixture(scope="session")
