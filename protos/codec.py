@@ -38,11 +38,20 @@ _BY_NAME = {cls.__name__: cls for cls in ALL_MESSAGES}
 _SCALARS = frozenset({int, float, str, bytes, bool, type(None)})  # msgpack's own (np.generic is not)
 
 
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}  # a dataclass's field names, looked up once per class
+
+
 def _pack(value: Any, arrays: list) -> Any:
-    if dataclasses.is_dataclass(value):
-        out = {"~t": type(value).__name__}
-        for f in dataclasses.fields(value):
-            out[f.name] = _pack(getattr(value, f.name), arrays)
+    cls = type(value)
+    names = _FIELD_NAMES.get(cls)
+    if names is None and dataclasses.is_dataclass(value):
+        # A handoff's 2 slices a layer made `dataclasses.fields` per slice
+        # most of its encoding (~0.9 ms for 32 layers).
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(value))
+    if names is not None:
+        out = {"~t": cls.__name__}
+        for name in names:
+            out[name] = _pack(getattr(value, name), arrays)
         return out
     if isinstance(value, np.ndarray):
         arr = value if value.flags.c_contiguous else np.ascontiguousarray(value)  # (which makes 0-d 1-d)

@@ -51,7 +51,8 @@ RANK = textwrap.dedent("""
 def test_two_ring_ranks_gather_their_parts_and_fail_alike(tmp_path):
     r0, r1 = run_ring_ranks(RANK, tmp_path)
     assert r0["own"] == [10, 0] and r1["own"] == [11, 4096]
-    assert r0["shards"] == [["arena-a", 11, 4096 + 64]] == r1["shards"]  # rank 1's part, as rank 1 wrote it
+    assert r0["shards"] == [["arena-a", 11, 4096 + 64]]  # rank 1's part, as rank 1 wrote it
+    assert r1["shards"] == []  # a follower's handoff goes nowhere: it reads no part
     assert "rank 1 of the group could not write its part" in r0["second"]
     assert r1["second"] == "KV handoff of 4096 bytes refused: arena full"
     assert r0["given_back"] == [10] and r1["given_back"] == []  # rank 0's written part, not left to its TTL
