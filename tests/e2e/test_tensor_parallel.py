@@ -290,3 +290,21 @@ def test_a_killed_decode_follower_restarts_its_group_and_the_stream_goes_on(spli
     srv.wait_healthy(timeout=90)
     assert "restarting group decode-0" in srv.log_path.read_text()
     assert ask(srv, PROMPTS[1], 9)[1] == 9
+
+
+def test_a_killed_prefill_follower_restarts_its_group_while_streams_decode_on(split_groups):
+    """The prefill group's rank 1 killed mid-stream: the stream, decoding in
+    the other group, goes on untouched; the prefill group restarts (rank 0
+    with it) and the next prompt is prefilled by the new group."""
+    srv = split_groups
+    expected, _ = ask(srv, PROMPTS[2], 80)
+    leader, follower = srv.worker_pid("prefill"), follower_pids_of(srv, "prefill-0")[-1]
+    pieces = stream(srv, PROMPTS[2], 80)
+    got = [next(pieces) for _ in range(2)]
+    os.kill(follower, signal.SIGKILL)
+    got += list(pieces)
+    assert "".join(got) == expected
+    body = srv.wait_healthy(timeout=90)
+    assert leader not in [w["pid"] for w in body["workers"]]  # rank 0 went with its follower
+    assert "restarting group prefill-0" in srv.log_path.read_text()
+    assert ask(srv, PROMPTS[2], 80)[0] == expected  # prefilled by the new group
