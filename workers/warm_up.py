@@ -62,7 +62,8 @@ def warm_up(model, decode=None, batch: bool = False, fatal: bool = False) -> flo
         if decode is not None:
             shorter = tokens[:SHORTER_TOKENS]
             rows.append((REQUEST_ID + "-2", shorter, engine.run(shorter, greedy)))
-            _decode(decode, [row for row in rows if row[2].first_token not in decode.eos_token_ids], greedy)
+            _decode(decode, [row for row in rows if row[2].first_token not in decode.eos_token_ids], greedy,
+                    speculate=not fatal)
     except Exception as e:  # noqa: BLE001 - never fatal but in a group; see the docstring
         if fatal:
             raise
@@ -97,9 +98,15 @@ def _batch(engine, tokens: list, cache: list, sampling: SamplingParams) -> None:
     run_batch(jobs)
 
 
-def _decode(decode, rows: list, sampling: SamplingParams) -> None:
-    """Decode `rows` ([(request id, prompt tokens, PrefillResult)]) together."""
+def _decode(decode, rows: list, sampling: SamplingParams, speculate: bool = True) -> None:
+    """Decode `rows` ([(request id, prompt tokens, PrefillResult)]) together;
+    without drafts unless `speculate` (a group's ranks: the warm-up is one
+    unit, whose steps carry no step costs from rank 0, and ranks that timed
+    their steps apart could draft apart: workers/group/members.py)."""
     prefix, decode.prefix = decode.prefix, None  # nothing of the warm-up is committed
+    speculation = decode.speculation
+    if not speculate:
+        decode.speculation = None
     try:
         for rid, tokens, result in rows:
             decode.add(DecodeRequest(rid, tokens, result.first_token,
@@ -112,4 +119,4 @@ def _decode(decode, rows: list, sampling: SamplingParams) -> None:
     finally:
         for rid, _, _ in rows:
             decode.cancel(rid, save=False)  # still there only if a step failed
-        decode.prefix = prefix
+        decode.prefix, decode.speculation = prefix, speculation

@@ -53,7 +53,7 @@ def test_a_failing_warm_up_is_logged_not_raised(embedded_model, caplog):
 
     class Broken:
         eos_token_ids = []
-        prefix = None
+        prefix = speculation = None
 
         def add(self, *a):
             raise RuntimeError("no room")
@@ -84,3 +84,35 @@ def test_a_batching_prefill_worker_warms_up_a_batch_of_two_follow_ups(embedded_m
     assert len(batches) == 1
     (c1, t1), (c2, t2) = batches[0]
     assert c1 != c2 and t1 - c1 != t2 - c2 and min(c1, c2) > 0
+
+
+class CountingDrafter:
+    """A drafter that counts the steps that asked it for drafts (and offers none)."""
+
+    method = "counting"
+
+    def __init__(self):
+        self.asked = 0
+
+    def propose(self, batch, asking, inputs):
+        self.asked += 1
+        return [[] for _ in asking]
+
+    def leave(self, uid):
+        pass
+
+
+def test_a_groups_warm_up_decodes_without_drafts(embedded_model):
+    """A group's ranks time their steps apart, and the warm-up's steps carry
+    no costs from rank 0 (workers/group/members.py): a rank's warm-up
+    (`fatal`) decodes without asking for drafts, its speculation back after;
+    a worker alone drafts in its warm-up (its verify step compiles there)."""
+    from workers.decode.speculation import Speculation
+
+    model, _ = embedded_model
+    for fatal, asks in ((True, False), (False, True)):
+        drafter = CountingDrafter()
+        spec = Speculation(drafter, max_tokens=4, max_rows=8)
+        decode = DecodeEngine(model, 4, speculation=spec)
+        warm_up.warm_up(model, decode, fatal=fatal)
+        assert decode.speculation is spec and (drafter.asked > 0) == asks
