@@ -1,7 +1,7 @@
 """What a split worker group's handoff adds per prompt: the ranks telling
 each other where they put their KV shards (workers/group/handoff_shards.py
-gather_parts: two all_gathers of a few hundred bytes), against a group of
-one that gathers nothing.
+gather_parts: two all_gathers of a few KB), and rank 0 reading them (a
+worker alone gathers nothing).
 
     python benchmarks/probes/group_handoff.py [--layers 32] [--prompts 200] [--ranks 2]
 
@@ -26,7 +26,7 @@ import time
 RANK = """
 import json, sys, time
 from protos.messages import ArenaSlice, KVShard
-from workers.group.handoff_shards import gather_parts
+from workers.group.handoff_shards import gather_parts, read_part
 from workers.group.ranks import RankSpec, join_group
 
 rank, size, hostfile, layers, prompts = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]),
@@ -38,7 +38,7 @@ part = KVShard("tandem-arena-0", 1000 + rank, [[ArenaSlice(i * 8192, 4096, "bflo
 times = []
 for i in range(prompts + 10):
     t0 = time.perf_counter()
-    parts = gather_parts(group, part)
+    parts = [read_part(p) for p in gather_parts(group, part)]
     if i >= 10:  # the first gathers set the ring up
         times.append((time.perf_counter() - t0) * 1000)
 assert [p.allocation for p in parts] == [1000 + r for r in range(size)]

@@ -43,20 +43,22 @@ def part_of(h: KVHandoff) -> KVShard:
     return KVShard(h.arena, h.allocation, h.layers)
 
 
-def gather_parts(group, part: Optional[KVShard], read: bool = True) -> List[Optional[KVShard]]:
-    """Every rank's part, by rank (None: that rank wrote none; with `read`
-    False, the other ranks' parts are not decoded: True stands for one).
-    Collectives: every rank must call it at the same point."""
+def gather_parts(group, part: Optional[KVShard]) -> List[bytes]:
+    """Every rank's part, by rank, encoded (b"": that rank wrote none; `read_part`
+    decodes one). Collectives: every rank must call it at the same point."""
     data = b"" if part is None else codec.encode(part)[0]
     lengths = np.array(mx.distributed.all_gather(mx.array([len(data)], dtype=mx.int32), group=group)).tolist()
     longest = max(lengths)
     if longest == 0:
-        return [None] * len(lengths)
+        return [b""] * len(lengths)
     padded = np.zeros(longest, np.uint8)
     padded[: len(data)] = np.frombuffer(data, np.uint8)
     rows = np.array(mx.distributed.all_gather(mx.array(padded), group=group)).reshape(len(lengths), longest)
-    return [None if not n else codec.decode([rows[r, :n].tobytes()]) if read else True
-            for r, n in enumerate(lengths)]
+    return [rows[r, :n].tobytes() for r, n in enumerate(lengths)]
+
+
+def read_part(data: bytes) -> KVShard:
+    return codec.decode([data])
 
 
 def hand_off(group, write: Callable[[], KVHandoff], give_back: Callable[[KVHandoff], None]) -> KVHandoff:
@@ -67,9 +69,8 @@ def hand_off(group, write: Callable[[], KVHandoff], give_back: Callable[[KVHando
         handoff, error = write(), None
     except Exception as exc:  # noqa: BLE001 - gathered first, so no rank is left in the collective
         handoff, error = None, exc
-    # Only rank 0's handoff reaches the router: the followers need not read the parts.
-    parts = gather_parts(group, None if handoff is None else part_of(handoff), read=group.rank() == 0)
-    missing = [r for r, p in enumerate(parts) if p is None]
+    parts = gather_parts(group, None if handoff is None else part_of(handoff))
+    missing = [r for r, p in enumerate(parts) if not p]
     if missing and handoff is not None:
         give_back(handoff)
     if error is not None:
@@ -77,7 +78,8 @@ def hand_off(group, write: Callable[[], KVHandoff], give_back: Callable[[KVHando
     if missing:
         raise CacheUnavailable(f"rank {', '.join(map(str, missing))} of the group could not write "
                                "its part of the KV handoff")
-    handoff.shards = parts[1:] if group.rank() == 0 else []
+    # Only rank 0's handoff reaches the router: the followers need not read the parts.
+    handoff.shards = [read_part(p) for p in parts[1:]] if group.rank() == 0 else []
     return handoff
 
 

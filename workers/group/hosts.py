@@ -32,6 +32,8 @@ import os
 import socket
 from typing import NamedTuple
 
+from workers.group.ranks import free_ports
+
 # What join_group runs (workers/group/ranks.py): "" is ring, or nccl on CUDA. MPI is not built.
 BACKENDS = ("", "ring", "nccl", "jaccl", "jaccl-ring")
 
@@ -154,15 +156,6 @@ def plan_path(hostfile: str) -> str:
     return os.path.splitext(hostfile)[0] + ".plan.json"
 
 
-def _free_ports(n: int) -> list[int]:
-    ports: set[int] = set()
-    while len(ports) < n:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            ports.add(s.getsockname()[1])
-    return sorted(ports)
-
-
 def write_group_plan(hostfile: str, hosts, backend: str = "") -> None:
     """A group start's ring hostfile (MLX's: each rank's "ip:port" list) at
     `hostfile`, and its plan beside it: rank 0's tcp lockstep address for
@@ -170,16 +163,17 @@ def write_group_plan(hostfile: str, hosts, backend: str = "") -> None:
     Fresh ports (see the module's note)."""
     entries = [HostEntry(h[0], tuple(h[1]), tuple(h[2]) if len(h) > 2 else ()) for h in hosts]
     remote = [r for r in range(len(entries)) if is_remote(hosts, r)]
-    ports = iter(_free_ports(sum(len(h.ips) for h in entries) + len(remote) + 1))
+    jaccl = backend.startswith("jaccl")
+    ports = iter(free_ports(sum(len(h.ips) for h in entries) + len(remote) + jaccl, host=""))
     ring = [[f"{ip}:{next(ports)}" for ip in h.ips] for h in entries]
     lockstep = {str(r): f"tcp://{entries[0].ips[0]}:{next(ports)}" for r in remote}
-    jaccl = None
-    if backend.startswith("jaccl"):  # mlx.launch's MLX_JACCL_COORDINATOR, MLX_IBV_DEVICES, MLX_JACCL_RING
-        jaccl = {"coordinator": f"{entries[0].ips[0]}:{next(ports)}", "ring": backend == "jaccl-ring",
-                 "devices": [[list(d) if isinstance(d, tuple) else d for d in h.rdma] for h in entries]}
+    plan = None
+    if jaccl:  # mlx.launch's MLX_JACCL_COORDINATOR, MLX_IBV_DEVICES, MLX_JACCL_RING
+        plan = {"coordinator": f"{entries[0].ips[0]}:{next(ports)}", "ring": backend == "jaccl-ring",
+                "devices": [[list(d) if isinstance(d, tuple) else d for d in h.rdma] for h in entries]}
     with open(hostfile, "w") as f:
         json.dump(ring, f)
-    write_plan(plan_path(hostfile), lockstep, jaccl)
+    write_plan(plan_path(hostfile), lockstep, plan)
 
 
 def write_plan(path: str, lockstep: dict, jaccl: dict | None = None) -> None:

@@ -58,21 +58,22 @@ def rank_names(group: str, size: int) -> list[str]:
     return [RankSpec(group, r, size, "").name for r in range(size)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct ports free on `host` ("": every address) now."""
+    ports: set[int] = set()
+    while len(ports) < n:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            ports.add(s.getsockname()[1])
+    return sorted(ports)
 
 
 def write_hostfile(path: str, size: int) -> None:
     """mlx.launch's ring hostfile for `size` ranks on 127.0.0.1, each on a
     port free now (fresh at every group start: a restarted group never
     waits for its dead predecessor's sockets)."""
-    ports: set[int] = set()
-    while len(ports) < size:
-        ports.add(_free_port())
     with open(path, "w") as f:
-        json.dump([[f"127.0.0.1:{p}"] for p in sorted(ports)], f)
+        json.dump([[f"127.0.0.1:{p}"] for p in free_ports(size)], f)
 
 
 def rank_environment(rank: int, parent_env) -> dict:
