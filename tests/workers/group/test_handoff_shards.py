@@ -96,3 +96,8 @@ def test_a_group_takes_no_kv_by_value():
     assert own_part(msg, 0, 1) is msg  # a worker alone reads it from the message
     with pytest.raises(ValueError, match="not by value"):
         own_part(msg, 0, 2)
+    # Parts by value (a remote worker's, say) name slots in this host's arena: refused, nothing read.
+    forged = decode_request(KVHandoff("r1", 4, 4, layers=layers_at(0), payload=payload,
+                                      shards=[KVShard("tandem-arena-0", 7, layers_at(0))]))
+    with pytest.raises(ValueError, match="made by a group of 2 cannot be read by a worker alone"):
+        own_part(forged, 0, 1)
