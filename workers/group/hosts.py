@@ -32,8 +32,6 @@ import os
 import socket
 from typing import NamedTuple
 
-from workers.group.ranks import free_ports
-
 # What join_group runs (workers/group/ranks.py): "" is ring, or nccl on CUDA. MPI is not built.
 BACKENDS = ("", "ring", "nccl", "jaccl", "jaccl-ring")
 
@@ -149,6 +147,16 @@ def is_remote(hosts, rank: int) -> bool:
 def local_index(hosts, rank: int) -> int:
     """Rank `rank`'s place among the ranks of its host (its GPU there, on CUDA)."""
     return rank if not hosts else sum(1 for r in range(rank) if hosts[r][0] == hosts[rank][0])
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct ports free on `host` ("": every address) now."""
+    ports: set[int] = set()
+    while len(ports) < n:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            ports.add(s.getsockname()[1])
+    return sorted(ports)
 
 
 def plan_path(hostfile: str) -> str:

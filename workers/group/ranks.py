@@ -25,10 +25,10 @@ import json
 import logging
 import os
 import signal
-import socket
 from dataclasses import dataclass
 
 from protos import transport
+from workers.group.hosts import free_ports, jaccl_plan, read_plan
 
 log = logging.getLogger(__name__)
 
@@ -58,16 +58,6 @@ def rank_names(group: str, size: int) -> list[str]:
     return [RankSpec(group, r, size, "").name for r in range(size)]
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """`n` distinct ports free on `host` ("": every address) now."""
-    ports: set[int] = set()
-    while len(ports) < n:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            ports.add(s.getsockname()[1])
-    return sorted(ports)
-
-
 def write_hostfile(path: str, size: int) -> None:
     """mlx.launch's ring hostfile for `size` ranks on 127.0.0.1, each on a
     port free now (fresh at every group start: a restarted group never
@@ -95,8 +85,6 @@ def lockstep_address_name(group: str, rank: int) -> str:
 def lockstep_address(spec: RankSpec, run_dir: str, rank: int) -> str:
     """Where rank 0's record stream to `rank` is: tcp for a rank on another
     host (the group's plan, workers/group/hosts.py), else ipc in the run dir."""
-    from workers.group.hosts import read_plan
-
     return read_plan(spec.hostfile).get(rank) or transport.ipc_address(run_dir, lockstep_address_name(spec.group, rank))
 
 
@@ -106,8 +94,6 @@ def group_environment(spec: RankSpec, cuda: bool) -> tuple[str, dict]:
     entry); with a JACCL plan (workers/group/hosts.py, --hosts) its
     coordinator, the RDMA device matrix (in a file beside the hostfile, as
     mlx.launch writes one) and the ring flag. Writes that file."""
-    from workers.group.hosts import jaccl_plan
-
     env = {"MLX_RANK": str(spec.rank), "MLX_WORLD_SIZE": str(spec.size), "MLX_HOSTFILE": spec.hostfile}
     with open(spec.hostfile) as f:
         first = json.load(f)[0][0]
