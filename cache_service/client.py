@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import zmq
 import zmq.asyncio
 
-from deploy.settings import Settings
+from environment.settings import Settings
 from protos.messages import (CacheAlloc, CacheAllocReply, CacheFree, CacheReply, CacheStats, KVCommit, KVLookup,
                              KVLookupReply, KVRelease, KVReserve, KVReserveReply)
 from protos.transport import ipc_address, make_socket, recv, send

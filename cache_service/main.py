@@ -22,11 +22,11 @@ import zmq
 from cache_service.arena import Arena, new_arena_name
 from cache_service.disk_tier import DiskTier
 from cache_service.service import CacheService, error_reply
-from deploy.logs import setup_logging
-from deploy.memory_pressure import PressurePoll, PressureReader
-from deploy.power.policy import decide
-from deploy.power.readers import read_power
-from deploy.settings import Settings
+from environment.logs import setup_logging
+from environment.memory_pressure import PressurePoll, PressureReader
+from environment.power.policy import decide
+from environment.power.readers import read_power
+from environment.settings import Settings
 from protos.codec import ProtocolError
 from protos.transport import ipc_address, make_socket, recv, rejects, send
 
@@ -48,7 +48,7 @@ def _open_disk_tier(settings: Settings) -> Optional[DiskTier]:
 
 
 def _follow_power(settings: Settings, service: CacheService, stop: list) -> None:
-    """The power policy defers disk-tier writes in saver (deploy/power/policy.py).
+    """The power policy defers disk-tier writes in saver (environment/power/policy.py).
     Read here, off the service's thread (pmset is a subprocess); the service
     applies it at its next tick. The router decides the same from the same reading."""
     while not stop:

@@ -1,5 +1,5 @@
 """The cache service under memory pressure: the arena's KV blocks shrink
-before the system swaps (deploy/memory_pressure.py reads the level).
+before the system swaps (environment/memory_pressure.py reads the level).
 
 On warn the blocks may hold at most half of what they held when the
 pressure began; on critical, nothing: every block nobody is reading goes.
@@ -20,7 +20,7 @@ from typing import Optional
 
 from cache_service.arena import Arena
 from cache_service.block_index import BlockIndex
-from deploy.memory_pressure import CRITICAL, NORMAL, MemoryPressure, PressurePoll
+from environment.memory_pressure import CRITICAL, NORMAL, MemoryPressure, PressurePoll
 
 log = logging.getLogger(__name__)
 

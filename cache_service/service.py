@@ -18,7 +18,7 @@ from cache_service.block_index import BlockEntry, BlockIndex
 from cache_service.block_store import BlockStore
 from cache_service.disk_tier import DiskTier
 from cache_service.pressure import PressureShrinker
-from deploy.memory_pressure import PressurePoll
+from environment.memory_pressure import PressurePoll
 from protos.messages import (BlockRef, CacheAlloc, CacheAllocReply, CacheFree, CacheReply, CacheStats, KVCommit,
                              KVLookup, KVLookupReply, KVRelease, KVReserve, KVReserveReply)
 

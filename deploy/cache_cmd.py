@@ -18,7 +18,7 @@ import argparse
 import sys
 
 from cache_service.disk_layout import clear_folder
-from deploy.settings import Settings
+from environment.settings import Settings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

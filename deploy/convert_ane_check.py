@@ -16,7 +16,7 @@ import tempfile
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from deploy.settings import default_cache_dir
+from environment.settings import default_cache_dir
 from workers.prefill.ane.bridge import AneBody
 from workers.prefill.ane.coreai_mlx import greedy_decode, prefill_differences
 

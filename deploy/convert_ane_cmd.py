@@ -15,8 +15,8 @@ import argparse
 import sys
 import time
 
-from deploy.power.readers import read_power
-from deploy.settings import Settings, default_cache_dir
+from environment.power.readers import read_power
+from environment.settings import Settings, default_cache_dir
 
 CHECK_PROMPT = ("The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome. "
                 "Name the capital of Spain and one river that flows through it, then the capital of Portugal.")
@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from deploy.model_folder import ModelError
+    from environment.model_folder import ModelError
     from workers.models.store import resolve_model
 
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]

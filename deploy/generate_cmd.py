@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from deploy.blas import reexec_with_openblas
-from deploy.model_folder import ModelError
+from environment.model_folder import ModelError
 from workers.models.store import resolve_model
 
 

@@ -8,7 +8,7 @@ import os
 import shlex
 import sys
 
-from deploy.settings import Settings
+from environment.settings import Settings
 from protos.transport import KeysError, router_keys
 from workers.group.hosts import HostsError, is_remote, read_hosts
 

@@ -24,8 +24,8 @@ import tempfile
 import threading
 import time
 
-from deploy.logs import setup_logging
-from deploy.settings import Settings
+from environment.logs import setup_logging
+from environment.settings import Settings
 from protos.transport import KeysError, worker_keys
 from workers.group.hosts import plan_path, write_plan
 from workers.group.ranks import JOIN_DEADLINE_S, RankSpec

@@ -27,8 +27,8 @@ import signal
 import subprocess
 import sys
 
-from deploy.logs import setup_logging
-from deploy.settings import Settings
+from environment.logs import setup_logging
+from environment.settings import Settings
 from workers.group.hosts import jaccl_plan, local_index, read_plan
 from workers.group.ranks import RankSpec
 

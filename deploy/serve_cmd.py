@@ -10,9 +10,9 @@ from dataclasses import replace
 
 from deploy.hosts_flags import add_hosts_arguments, hosts_settings
 from deploy.keys_cmd import worker_listen_error
-from deploy.logs import setup_logging
-from deploy.model_folder import ModelError, is_vlm, vocabulary_mismatch, weight_bytes
-from deploy.settings import Settings, default_cache_memory
+from environment.logs import setup_logging
+from environment.model_folder import ModelError, is_vlm, vocabulary_mismatch, weight_bytes
+from environment.settings import Settings, default_cache_memory
 from deploy.supervisor import Supervisor
 from workers.models.sharding import folder_shard_problem
 from workers.models.store import model_id_for, resolve_model
@@ -252,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     if group_size > 1:  # a group (its ranks turn drafts and the ANE off)
         settings = replace(settings, tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
                            group_unit_timeout_s=float(args.tensor_parallel_timeout), **across_hosts)
-    if not args.cache_memory:  # sized by the machine and the model (deploy/settings.py)
+    if not args.cache_memory:  # sized by the machine and the model (environment/settings.py)
         copies = sum(1 for _, roles in settings.worker_plan() if {"prefill", "decode"} & set(roles))
         settings = replace(settings, cache_memory_bytes=default_cache_memory(weights=weight_bytes(model_dir),
                                                                              copies=copies))

@@ -39,7 +39,7 @@ from cache_service.arena import unlink_arena
 from deploy.blas import calm_blas_threads
 from deploy.run_dir import RunDir, sweep_leftovers
 from deploy.service.listen_socket import Listeners, ListenError, open_listeners
-from deploy.settings import Settings
+from environment.settings import Settings
 from workers.group.hosts import is_remote, local_index, write_group_plan
 from workers.group.ranks import RankSpec, rank_environment, write_hostfile
 

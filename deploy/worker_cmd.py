@@ -11,7 +11,7 @@ so the router takes it back as the same worker.
 `--role colocated` (the default): prefill and decode in one process, so no KV
 crosses hosts. `--role prefill` or `--role decode`: one role; a prompt's KV
 between it and a worker of another host goes by value over the socket
-(router/handoff_route.py). Its cache service is its own (its prefix cache, its
+(router/routing/handoff_route.py). Its cache service is its own (its prefix cache, its
 handoffs' arena), so its `kv_host` is its own id: two `tandem worker`s of one
 host share no arena, and the router never hands KV between them by reference.
 """
@@ -26,10 +26,10 @@ import socket
 import sys
 
 from deploy.keys_cmd import tcp_address_error
-from deploy.logs import setup_logging
-from deploy.model_folder import ModelError, weight_bytes
+from environment.logs import setup_logging
+from environment.model_folder import ModelError, weight_bytes
 from deploy.serve_cmd import _bytes, _positive
-from deploy.settings import Settings, default_cache_memory
+from environment.settings import Settings, default_cache_memory
 from deploy.supervisor import Child, Supervisor
 from protos.transport import KeysError, worker_keys
 from workers.models.store import model_id_for, resolve_model

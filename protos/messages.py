@@ -156,7 +156,7 @@ class WorkerHello:
     max_context: int = 0
     hot_kv_bytes: int = 0  # prefix-cache blocks it keeps as MLX arrays (workers/kv/hot_blocks.py)
     hot_kv_hits: int = 0  # blocks it took from there instead of the arena, since start
-    memory_pressure: int = 0  # the level it last read: 0 normal, 1 warn, 2 critical (deploy/memory_pressure.py)
+    memory_pressure: int = 0  # the level it last read: 0 normal, 1 warn, 2 critical (environment/memory_pressure.py)
     memory_freed_bytes: int = 0  # hot KV and MLX's freed buffers it let go under pressure, since start
     batched_prompts: int = 0  # prompts it prefilled in a pass with others (workers/prefill/batch.py), since start
     limits_version: int = 0  # the WorkerLimits it applies (0: none yet: the settings' own)
@@ -166,18 +166,18 @@ class WorkerHello:
     spec_accepted: int = 0  # drafted tokens kept, since start
     # Where its KV lives: "" for a worker on the router's host (its arena), else
     # the remote host (deploy/worker_cmd.py); the router hands a prompt's KV
-    # only to a decode worker of the same kv_host (router/worker_table.py).
+    # only to a decode worker of the same kv_host (router/routing/worker_table.py).
     kv_host: str = ""
     # A worker group's split of the model ("tensor 2", "pipeline 2"; "": the
     # whole model): a group's handoff goes only to a group of the same split,
-    # rank by rank on one host (router/handoff_route.py).
+    # rank by rank on one host (router/routing/handoff_route.py).
     kv_shard: str = ""
 
 
 @dataclass
 class WorkerLimits:
     """Router -> model worker: what the power policy in force allows
-    (deploy/power/policy.py). Sent again while the worker's hello does not
+    (environment/power/policy.py). Sent again while the worker's hello does not
     echo `version`, so a restarted worker, or one that missed it, gets it."""
 
     version: int
@@ -198,16 +198,16 @@ class PrefillRequest:
     sampling: SamplingParams
     decode_worker: str  # worker id that will decode; equal to self: keep KV local
     images: list[ImageInput] = field(default_factory=list)  # prompt order; [] for text-only
-    # A request resumed after its worker died (router/dispatcher.py): the
+    # A request resumed after its worker died (router/routing/dispatcher.py): the
     # last `generated` prompt tokens are its answer so far. They count toward
     # max_tokens and its grammar has followed them; the token sampled next
     # continues the answer. 0: a new request.
     generated: int = 0
-    # Callers share cached KV only under the same salt (router/cache_salt.py):
+    # Callers share cached KV only under the same salt (router/guards/cache_salt.py):
     # it is mixed into every block key. "": the shared, unsalted cache.
     cache_salt: str = ""
     # The KV goes by value (KVHandoff.payload): its decode worker is on
-    # another host than this worker's KV (router/handoff_route.py).
+    # another host than this worker's KV (router/routing/handoff_route.py).
     kv_by_value: bool = False
 
 
@@ -217,9 +217,9 @@ class ImageInput:
     video (Qwen3-VL): its decoded RGB pixels (an out-of-band frame) and where
     its placeholder tokens sit in the prompt."""
 
-    content_hash: str  # SHA-256 hex over width, height and RGB pixels; a video's names its sampling (router/media.py)
+    content_hash: str  # SHA-256 hex over width, height and RGB pixels; a video's names its sampling (router/media/decode.py)
     # numpy uint8 [H, W, 3]; a video: its sampled frames [T, H, W, 3]. [H, W, 0] ([T, H, W, 0]):
-    # its size alone, for a picture whose embedding a vision worker stored (router/dispatcher.py)
+    # its size alone, for a picture whose embedding a vision worker stored (router/routing/dispatcher.py)
     pixels: Optional[np.ndarray] = None
     start: int = 0  # index of its first placeholder token in prompt_tokens
     n_tokens: int = 0  # placeholder tokens it takes (a video: in all its blocks)

@@ -1,14 +1,14 @@
 """The OpenAI-compatible HTTP API and Anthropic's Messages API (Starlette), in front of
 an `Engine`.
 
-Request path: read the body -> admitted or 429 (router.admission: nothing heavy runs for a
+Request path: read the body -> admitted or 429 (router.guards.admission: nothing heavy runs for a
 refused request; what follows runs in its threads, off the event loop) -> decode and
-validate the body (router.schemas; an Anthropic body first becomes its OpenAI chat
-equivalent, router.anthropic_request, and so does a Responses body,
-router.responses_request) -> media fetched (a VLM's) -> template, tokenize -> Engine.generate
--> token events -> text and tool calls (router.generation) -> JSON or SSE in the
-endpoint's shapes (router.openai_format, router.anthropic_format, router.responses_format,
-sent by router.http_stream, which also cancels the request when the client goes away).
+validate the body (router.api.openai_request; an Anthropic body first becomes its OpenAI chat
+equivalent, router.api.anthropic_request, and so does a Responses body,
+router.api.responses_request) -> media fetched (a VLM's) -> template, tokenize -> Engine.generate
+-> token events -> text and tool calls (router.api.generation) -> JSON or SSE in the
+endpoint's shapes (router.api.openai_format, router.api.anthropic_format, router.api.responses_format,
+sent by router.api.http_stream, which also cancels the request when the client goes away).
 """
 
 from __future__ import annotations
@@ -23,29 +23,29 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from deploy.model_folder import is_vlm
-from deploy.settings import Settings
-from router.admission import Admission, Ticket
-from router.anthropic_format import MessagesFormat
-from router.anthropic_request import chat_body as anthropic_chat_body
-from router.answer_tokens import AnswerTokens
-from router.cache_salt import request_salt, tenant_of
-from router.chat_output import ChatOutput
-from router.engine_api import Engine, GenerationRequest
-from router.errors import ApiError, exception_handlers
-from router.generation import Generation
-from router.http_guard import HttpGuard
-from router.http_stream import GenerationResponse
-from router.media import DecodedVideo, MediaLimits, RecentImages
-from router.media_parts import load_media_parts
+from environment.model_folder import is_vlm
+from environment.settings import Settings
+from router.guards.admission import Admission, Ticket
+from router.api.anthropic_format import MessagesFormat
+from router.api.anthropic_request import chat_body as anthropic_chat_body
+from router.api.answer_tokens import AnswerTokens
+from router.guards.cache_salt import request_salt, tenant_of
+from router.api.chat_output import ChatOutput
+from router.routing.engine_api import Engine, GenerationRequest
+from router.api.errors import ApiError, exception_handlers
+from router.api.generation import Generation
+from router.guards.http_guard import HttpGuard
+from router.api.http_stream import GenerationResponse
+from router.media.decode import DecodedVideo, MediaLimits, RecentImages
+from router.media.parts import load_media_parts
 from router.metrics import AdmissionMetrics
-from router.schemas import (MODEL_ALIAS, ParsedRequest, check_chat_fields, parse_chat, parse_completion,
+from router.api.openai_request import (MODEL_ALIAS, ParsedRequest, check_chat_fields, parse_chat, parse_completion,
                             parse_json, read_body)
-from router.openai_format import ChatFormat, CompletionFormat
-from router.responses_format import ResponsesFormat
-from router.responses_request import ResponseStore, responses_turn
-from router.text_stream import TextStream, TokenBytes
-from router.vision_prompt import VisionPrompter
+from router.api.openai_format import ChatFormat, CompletionFormat
+from router.api.responses_format import ResponsesFormat
+from router.api.responses_request import ResponseStore, responses_turn
+from router.api.text_stream import TextStream, TokenBytes
+from router.media.vision_prompt import VisionPrompter
 
 log = logging.getLogger("tandem.router")
 
@@ -134,7 +134,7 @@ class _Api:
 
     async def messages(self, request: Request) -> GenerationResponse:
         """Anthropic's Messages API: the body as its OpenAI chat equivalent
-        (router/anthropic_request.py), the answer in Anthropic's shapes."""
+        (router/api/anthropic_request.py), the answer in Anthropic's shapes."""
         ticket, body = await self._admit(request)
         with ticket:
             # Anthropic clients must send max_tokens and send large ones (32000)
@@ -165,7 +165,7 @@ class _Api:
 
     async def responses(self, request: Request) -> GenerationResponse:
         """OpenAI's Responses API: the body as its chat equivalent, after the
-        conversation it continues (router/responses_request.py); the answer in
+        conversation it continues (router/api/responses_request.py); the answer in
         the Responses shapes, kept for the next turn."""
         ticket, body = await self._admit(request)
         stored = self.stored_responses.of(tenant_of(request))  # another API key's responses are not found
@@ -192,7 +192,7 @@ class _Api:
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     async def _parse_vision_chat(self, ticket: Ticket, body: dict, max_context: int) -> ParsedRequest:
-        """Fetch and decode the request's images and videos (router/media.py:
+        """Fetch and decode the request's images and videos (router/media/decode.py:
         400 naming the part on any refusal), then template and tokenize in a
         thread."""
         media = await load_media_parts(body["messages"], self.media_limits, self.recent_images)
@@ -208,7 +208,7 @@ class _Api:
             content = message.get("content") if isinstance(message, dict) else None
             for part in content if isinstance(content, list) else []:
                 if isinstance(part, dict) and part.get("type") in ("image_url", "video_url"):
-                    # What router/schemas.py puts in the template for the part.
+                    # What router/api/openai_request.py puts in the template for the part.
                     item = next(it)
                     part["_video"] = native and isinstance(item, DecodedVideo)
                     if isinstance(item, DecodedVideo) and not native:
@@ -235,7 +235,7 @@ class _Api:
 
     def generation(self, parsed: ParsedRequest, request_id: str, request: Request) -> Generation:
         """A parsed request's run through the engine (every endpoint's), in
-        the prefix cache of its tenant and `cache_salt` (router/cache_salt.py)."""
+        the prefix cache of its tenant and `cache_salt` (router/guards/cache_salt.py)."""
         return Generation(
             self.engine,
             GenerationRequest(request_id, parsed.prompt_tokens, parsed.sampling, parsed.images,

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import uvicorn
 
-from deploy.logs import setup_logging
-from deploy.model_folder import context_length
-from deploy.settings import Settings
+from environment.logs import setup_logging
+from environment.model_folder import context_length
+from environment.settings import Settings
 from protos.grammar import ll_tokenizer
 from router.app import create_app
-from router.dispatcher import Dispatcher
-from router.slow_clients import BodyDeadline, client_deadline_protocol
+from router.routing.dispatcher import Dispatcher
+from router.guards.slow_clients import BodyDeadline, client_deadline_protocol
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from deploy.power.policy import POLICIES
+from environment.power.policy import POLICIES
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -91,7 +91,7 @@ def _speculation(workers: dict):
 
 
 def _memory_pressure(workers: dict, cache_stats: dict):
-    """Each process's memory-pressure level and what it let go (deploy/memory_pressure.py)."""
+    """Each process's memory-pressure level and what it let go (environment/memory_pressure.py)."""
     level = GaugeMetricFamily("tandem_memory_pressure", "Memory pressure a process reads: 0 normal, 1 warn, 2 critical",
                               labels=["process"])
     freed = CounterMetricFamily("tandem_memory_pressure_freed_bytes",
@@ -105,7 +105,7 @@ def _memory_pressure(workers: dict, cache_stats: dict):
 
 
 class AdmissionMetrics:
-    """The router's admission (router/admission.py) and the power policy
+    """The router's admission (router/guards/admission.py) and the power policy
     (router/power_watch.py), read at scrape time."""
 
     def __init__(self, admission, power=None):
@@ -177,7 +177,7 @@ class Metrics:
         self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generation_tokens = Counter("tandem_generation_tokens", "Tokens generated", registry=r)
         self.requests = Counter("tandem_requests", "Finished requests by outcome", ["status"], registry=r)
-        # A request moved to another worker after its own died (router/dispatcher.py).
+        # A request moved to another worker after its own died (router/routing/dispatcher.py).
         self.moves = Counter("tandem_request_moves", "Requests resumed on another worker after one died",
                              ["role"], registry=r)
         for role in ("prefill", "decode"):

@@ -1,4 +1,4 @@
-"""The power policy in force, followed live (deploy/power/).
+"""The power policy in force, followed live (environment/power/).
 
 Every --power-poll seconds the machine's power state is read (in a thread:
 pmset is a subprocess) and the policy it calls for decided. A change is
@@ -17,10 +17,10 @@ import logging
 import time
 from typing import Callable
 
-from deploy.power.policy import PowerPolicy, decide
-from deploy.power.readers import read_power
-from deploy.power.state import PowerState
-from deploy.settings import Settings
+from environment.power.policy import PowerPolicy, decide
+from environment.power.readers import read_power
+from environment.power.state import PowerState
+from environment.settings import Settings
 from protos.messages import WorkerHello, WorkerLimits
 
 log = logging.getLogger("tandem.power")

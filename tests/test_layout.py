@@ -1,6 +1,8 @@
 """The layout rules docs/ARCHITECTURE.md promises a newcomer, checked on the
-source itself: small modules and functions, no import circle, the router
-apart from the workers, settings at the bottom of the import graph.
+source itself: the layers (protos at the bottom, then environment, then the
+processes, the launcher on top), no import circle (not even one made by an
+import for types only), the router apart from the workers, folders in rooms,
+small modules and functions.
 
 Static: the modules are parsed, not imported."""
 
@@ -12,7 +14,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("router", "workers", "cache_service", "protos", "deploy", "benchmarks")
+PACKAGES = ("protos", "environment", "cache_service", "router", "workers", "deploy", "benchmarks")
+# What each folder may import of the project: a folder never imports one
+# above it. protos is the wire contract and a leaf; environment (settings,
+# backend, model folder, logging, memory and power readings) sits under every
+# process; deploy is the launcher on top.
+MAY_IMPORT = {
+    "protos": set(),
+    "environment": {"protos"},
+    "cache_service": {"environment", "protos"},
+    "router": {"environment", "protos", "cache_service"},
+    "workers": {"environment", "protos", "cache_service"},
+    "deploy": {"environment", "protos", "cache_service", "router", "workers"},
+    "benchmarks": set(PACKAGES) - {"benchmarks"},
+}
+MAX_MODULES_FLAT = 15
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
 
@@ -39,17 +55,12 @@ def _resolve(name: str) -> str | None:
     return None
 
 
-def _type_checking(node: ast.If) -> bool:
-    return isinstance(node.test, (ast.Name, ast.Attribute)) and "TYPE_CHECKING" in ast.unparse(node.test)
-
-
 def _imports(module: str, tree: ast.AST):
     """(project module imported, whether at module level) for each import,
-    leaving out those under `if TYPE_CHECKING:` (never run)."""
+    those under `if TYPE_CHECKING:` included: a circle for types is a circle
+    in the design all the same."""
     def walk(node, top):
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _type_checking(child):
-                continue
             inner = top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             if isinstance(child, ast.Import):
                 for alias in child.names:
@@ -116,15 +127,39 @@ def test_the_router_never_imports_a_worker_module():
             for t, _ in targets if t.startswith("workers")} == {}
 
 
-def test_settings_import_nothing_above_them():
-    """deploy/settings.py is what every process imports first: a leaf, but
-    for the leaf modules beside it."""
-    assert [t for t, _ in GRAPH["deploy.settings"] if t.startswith(("workers", "router", "cache_service"))] == []
+def test_no_folder_imports_one_above_it():
+    upward = {f"{m} -> {t}" for m, targets in GRAPH.items() for t, _ in targets
+              if t.split(".")[0] != m.split(".")[0] and t.split(".")[0] not in MAY_IMPORT[m.split(".")[0]]}
+    assert upward == set()
+
+
+def test_no_folder_holds_more_than_15_modules_flat():
+    """A folder that grows past that is a sign of rooms to make (the router's
+    api/, media/, guards/ and routing/)."""
+    crowded = {}
+    for pkg in PACKAGES:
+        for folder in [ROOT / pkg, *(p for p in (ROOT / pkg).rglob("*") if p.is_dir())]:
+            n = len([f for f in folder.glob("*.py") if f.name != "__init__.py"])
+            if n > MAX_MODULES_FLAT and "__pycache__" not in folder.parts:
+                crowded[str(folder.relative_to(ROOT))] = n
+    assert crowded == {}
+
+
+def test_test_files_import_no_other_test_file():
+    """What two test files share lives in tests/support/ (or a conftest)."""
+    shared = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tests."):
+                if not node.module.startswith("tests.support") and node.module.split(".")[-1].startswith("test_"):
+                    shared[str(path.relative_to(ROOT))] = node.module
+    assert shared == {}
 
 
 def test_the_checks_see_the_tree():
     """Guards the guards: the walk finds the packages, the imports and a circle."""
-    assert {"router.app", "workers.worker", "deploy.settings", "protos.messages"} <= set(MODULES)
+    assert {"router.app", "workers.worker", "environment.settings", "protos.messages"} <= set(MODULES)
+    assert ("environment.settings", True) in GRAPH["router.main"]
     assert ("protos.messages", True) in GRAPH["protos.codec"]
     assert _cycle_from("a", {"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
     assert _cycle_from("a", {"a": ["b"], "b": []}) is None

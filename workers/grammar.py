@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from deploy.backend import on_cpu
+from environment.backend import on_cpu
 from protos.grammar import ll_tokenizer
 
 log = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ import signal
 
 import zmq
 
-from deploy.logs import setup_logging
-from deploy.settings import Settings
+from environment.logs import setup_logging
+from environment.settings import Settings
 from protos import transport
 from protos.messages import WorkerHello
 from workers.models.loading import set_cuda_graphs

@@ -1,6 +1,6 @@
 """A model worker under memory pressure gives back what it only keeps for speed.
 
-While deploy/memory_pressure.py reads warn or critical, at every reading
+While environment/memory_pressure.py reads warn or critical, at every reading
 (every `Settings.memory_poll_s`) the worker drops its hot KV tier (copies of
 arena blocks, workers/kv/hot_blocks.py: the arena and the disk tier still have
 them) and MLX's cache of freed buffers (`mx.clear_cache`). Both refill as
@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from deploy.memory_pressure import NORMAL, PressurePoll, PressureReader
+from environment.memory_pressure import NORMAL, PressurePoll, PressureReader
 
 log = logging.getLogger(__name__)
 

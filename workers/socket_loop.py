@@ -98,7 +98,7 @@ class SocketLoop(threading.Thread):
 
     def run(self) -> None:
         # Over tcp the router names us by our hellos and lets ZeroMQ pick the
-        # routing id (router/worker_socket.py): a reconnect never collides with
+        # routing id (router/routing/worker_socket.py): a reconnect never collides with
         # our old connection's.
         identity = self.hello.worker_id if self.curve is None else None
         dealer = transport.make_socket(self.ctx, zmq.DEALER, identity=identity)

@@ -28,11 +28,11 @@ import zmq
 
 from cache_service.arena import ArenaAttachment
 from cache_service.client import CacheClient
-from deploy.backend import on_cpu, on_cuda
-from deploy.model_folder import context_length, is_vlm
-from deploy.settings import Settings
-from deploy.power.policy import decide
-from deploy.power.readers import read_power
+from environment.backend import on_cpu, on_cuda
+from environment.model_folder import context_length, is_vlm
+from environment.settings import Settings
+from environment.power.policy import decide
+from environment.power.readers import read_power
 from protos.messages import Cancel, DecodeRequest, PrefillRequest, VisionRequest, WorkerLimits
 from workers.decode.engine import DecodeEngine
 from workers.decode.speculation import speculation_for
@@ -132,7 +132,7 @@ class Worker:
             decode = DecodeEngine(model, max_batch=self.settings.max_batch, prefix=self.prefix, grammars=grammars,
                                   speculation=speculation_for(self.settings, model))
         self.model, self.cold = model, model is not None and self.settings.warm_up
-        # On battery in saver (deploy/power/policy.py) the warm-up waits for a policy that allows it.
+        # On battery in saver (environment/power/policy.py) the warm-up waits for a policy that allows it.
         # A group warms up at once, every rank in step (workers/group/).
         self.defer_warm_up = self.cold and self.group is None and decide(read_power(self.settings),
                                                                            self.settings).defer_warm_up

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from benchmarks.bench.peer_weights import safetensors_bytes
-from deploy.backend import on_cpu
+from environment.backend import on_cpu
 from benchmarks.random_models.text import build_model, count_parameters
 
 

@@ -58,7 +58,7 @@ from benchmarks.bench.memory import ProcessTreeMemory
 from benchmarks.bench.peer_weights import needs_float32_copy, peer_model_folder
 from benchmarks.bench.systems import (DRAFT_PEER, POWER_POLICIES, SPECULATIVE, SYSTEMS, ManagedServer, Options,
                                       expand_rows, file_label, pick_port, server_spec, split_row)
-from deploy.model_folder import is_vlm
+from environment.model_folder import is_vlm
 from workers.models.store import models_dir, resolve_model
 
 TEXT_WORKLOADS = ("sweep", "interference", "prefix", "swarm")

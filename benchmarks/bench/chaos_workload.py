@@ -5,7 +5,7 @@ undisturbed (the reference), then while a decode worker and a prefill worker
 (alternately) are killed with SIGKILL every `interval_s` seconds, up to
 `kills` times, as long as streams are running. The server's supervisor
 restarts each; the router resumes the dead worker's requests elsewhere
-(router/dispatcher.py). What counts: failed requests (must be 0), outputs
+(router/routing/dispatcher.py). What counts: failed requests (must be 0), outputs
 that differ from the reference (must be 0: greedy, no token lost or
 repeated), the moves the router counted, and the shared-memory segments the
 server holds (one arena). Only a server whose /health lists worker pids

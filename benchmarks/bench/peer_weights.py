@@ -17,7 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
-from deploy.backend import on_cpu
+from environment.backend import on_cpu
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

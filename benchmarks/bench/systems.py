@@ -21,8 +21,8 @@ import httpx
 
 from benchmarks.bench.memory import ProcessTreeMemory
 from deploy.blas import openblas_path
-from deploy.power.policy import POLICIES
-from deploy.settings import default_cache_dir
+from environment.power.policy import POLICIES
+from environment.settings import default_cache_dir
 
 SYSTEMS = ("tandem", "tandem-colocate", "mlx_lm", "mlx_vlm", "vllm-mlx")
 POWER_POLICIES = ("auto", *POLICIES)  # `tandem serve --power-policy`

@@ -186,7 +186,7 @@ def image_turn(data_url: str, text: str) -> dict:
 
 
 def video_turn(url: str, frames: int, text: str) -> dict:
-    # fps / max_frames are Tandem's fields (router/media.py); the peers ignore them and sample
+    # fps / max_frames are Tandem's fields (router/media/decode.py); the peers ignore them and sample
     # this 1 fps video at their own default rate (2 fps), which keeps every frame too. (mlx-vlm's
     # 16-frame cap is for processors without native video; Qwen2.5-VL's has it.)
     return {"role": "user", "content": [

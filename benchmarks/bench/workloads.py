@@ -414,7 +414,7 @@ async def scrape_prompt_counters(metrics_url: str | None) -> tuple[float, float]
 
 
 SPEC_PROPOSED = "tandem_spec_proposed_tokens_total"
-SPEC_SETTLE_S = 1.0  # two of Tandem's default heartbeats (deploy/settings.py heartbeat_interval_s)
+SPEC_SETTLE_S = 1.0  # two of Tandem's default heartbeats (environment/settings.py heartbeat_interval_s)
 SPEC_ACCEPTED = "tandem_spec_accepted_tokens_total"
 
 

@@ -40,7 +40,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from cache_service import main as cache_main  # noqa: E402
 from cache_service.arena import Arena, new_arena_name, unlink_arena  # noqa: E402
 from cache_service.client import CacheClient  # noqa: E402
-from deploy.settings import Settings  # noqa: E402
+from environment.settings import Settings  # noqa: E402
 from protos.messages import SamplingParams  # noqa: E402
 from workers.kv.block_hash import BlockHasher, block_extra, model_fingerprint  # noqa: E402
 from workers.kv.blocks import probe_kv_layout, read_blocks, write_blocks  # noqa: E402

@@ -1,7 +1,7 @@
 """What each macOS power reader returns, side by side: IOKit against
 `pmset -g batt`, NSProcessInfo against `pmset -g` and `pmset -g therm`, then
 the PowerState `tandem serve` would use. Run it on a Mac (on AC, on battery,
-with Low Power Mode on, under load) to check deploy/power/macos.py; the
+with Low Power Mode on, under load) to check environment/power/macos.py; the
 readers count as unverified until it has run.
 
     python benchmarks/probes/mac_power.py [--record DIR --label NAME]
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
-from deploy.power import macos  # noqa: E402
+from environment.power import macos  # noqa: E402
 
 
 def timed(call):

@@ -22,7 +22,7 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from deploy.backend import on_cpu
+from environment.backend import on_cpu
 from workers.decode import ragged_kv
 from workers.decode.shifted_rope import ShiftedKVCache
 from workers.kernels import mlx_hooks

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy import serve_cmd
-from deploy.settings import Settings
+from environment.settings import Settings
 from deploy.supervisor import longest_stop_s
 
 KINDS = ("launchd", "systemd")

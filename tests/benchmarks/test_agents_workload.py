@@ -18,7 +18,7 @@ from starlette.routing import Route
 from benchmarks.bench import agents_workload as aw
 from benchmarks.bench import bench_cmd, report
 from benchmarks.bench.workloads import Target, WorkloadConfig
-from deploy.settings import Settings
+from environment.settings import Settings
 from tests.support.fake_engine import FakeEngine, build_tokenizer
 from tests.support.router_server import ServerThread, serve_app
 

@@ -434,7 +434,7 @@ def test_bench_pictures_are_seeded_and_distinct():
 
 
 def test_bench_video_decodes_as_tandem_samples_it(tmp_path):
-    from router.media import MediaLimits, decode_video_bytes
+    from router.media.decode import MediaLimits, decode_video_bytes
 
     path = vw.write_video(tmp_path / "v.mp4", 6, 64, 0, "v")
     data = path.read_bytes()

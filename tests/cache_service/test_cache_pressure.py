@@ -16,7 +16,7 @@ import pytest
 
 from cache_service.arena import Arena, new_arena_name
 from cache_service.service import CacheService
-from deploy.memory_pressure import PressurePoll, PressureReader
+from environment.memory_pressure import PressurePoll, PressureReader
 from protos.messages import CacheStats, KVCommit, KVLookup, KVRelease, KVReserve
 
 BLOCK = 64 << 10  # 16 pages: whole pages to give back

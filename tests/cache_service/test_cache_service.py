@@ -26,7 +26,7 @@ from cache_service import main as cache_main
 from cache_service.allocator import ALIGNMENT, Allocator
 from cache_service.arena import Arena, ArenaAttachment, new_arena_name, unlink_arena
 from cache_service.client import AsyncCacheClient, CacheClient, CacheUnavailable
-from deploy.settings import Settings
+from environment.settings import Settings
 from protos.codec import encode
 from protos.messages import CacheAlloc, CacheAllocReply, CacheReply, CacheStats, KVLookup, KVReserve
 from protos.transport import ipc_address, make_socket, recv, send

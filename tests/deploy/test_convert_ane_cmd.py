@@ -65,7 +65,7 @@ def test_converts_both_formats_and_checks_them(tiny_chat_model, converted):
 
 def test_battery_and_bad_arguments_are_refused(tiny_chat_model, tmp_path, monkeypatch, capsys):
     from deploy import convert_ane_cmd
-    from deploy.power.state import PowerState
+    from environment.power.state import PowerState
 
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     # A laptop on battery (a double for the machine's reading: this box has none).

@@ -1,4 +1,4 @@
-"""The memory pressure reader (deploy/memory_pressure.py) on recorded PSI,
+"""The memory pressure reader (environment/memory_pressure.py) on recorded PSI,
 /proc/meminfo and macOS sysctl values, and on hostile ones.
 
 The files and the sysctl are fed through the reader's seams (`read_text`,
@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from deploy.memory_pressure import (CRITICAL, MACOS_SYSCTL, MEMINFO_PATH, NORMAL, PSI_PATH, WARN, PressurePoll,
+from environment.memory_pressure import (CRITICAL, MACOS_SYSCTL, MEMINFO_PATH, NORMAL, PSI_PATH, WARN, PressurePoll,
                                     PressureReader, level_from_meminfo, level_from_psi, read_text, sysctl_int)
 
 PSI_QUIET = "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"

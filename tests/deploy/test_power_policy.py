@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.power.policy import SAVER_PACE_TOKENS_PER_S, choose, decide
-from deploy.power.state import PowerState
-from deploy.settings import Settings
+from environment.power.policy import SAVER_PACE_TOKENS_PER_S, choose, decide
+from environment.power.state import PowerState
+from environment.settings import Settings
 
 AC = PowerState(source="ac", reader="test")
 BATTERY = PowerState(source="battery", percent=64, reader="test")

@@ -1,4 +1,4 @@
-"""The power readers (deploy/power/): pmset's outputs through their parsers,
+"""The power readers (environment/power/): pmset's outputs through their parsers,
 IOKit's and NSProcessInfo's values through their mappings, fake sysfs trees,
 the state file's hostile inputs, and the subprocess seam with commands that
 hang or are missing.
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from deploy.power import linux, macos, readers
-from deploy.power.readers import has_power_reading, read_power, read_state_file
-from deploy.power.state import PowerState
-from deploy.settings import Settings
+from environment.power import linux, macos, readers
+from environment.power.readers import has_power_reading, read_power, read_state_file
+from environment.power.state import PowerState
+from environment.settings import Settings
 
 FIXTURES = Path(__file__).parent / "fixtures" / "power"
 not_mac = pytest.mark.skipif(sys.platform == "darwin", reason="checks what the macOS calls do elsewhere")

@@ -21,7 +21,7 @@ import pytest
 
 from cache_service.arena import Arena, unlink_arena
 from deploy.run_dir import ARENAS, LOCK, OLD_RUN_DIR_AGE_S, RunDir, sweep_leftovers
-from deploy.settings import Settings
+from environment.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 linux_only = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="lists /dev/shm (Linux)")

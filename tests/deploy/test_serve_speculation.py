@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from deploy.model_folder import ModelError, vocabulary_mismatch
+from environment.model_folder import ModelError, vocabulary_mismatch
 from deploy.serve_cmd import add_arguments, draft_model_dir
-from deploy.settings import Settings
+from environment.settings import Settings
 
 
 def _args(*flags: str) -> argparse.Namespace:

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 SUPERVISOR = textwrap.dedent("""
     import signal, sys
-    from deploy.settings import Settings
+    from environment.settings import Settings
     from deploy.supervisor import Child, Supervisor
 
     class OneSleeper(Supervisor):

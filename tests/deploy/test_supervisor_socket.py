@@ -35,8 +35,8 @@ REPO = Path(__file__).resolve().parents[2]
 SUPERVISOR = textwrap.dedent("""
     import signal, sys
     from deploy import supervisor as sup
-    from deploy.logs import setup_logging
-    from deploy.settings import Settings
+    from environment.logs import setup_logging
+    from environment.settings import Settings
 
     port, gate, router, max_restarts = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 

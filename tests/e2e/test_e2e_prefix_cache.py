@@ -146,7 +146,7 @@ def test_a_burst_of_agents_is_prefilled_in_batches_with_mlx_lm_output(server_fac
     prompts over the cached system prompt in shared passes
     (workers/prefill/batch.py), and every answer is still mlx-lm's own,
     whether the rows' KV is handed off or decoded where it was made (--colocate)."""
-    # Batching is a GPU's default (deploy/settings.py default_prefill_batch); asked for here.
+    # Batching is a GPU's default (environment/settings.py default_prefill_batch); asked for here.
     srv = server_factory("--block-size", str(BLOCK), "--prefill-batch", "8",
                          *(["--colocate"] if "+" in role else []))
     client = client_for(srv)

@@ -1,4 +1,4 @@
-"""Admission (router/admission.py), written as the attack: a client floods the
+"""Admission (router/guards/admission.py), written as the attack: a client floods the
 router past what it may hold. Past capacity a request is refused with 429 and
 Retry-After, in the endpoint's error shape, before its JSON is decoded, its
 media fetched, its template applied or its prompt tokenized; and however an
@@ -20,10 +20,10 @@ import pytest
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 import router.app
-from deploy.settings import Settings
-from router.admission import Admission, capacity
-from router.engine_api import EngineError
-from router.errors import ApiError
+from environment.settings import Settings
+from router.guards.admission import Admission, capacity
+from router.routing.engine_api import EngineError
+from router.api.errors import ApiError
 from tests.support.fake_engine import FakeEngine
 from tests.support.media import MediaHost
 from tests.support.router_server import serve_app, wait_for

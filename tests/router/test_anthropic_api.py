@@ -14,9 +14,9 @@ import httpx
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from router.anthropic_format import MessagesFormat
-from router.engine_api import EngineError
-from router.generation import Piece
+from router.api.anthropic_format import MessagesFormat
+from router.routing.engine_api import EngineError
+from router.api.generation import Piece
 from tests.support.fake_engine import FakeEngine
 from tests.support.router_server import serve_app
 from tests.support.tiny_vlms import synthetic_image, tiny_vlm
@@ -222,7 +222,7 @@ def test_history_with_tool_use_and_tool_result_renders_into_the_prompt(client, e
     prompt = prompt_text(engine, tokenizer)
     assert ('<|im_start|>assistant\nLet me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
             '{"city": "Paris"}}\n</tool_call>\n<tool_call>') in prompt
-    # Both results in one user turn, each in <tool_response> tags (router/tools.py's default rendering).
+    # Both results in one user turn, each in <tool_response> tags (router/api/tools.py's default rendering).
     assert ("<|im_start|>user\n<tool_response>\nsunny, 21C\n</tool_response>\n"
             "<tool_response>\nError: no such city\n</tool_response><|im_end|>") in prompt
     assert prompt.endswith("<|im_start|>user\nAnd tomorrow?<|im_end|>\n<|im_start|>assistant\n")

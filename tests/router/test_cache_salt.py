@@ -11,8 +11,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from router.cache_salt import MAX_CACHE_SALT_CHARS, effective_salt, request_salt, tenant_of
-from router.prefix_affinity import prefix_keys
+from router.guards.cache_salt import MAX_CACHE_SALT_CHARS, effective_salt, request_salt, tenant_of
+from router.routing.prefix_affinity import prefix_keys
 from tests.support.fake_engine import FakeEngine
 from tests.support.router_server import serve_app
 

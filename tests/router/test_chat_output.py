@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from router.chat_output import ChatOutput, OutputShape
-from router.tools import ToolFormat
+from router.api.chat_output import ChatOutput, OutputShape
+from router.api.tools import ToolFormat
 
 
 def run(shape: OutputShape, text: str, step: int = 1):

@@ -12,7 +12,7 @@ from protos import transport
 from protos.messages import (
     Cancel, DecodeRequest, KVHandoff, PrefillDone, PrefillRequest, SamplingParams, TokenBatch, TokenUpdate,
 )
-from router.engine_api import EngineError, EngineEvent, GenerationRequest
+from router.routing.engine_api import EngineError, EngineEvent, GenerationRequest
 from tests.support.dispatcher import request, run, wait_for
 
 
@@ -97,7 +97,7 @@ def test_restarted_worker_replaces_the_old_one_at_once():
 def test_no_worker_is_503():
     """Never a ready worker of the role (the server is starting): 503 at once,
     with Retry-After. (A full server is refused before the dispatcher:
-    router/admission.py, tests/router/test_admission.py.)"""
+    router/guards/admission.py, tests/router/test_admission.py.)"""
     async def body(disp, worker):
         with pytest.raises(EngineError) as e:
             async for _ in disp.generate(request()):

@@ -1,8 +1,8 @@
-"""The way a prompt's KV takes between hosts (router/handoff_route.py): the
+"""The way a prompt's KV takes between hosts (router/routing/handoff_route.py): the
 router asks a prefill worker for its KV by value exactly when no decode
 worker is on that worker's host, and relays the payload to a decode worker
 of another host as it came. Real ZeroMQ sockets: this host's scripted
-workers on ipc, remote ones over tcp with CURVE (router/worker_socket.py)."""
+workers on ipc, remote ones over tcp with CURVE (router/routing/worker_socket.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Browser safety and API keys (router/http_guard.py), as the attacks a web page
+"""Browser safety and API keys (router/guards/http_guard.py), as the attacks a web page
 makes on a server on localhost: DNS rebinding, cross-site requests, bodies a
 page may send without a preflight; and keys, each its own cache tenant. Over
 real HTTP (uvicorn in a thread) against the scripted engine."""
@@ -14,8 +14,8 @@ import openai
 import pytest
 from starlette.responses import JSONResponse
 
-from deploy.settings import Settings
-from router.http_guard import HostNames, HttpGuard, normalize_origin, same_origin, split_host
+from environment.settings import Settings
+from router.guards.http_guard import HostNames, HttpGuard, normalize_origin, same_origin, split_host
 from tests.support.fake_engine import FakeEngine
 from tests.support.router_server import ServerThread, serve_app
 

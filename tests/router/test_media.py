@@ -1,4 +1,4 @@
-"""router/media.py against real bytes: Pillow-encoded images, OpenCV-encoded videos, files on
+"""router/media/decode.py against real bytes: Pillow-encoded images, OpenCV-encoded videos, files on
 disk and a real HTTP server in a thread (slow, dripping, huge, redirecting and missing URLs)."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from router.errors import ApiError
-from router.media import (
+from router.api.errors import ApiError
+from router.media.decode import (
     RecentImages,
     DecodedImage,
     DecodedVideo,
@@ -31,8 +31,8 @@ from router.media import (
     decode_video_bytes,
     image_content_hash,
 )
-from router.media_fetch import HostPolicy
-from router.media_parts import FETCH_FAILED, fetch_url, load_media_parts
+from router.media.fetch import HostPolicy
+from router.media.parts import FETCH_FAILED, fetch_url, load_media_parts
 from tests.support.media import make_video
 
 LIMITS = MediaLimits()
@@ -545,7 +545,7 @@ def test_video_refusals(tmp_path, monkeypatch):
 
 
 def test_a_data_url_seen_lately_is_not_even_base64_decoded(monkeypatch):
-    import router.media_parts as media
+    import router.media.parts as media
 
     recent = RecentImages()
     url = data_url(encode(picture(40, 30)))

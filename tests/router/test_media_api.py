@@ -15,10 +15,10 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from PIL import Image
 
-from deploy.settings import Settings
+from environment.settings import Settings
 from router.app import create_app
-from router.media import image_content_hash
-from router.media_parts import FETCH_FAILED
+from router.media.decode import image_content_hash
+from router.media.parts import FETCH_FAILED
 from tests.support.fake_engine import FakeEngine
 from tests.support.media import FakeDNS, MediaHost
 from tests.support.router_server import ServerThread
@@ -112,7 +112,7 @@ def test_a_nul_byte_or_broken_path_in_a_file_url_is_a_400_naming_the_part(served
         assert answer.status_code == 400, (url, answer.text)
         error = answer.json()["error"]
         assert error["param"] == WHERE and error["message"].startswith(WHERE + ": "), (url, error)
-    # A lone surrogate is refused with the body, before any part is read (router/schemas.py).
+    # A lone surrogate is refused with the body, before any part is read (router/api/openai_request.py).
     answer = chat(served, f"file://{media_dir}/pic.png\ud800")
     assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_json", answer.text
     assert chat(served, f"file://{media_dir}/pic.png").status_code == 200  # the control

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from router.media import MediaError, MediaLimits, image_content_hash
-from router.media_budget import MediaBusy, MediaMemory
-from router.media_fetch import HostPolicy
-from router.media_parts import load_media_parts
+from router.media.decode import MediaError, MediaLimits, image_content_hash
+from router.media.budget import MediaBusy, MediaMemory
+from router.media.fetch import HostPolicy
+from router.media.parts import load_media_parts
 from tests.support.media import MediaHost, make_video
 
 JUNK = 40_000  # bytes of an ancillary PNG chunk: a download far larger than its pixels

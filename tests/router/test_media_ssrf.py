@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from deploy.settings import Settings
-from router.media import MediaError, MediaLimits, image_content_hash
-from router.media_fetch import HostPolicy, is_public
-from router.media_parts import FETCH_FAILED, load_media_parts
+from environment.settings import Settings
+from router.media.decode import MediaError, MediaLimits, image_content_hash
+from router.media.fetch import HostPolicy, is_public
+from router.media.parts import FETCH_FAILED, load_media_parts
 from tests.support.media import FakeDNS, MediaHost
 
 PICTURE = np.random.default_rng(0).integers(0, 256, (32, 48, 3), dtype=np.uint8)
@@ -258,7 +258,7 @@ def test_allow_media_hosts_opens_named_hosts_and_networks(target, dns):
 def test_https_is_pinned_yet_verified_against_the_host_name(dns, tmp_path, monkeypatch):
     import ssl
 
-    import router.media_fetch as media_fetch
+    import router.media.fetch as media_fetch
     from tests.support.media import tls_certificate
 
     ca, cert, key = tls_certificate(tmp_path, "images.test")

@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from deploy.power.state import PowerState
-from deploy.settings import Settings
+from environment.power.state import PowerState
+from environment.settings import Settings
 from protos.messages import WorkerHello
 from router import power_watch
-from router.admission import Admission
-from router.errors import ApiError
+from router.guards.admission import Admission
+from router.api.errors import ApiError
 from router.power_watch import PowerWatch
 
 AC = PowerState(source="ac", reader="test")

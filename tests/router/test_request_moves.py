@@ -14,7 +14,7 @@ from protos import transport
 from protos.messages import (
     Cancel, DecodeRequest, KVHandoff, PrefillDone, PrefillRequest, TokenBatch, TokenUpdate,
 )
-from router.engine_api import EngineError
+from router.routing.engine_api import EngineError
 from tests.support.dispatcher import request, run, wait_for
 
 

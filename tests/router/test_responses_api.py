@@ -14,11 +14,11 @@ import openai
 import pytest
 
 from protos.grammar import ll_tokenizer
-from router.engine_api import EngineError
-from router.errors import ApiError
-from router.generation import Piece
-from router.responses_format import ResponsesFormat, answer_message
-from router.responses_request import ResponseStore, StoredResponse, responses_turn
+from router.routing.engine_api import EngineError
+from router.api.errors import ApiError
+from router.api.generation import Piece
+from router.api.responses_format import ResponsesFormat, answer_message
+from router.api.responses_request import ResponseStore, StoredResponse, responses_turn
 from tests.support.fake_engine import FakeEngine
 from tests.support.router_server import serve_app
 

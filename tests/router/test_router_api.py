@@ -14,9 +14,9 @@ import openai
 import pytest
 
 from protos.messages import SamplingParams
-from router.generation import Generation
-from router.engine_api import EngineError, GenerationRequest
-from router.text_stream import TextStream, TokenBytes
+from router.api.generation import Generation
+from router.routing.engine_api import EngineError, GenerationRequest
+from router.api.text_stream import TextStream, TokenBytes
 from tests.support.fake_engine import FakeEngine
 from tests.support.router_server import serve_app, wait_for
 
@@ -347,7 +347,7 @@ def test_models_health_metrics(client, server, engine):
 def test_work_that_loses_its_cancel_after_a_disconnect_is_cancelled_again():
     """uvicorn drops what is sent after a disconnect, so work whose cancel was
     swallowed would run on unseen; it is cancelled again until it ends."""
-    from router.http_stream import run_until_disconnect
+    from router.api.http_stream import run_until_disconnect
 
     cancels = []
 
@@ -671,7 +671,7 @@ def test_real_tokenizer_through_the_api(real_tokenizer):
 
 
 def test_remembered_answers_are_bounded_by_tokens(tokenizer):
-    from router.answer_tokens import AnswerTokens
+    from router.api.answer_tokens import AnswerTokens
 
     texts = [f"the quick brown fox number {i}" for i in range(3)]
     tokens = [tokenizer.encode(t, add_special_tokens=False) for t in texts]

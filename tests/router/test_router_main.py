@@ -19,8 +19,8 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from deploy.settings import Settings
-from router.dispatcher import Dispatcher
+from environment.settings import Settings
+from router.routing.dispatcher import Dispatcher
 from router.main import serve, uvicorn_config
 
 

@@ -1,4 +1,4 @@
-"""Slow clients (router/slow_clients.py), as the attacks: a slowloris that sends
+"""Slow clients (router/guards/slow_clients.py), as the attacks: a slowloris that sends
 a header byte at a time for ever, one that sends its headers and then
 trickles the body, one that connects and sends nothing. Each must be cut off
 near the deadline (here 1 s; the bounds below are generous) while a normal
@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from router.slow_clients import BODY_GRACE_S
+from router.guards.slow_clients import BODY_GRACE_S
 from tests.support.fake_engine import FakeEngine
 from tests.support.router_server import serve_app
 

@@ -1,6 +1,6 @@
-"""The router's worker socket with --worker-listen (router/worker_socket.py):
+"""The router's worker socket with --worker-listen (router/routing/worker_socket.py):
 ipc stays plain, tcp takes only CURVE clients whose keys are in --worker-keys;
-and routing by kv_host (router/worker_table.py): a prompt's KV never goes to
+and routing by kv_host (router/routing/worker_table.py): a prompt's KV never goes to
 a decode worker of another host. Real ZeroMQ sockets, scripted workers."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import zmq
 
 from deploy import keys_cmd
 from protos import transport
-from router import worker_socket
+from router.routing import worker_socket
 from protos.messages import Cancel, DecodeRequest, KVHandoff, PrefillDone, PrefillRequest, TokenBatch, TokenUpdate, WorkerHello
 from tests.support.dispatcher import request, run, wait_for
 from tests.support.server import free_port
@@ -83,7 +83,7 @@ def test_ipc_stays_plain_and_tcp_takes_only_known_curve_keys(keys, caplog):
         assert disp.workers["remote-good"].hello.kv_host == "far"
         assert disp._socks.key_check.refused >= 1  # the unknown key; the others never got as far as the check
 
-    with caplog.at_level(logging.WARNING, logger="router.dispatcher"):
+    with caplog.at_level(logging.WARNING, logger="router.routing.dispatcher"):
         run(body, worker_listen=address, worker_keys=os.path.join(ours, "router"))
     refusals = [r.getMessage() for r in caplog.records if "refused a remote worker" in r.getMessage()]
     stranger_key = transport.worker_keys(os.path.join(theirs, "stranger"))[0].decode()
@@ -157,7 +157,7 @@ def test_a_worker_of_another_model_is_refused(caplog):
         await wait_for(lambda: "worker-0" in disp.workers)
         assert "remote-h-0" not in disp.workers
 
-    with caplog.at_level(logging.ERROR, logger="router.dispatcher"):
+    with caplog.at_level(logging.ERROR, logger="router.routing.dispatcher"):
         run(body)
     assert sum("serves 'another-model'" in r.getMessage() for r in caplog.records) == 1  # once, not per hello
 
@@ -228,7 +228,7 @@ def test_a_tcp_worker_cannot_speak_as_a_local_worker(keys, caplog):
         finally:
             ctx.destroy(linger=0)
 
-    with caplog.at_level(logging.WARNING, logger="router.dispatcher"):
+    with caplog.at_level(logging.WARNING, logger="router.routing.dispatcher"):
         run(body, worker_listen=address, worker_keys=os.path.join(ours, "router"))
     said = caplog.text
     assert "ignored worker 'decode-0' (key 'w1')" in said
@@ -239,7 +239,7 @@ def test_remote_workers_add_their_decode_rows_to_admission(keys):
     """A remote worker's decode batch is room this host's settings do not
     count: admission grows by its rows while it is ready, and shrinks back
     when it goes."""
-    from router.admission import Admission
+    from router.guards.admission import Admission
 
     address = f"tcp://127.0.0.1:{free_port()}"
     good = transport.worker_keys(os.path.join(str(keys / "ours"), "w1"))
@@ -322,5 +322,5 @@ def test_a_remote_name_belongs_to_the_key_that_said_it_first(keys, caplog):
         finally:
             ctx.destroy(linger=0)
 
-    with caplog.at_level(logging.WARNING, logger="router.dispatcher"):
+    with caplog.at_level(logging.WARNING, logger="router.routing.dispatcher"):
         run(body, worker_listen=address, worker_keys=os.path.join(ours, "router"))

@@ -9,11 +9,11 @@ import time
 import zmq
 import zmq.asyncio
 
-from deploy.settings import Settings
+from environment.settings import Settings
 from protos import transport
 from protos.messages import SamplingParams, WorkerHello, WorkerLimits
-from router.dispatcher import Dispatcher
-from router.engine_api import GenerationRequest
+from router.routing.dispatcher import Dispatcher
+from router.routing.engine_api import GenerationRequest
 
 
 class ScriptedWorker:

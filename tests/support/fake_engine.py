@@ -16,7 +16,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper, load as load_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from protos.messages import TokenLogprob
-from router.engine_api import EngineError, EngineEvent, GenerationRequest
+from router.routing.engine_api import EngineError, EngineEvent, GenerationRequest
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -57,7 +57,7 @@ def build_tokenizer(folder: Path, thinking: bool = False) -> TokenizerWrapper:
 
 
 class FakeEngine:
-    """Implements router.engine_api.Engine. Set the knobs, then read what happened."""
+    """Implements router.routing.engine_api.Engine. Set the knobs, then read what happened."""
 
     def __init__(self, tokenizer: TokenizerWrapper, model_id: str = "tandem-test", max_context: int = 512):
         self.tokenizer = tokenizer

@@ -9,7 +9,7 @@ import time
 
 import uvicorn
 
-from deploy.settings import Settings
+from environment.settings import Settings
 from router.main import uvicorn_config
 
 

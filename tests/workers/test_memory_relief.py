@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from deploy.memory_pressure import PressurePoll, PressureReader
+from environment.memory_pressure import PressurePoll, PressureReader
 from protos.messages import WorkerHello
 from workers.kv.hot_blocks import HotBlocks
 

@@ -85,7 +85,7 @@ import mlx.core as mx
 from mlx_lm.generate import StopSequences, generation_stream
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
-from deploy.backend import on_cpu
+from environment.backend import on_cpu
 from protos.messages import DecodeRequest, TokenBatch, TokenUpdate
 from workers.decode import ragged_kv
 from workers.decode.handoff_check import check_cache

@@ -257,7 +257,7 @@ class Speculation:
 
 
 def speculation_for(settings, model) -> Optional[Speculation]:
-    """The decode engine's Speculation under `settings` (deploy/settings.py
+    """The decode engine's Speculation under `settings` (environment/settings.py
     spec_method), or None (--speculative off)."""
     method = settings.spec_method()
     if method is None:

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import zmq
 
-from deploy.logs import setup_logging
-from deploy.settings import Settings
+from environment.logs import setup_logging
+from environment.settings import Settings
 from protos.messages import WorkerHello
 from workers.group.lockstep import GroupBroken
 from workers.group.members import FollowerWorker, LeaderWorker

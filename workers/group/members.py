@@ -77,7 +77,7 @@ class LeaderWorker(Worker):
         # Followers on other hosts (tcp): CURVE, with this host's pair and their public keys.
         keys = transport.router_keys(settings.group_keys) if settings.group_keys else None
         self.recorder = Recorder(ctx, addresses, beat_s=settings.heartbeat_interval_s, keys=keys)
-        # Its handoffs go only to a decode group of the same split (router/handoff_route.py).
+        # Its handoffs go only to a decode group of the same split (router/routing/handoff_route.py).
         self.hello.kv_shard = f"{'pipeline' if settings.pipeline_parallel > 1 else 'tensor'} {spec.size}"
 
     def make_outbox(self):

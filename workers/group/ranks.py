@@ -114,7 +114,7 @@ def join_group(spec: RankSpec, deadline_s: int = JOIN_DEADLINE_S):
     """Set this process's distributed environment and join the group; returns
     the mx.distributed.Group. A rank that cannot join within `deadline_s`
     seconds (a peer that never came) is killed by SIGALRM. Main thread only."""
-    from deploy.backend import on_cuda
+    from environment.backend import on_cuda
 
     backend, env = group_environment(spec, on_cuda())
     os.environ.update(env)

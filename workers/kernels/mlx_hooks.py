@@ -54,7 +54,7 @@ from mlx_lm.models import activations as mlx_lm_activations
 from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models.cache import BatchKVCache
 
-from deploy.backend import on_cpu, on_cuda
+from environment.backend import on_cpu, on_cuda
 from workers.decode.ragged_kv import RaggedKVCache
 from workers.kernels import cpu_attention, cpu_math, cuda_attention, cuda_decode_attention
 from workers.kernels.mlx_cache import BaseCache

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, List, Sequence
 import mlx.core as mx
 import numpy as np
 
-from deploy.backend import on_cpu
+from environment.backend import on_cpu
 from protos.messages import ArenaSlice
 
 if TYPE_CHECKING:

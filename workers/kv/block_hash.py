@@ -27,7 +27,7 @@ share the same placeholder token ids, so those alone must never key KV); it
 is empty for text.
 
 A request's cache salt (its API key's tenant and its `cache_salt` field,
-router/cache_salt.py) seeds the chain: h_{-1} = chain_seed(salt), SEED for
+router/guards/cache_salt.py) seeds the chain: h_{-1} = chain_seed(salt), SEED for
 no salt, so a salted prompt's keys (its tail blocks and snapshots too, which
 derive from them) never meet another salt's or the shared cache's, and the
 unsalted keys are those of before salts existed.

@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from deploy.model_folder import ModelError
+from environment.model_folder import ModelError
 from workers.models.gguf_tokenizer import check_pre_tokenizer, write_tokenizer_files
 
 # Tensor types whose MLX form mlx_lm can run: plain floats, and the legacy

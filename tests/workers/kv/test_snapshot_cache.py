@@ -358,7 +358,7 @@ def _roles(settings, client, arenas, decode_engine):
 def test_real_cache_service_snapshot_and_handoff(models, model_dirs, tmp_path):
     from cache_service import main as cache_main
     from cache_service.arena import ArenaAttachment, new_arena_name, unlink_arena
-    from deploy.settings import Settings
+    from environment.settings import Settings
 
     model = models["gemma3"]
     ctx = mp.get_context("spawn")

@@ -20,7 +20,7 @@ from tests.support.gguf_fixtures import write_minimal_gguf, write_tiny_llama
 from workers.models import gguf_convert
 from workers.models.gguf_convert import convert_gguf, read_header
 from workers.models.loading import load_model
-from deploy.model_folder import ModelError
+from environment.model_folder import ModelError
 from workers.models.store import embedded_gguf
 
 REPO = Path(__file__).resolve().parents[3]

@@ -1,12 +1,12 @@
 """What a model worker keeps for speed, by machine: MLX's freed buffers and
 the hot KV tier, per process (workers/models/loading.py), and the KV arena's
-default (deploy/settings.py). The device dicts are what mx.device_info()
+default (environment/settings.py). The device dicts are what mx.device_info()
 returns there (a double: only Metal and CUDA report these keys), so the rules
 are checked for machines this one is not."""
 
 from __future__ import annotations
 
-from deploy.settings import default_cache_memory
+from environment.settings import default_cache_memory
 from workers.models.loading import (CPU_BUFFER_CACHE, CPU_HOT_KV, buffer_cache_bytes, hot_kv_bytes,
                                     unified_memory)
 
@@ -67,7 +67,7 @@ def test_the_arena_leaves_room_for_the_weights():
     """A tenth of RAM, but at most a quarter of what the model workers' weights
     leave, never under 256 MiB: a 16 GB Mac serving an 8 GB model split gets the
     floor; a small model changes nothing."""
-    from deploy.settings import MIN_CACHE_MEMORY, default_cache_memory
+    from environment.settings import MIN_CACHE_MEMORY, default_cache_memory
     GiB = 1 << 30
     assert default_cache_memory(ram=16 * GiB, weights=1 * GiB, copies=2) == 16 * GiB // 10
     assert default_cache_memory(ram=16 * GiB, weights=5 * GiB, copies=2) == (16 - 10) * GiB // 4

@@ -12,7 +12,7 @@ import mlx.nn as nn
 import pytest
 
 from tests.support.gguf_fixtures import write_tiny_llama
-from deploy.model_folder import ModelError, context_length
+from environment.model_folder import ModelError, context_length
 from workers.models.loading import load_model
 from workers.models.store import embedded_gguf, model_id_for, models_dir, resolve_model
 

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from tests.support.gguf_fixtures import write_tiny_llama
 from workers.models.gguf_convert import convert_gguf
 from workers.models.gguf_tokenizer import build_tokenizer
-from deploy.model_folder import ModelError
+from environment.model_folder import ModelError
 from workers.models.store import embedded_gguf
 
 TEXTS = [

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from deploy.settings import Settings
+from environment.settings import Settings
 from protos.messages import PrefillDone, PrefillRequest, RequestFailed, SamplingParams
 from tests.support.tiny_models import prompt_of
 from workers.grammar import GrammarError

@@ -161,7 +161,7 @@ def test_a_colocated_prompts_blocks_are_stored_by_the_store_thread(model, tiny_d
     tail in host memory): its new blocks are laid out and evaluated on the
     MLX thread, which keeps those arrays, and copied into the arena and
     committed by the store thread, which sends nothing for them."""
-    from deploy.settings import Settings
+    from environment.settings import Settings
     from protos.messages import PrefillDone, PrefillRequest
     from workers.kv.store_thread import StoreThread
 
@@ -196,7 +196,7 @@ def test_the_prefill_worker_batches_within_an_eighth_of_the_arena_in_handoffs(mo
     service lacks, their blocks held first) fit an eighth of the arena; the
     first that does not fit runs next with its hold, and counts then; a
     cancel gives its hold back. Every first token and handoff is sent."""
-    from deploy.settings import Settings
+    from environment.settings import Settings
     from protos.messages import PrefillDone, PrefillRequest
 
     fake = FakeCacheService()

@@ -74,7 +74,7 @@ def test_images_encoded_one_at_a_time(qwen):
     """As the cache service holds them: each image preprocessed and encoded
     on its own, the batches joined for the prompt. (Features differ from a
     two-image encode only by float rounding, ~1e-6.)"""
-    from protos.vision_layout import ImageBatch
+    from environment.vision_layout import ImageBatch
     from workers.decode.shifted_rope import shift_rope
 
     eng = qwen.engine
@@ -97,8 +97,8 @@ def test_a_prefill_job_runs_in_steps_and_matches_mlx_vlm(setup):
     decode steps between them), the last token with the final chunk. The
     answer is mlx-vlm's, whatever the chunk size."""
     from protos.messages import SamplingParams
-    from router.media import DecodedImage, image_content_hash
-    from router.vision_prompt import VisionPrompter
+    from router.media.decode import DecodedImage, image_content_hash
+    from router.media.vision_prompt import VisionPrompter
     from workers.prefill.vlm import VLMPrefillJob
     from workers.decode.shifted_rope import shift_rope
 
@@ -370,7 +370,7 @@ def test_qwen25_video_matches_mlx_vlm_generate(qwen, with_image):
     is mlx-vlm's token for token, the greedy answer too."""
     from mlx_vlm.generate.dispatch import stream_generate
 
-    from protos.vision_layout import ImageBatch
+    from environment.vision_layout import ImageBatch
     from workers.decode.shifted_rope import shift_rope
 
     eng = qwen.engine

@@ -2,7 +2,7 @@
 
 A conversation resends its picture every turn. Once the picture's KV is in
 the prefix cache, the turn's new tokens are text: the router tokenizes the
-placeholder runs as one token each (router/vision_prompt.py), VLMPrefillJob
+placeholder runs as one token each (router/media/vision_prompt.py), VLMPrefillJob
 embeds only the text after the cached prefix and takes its M-RoPE positions
 from the rope delta the engine remembers (workers/vision/engine.py), and on a CPU
 mlx-vlm's language model attends to the cached picture through
@@ -78,7 +78,7 @@ class BlockPrefix(PrefixCacheBase):
 
 
 def _decoded(pixels: np.ndarray, where: str):
-    from router.media import DecodedImage, image_content_hash
+    from router.media.decode import DecodedImage, image_content_hash
 
     return DecodedImage(pixels, pixels.shape[1], pixels.shape[0], image_content_hash(pixels), "data", where)
 
@@ -113,7 +113,7 @@ def test_a_follow_up_turn_embeds_and_positions_only_its_text(qwen, monkeypatch):
     computes no M-RoPE index over the picture (the delta is remembered from
     turn 1). The answer is mlx-vlm's for the whole conversation."""
     from protos.messages import SamplingParams
-    from router.vision_prompt import VisionPrompter
+    from router.media.vision_prompt import VisionPrompter
     from workers.prefill.vlm import VLMPrefillJob
 
     eng, prompter = qwen.engine, VisionPrompter(qwen.folder)
@@ -145,7 +145,7 @@ def test_a_follow_up_turn_embeds_and_positions_only_its_text(qwen, monkeypatch):
 def test_without_the_remembered_delta_the_whole_prompt_is_positioned(qwen, monkeypatch):
     """Another process (no turn 1 seen): the positions come from the whole
     prompt, cut at the cached length, and are the same."""
-    from protos.vision_layout import ImageBatch
+    from environment.vision_layout import ImageBatch
 
     eng = qwen.engine
     ids, batch = _prompt(qwen, [synthetic_image(64, 96, 6)], "Tell me more about it")
@@ -165,7 +165,7 @@ def test_without_the_remembered_delta_the_whole_prompt_is_positioned(qwen, monke
 def _prompt(s, pictures, question: str, video=None):
     """(ids, the prompt's ImageBatch by size) for a user turn with pictures
     (and a video) and a question, then an answer and one more question."""
-    from protos.vision_layout import ImageBatch
+    from environment.vision_layout import ImageBatch
 
     eng = s.engine
     parts = [None] * len(pictures) + [question]
@@ -223,7 +223,7 @@ def test_the_vlm_prefill_attends_through_cpu_attention(qwen, monkeypatch):
     text model's cache) takes workers/kernels/cpu_attention.py's fast-exp softmax;
     mlx-vlm's own generate, over its own caches, keeps MLX's."""
     from workers.kernels import cpu_attention
-    from deploy.backend import on_cpu
+    from environment.backend import on_cpu
 
     if not on_cpu() or os.environ.get("TANDEM_MLX_EXP"):
         pytest.skip("the CPU backend's fast-exp attention")
@@ -267,8 +267,8 @@ def test_the_router_tokenizes_each_placeholder_run_as_one_token(any_vlm, monkeyp
     """VisionPrompter.build's ids are those of the fully expanded prompt
     text (VisionEngine.prompt_tokens), but the tokenizer never sees a run of
     placeholders: each is one placeholder, repeated as ids afterwards."""
-    from router.media import DecodedVideo
-    from router.vision_prompt import VisionPrompter
+    from router.media.decode import DecodedVideo
+    from router.media.vision_prompt import VisionPrompter
 
     eng = any_vlm.engine
     prompter = VisionPrompter(any_vlm.folder)
@@ -311,8 +311,8 @@ def test_prefill_takes_a_stored_picture_by_its_size_alone(qwen):
     job fails as a cache miss, which the router answers with the pixels."""
     from cache_service.client import CacheUnavailable
     from protos.messages import SamplingParams
-    from router.stored_images import _sized_only
-    from router.vision_prompt import VisionPrompter
+    from router.media.stored_images import _sized_only
+    from router.media.vision_prompt import VisionPrompter
     from workers.prefill.vlm import VLMPrefillJob
 
     picture = synthetic_image(64, 96, 8)

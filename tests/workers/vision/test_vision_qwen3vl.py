@@ -105,7 +105,7 @@ def test_video_matches_mlx_vlm_generate(q3, with_image):
     token, the greedy answer too. (Through the server: see
     test_a_video_part_through_the_router_prompt_and_prefill and
     test_served_end_to_end.)"""
-    from protos.vision_layout import ImageBatch
+    from environment.vision_layout import ImageBatch
     from workers.decode.shifted_rope import shift_rope
 
     eng = q3.engine
@@ -131,9 +131,9 @@ def test_video_matches_mlx_vlm_generate(q3, with_image):
 
 
 def test_a_video_part_through_the_router_prompt_and_prefill(q3, tmp_path):
-    """The server's path for a video, short of processes: router/media.py
+    """The server's path for a video, short of processes: router/media/decode.py
     samples it (4 frames spread over 2.5 s: at 0, 0.6, 1.2 and 1.8 s, not
-    k / 1.6 fps), router/vision_prompt.py builds the prompt (an image, then
+    k / 1.6 fps), router/media/vision_prompt.py builds the prompt (an image, then
     the video: its grid from its size, its blocks' times from its frames'),
     VLMPrefillJob encodes it, then takes it from the embedding store by size:
     the prompt and the greedy answer are mlx-vlm's for those frames with
@@ -142,8 +142,8 @@ def test_a_video_part_through_the_router_prompt_and_prefill(q3, tmp_path):
     from mlx_vlm.utils import VideoMetadata, prepare_inputs, should_add_special_tokens
 
     from protos.messages import SamplingParams
-    from router.media import DecodedImage, MediaLimits, decode_video_bytes, image_content_hash
-    from router.vision_prompt import VisionPrompter
+    from router.media.decode import DecodedImage, MediaLimits, decode_video_bytes, image_content_hash
+    from router.media.vision_prompt import VisionPrompter
     from workers.prefill.vlm import VLMPrefillJob
     from workers.decode.shifted_rope import shift_rope
 
@@ -239,7 +239,7 @@ def test_without_deepstack_the_answer_diverges(q3):
 
 def _job(q3, images, messages, store=None):
     from protos.messages import ImageInput, SamplingParams
-    from router.vision_prompt import _runs
+    from router.media.vision_prompt import _runs
     from workers.prefill.vlm import VLMPrefillJob
 
     eng = q3.engine
@@ -368,7 +368,7 @@ def test_served_end_to_end(request, tmp_path_factory):
     assert counters(srv) == (2, 1)
     assert answer == text_reference(folder, template_form(messages), [image]).lstrip(" ")
 
-    from router.media import MediaLimits, decode_video_bytes
+    from router.media.decode import MediaLimits, decode_video_bytes
 
     data = make_video(media / "clip.mp4", frames=25, fps=10.0, size=(96, 64))
     video = decode_video_bytes(data, MediaLimits(), "v", 2.0, 4, "file", None)

@@ -17,7 +17,7 @@ import logging
 import platform
 import sys
 
-from deploy.settings import Settings, default_cache_dir
+from environment.settings import Settings, default_cache_dir
 from workers.prefill.ane.bridge import AneBody
 from workers.prefill.ane.contract import Bucket
 from workers.prefill.ane.packages import PackageStore

@@ -130,7 +130,7 @@ def test_off_macos_the_backend_says_so_and_stays_on_mlx(model, caplog):
     import logging
     import sys
 
-    from deploy.settings import Settings
+    from environment.settings import Settings
     from workers.prefill.ane.backend import make_ane_body
 
     assert make_ane_body(model, Settings(prefill_backend="mlx")) is None

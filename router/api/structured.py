@@ -1,0 +1,82 @@
+"""`response_format` and forced tool calls as one llguidance grammar
+(protos/grammar.py) that the workers decode under.
+
+- `{"type": "json_object"}`: any JSON object; `{"type": "json_schema",
+  "json_schema": {"name", "schema", "strict"?, "description"?}}`: an object
+  valid under the schema (strict or not: Tandem always constrains).
+- A forced call (tool_choice "required" or a named function): only calls
+  (router/api/tools.py `call_grammar_lark`).
+- Tools offered with "auto" and a JSON response format: either calls or
+  the JSON answer, so an agent's final structured answer and its tool calls
+  both follow their schemas.
+
+A grammar the library refuses is a 400 naming the field. Checks are cached
+by grammar text: a swarm sends the same schema with every request.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+from protos.grammar import grammar_error, ll_tokenizer
+from router.api.errors import ApiError, invalid, only
+from router.api.tools import ToolFormat, ToolRequest, call_grammar_lark, laid_out
+
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+JSON_SCHEMA_FIELDS = frozenset(("name", "schema", "strict", "description"))
+
+
+def response_schema(body: dict) -> dict | None:
+    """The JSON schema `response_format` asks for; None for free text."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict):
+        raise invalid("response_format", "expected an object", 422, "invalid_type")
+    kind = rf.get("type")
+    if kind not in RESPONSE_FORMAT_TYPES:
+        raise invalid("response_format.type", f"expected one of {', '.join(RESPONSE_FORMAT_TYPES)}, but got {kind!r}")
+    only(rf, frozenset(("type", "json_schema")), "response_format.")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict):
+        raise invalid("response_format.json_schema", "expected an object with 'name' and 'schema'", 422, "invalid_type")
+    only(spec, JSON_SCHEMA_FIELDS, "response_format.json_schema.")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise invalid("response_format.json_schema.name", "expected a non-empty string", 422, "invalid_type")
+    schema = spec.get("schema", {"type": "object"})
+    if not isinstance(schema, dict):
+        raise invalid("response_format.json_schema.schema", "expected a JSON schema object", 422, "invalid_type")
+    return schema
+
+
+def build_grammar(schema: dict | None, tools: ToolRequest | None, fmt: ToolFormat, tokenizer) -> str:
+    """The request's grammar ("" when its output is free); 400 when the
+    grammar library refuses it."""
+    import llguidance
+
+    forced = tools is not None and tools.forced
+    if forced:
+        grammar, param = llguidance.LLMatcher.grammar_from_lark("start: calls\n" + call_grammar_lark(tools, fmt)), "tools"
+    elif schema is not None and tools is not None and tools.choice == "auto" and fmt.json:
+        lark = f"start: answer | calls\nanswer: %json {json.dumps(laid_out(schema))}\n" + call_grammar_lark(
+            ToolRequest(tools.functions, "required", tools.parallel), fmt)
+        grammar, param = llguidance.LLMatcher.grammar_from_lark(lark), "response_format"
+    elif schema is not None:
+        grammar, param = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(laid_out(schema))), "response_format"
+    else:
+        return ""
+    problem = _check(grammar, tokenizer)
+    if problem:
+        raise ApiError(400, f"Invalid '{param}': the grammar library refused its schema: {problem}",
+                       param=param, code="invalid_schema")
+    return grammar
+
+
+@lru_cache(maxsize=256)
+def _check(grammar: str, tokenizer) -> str:
+    return grammar_error(grammar, ll_tokenizer(tokenizer))
