@@ -26,9 +26,9 @@ import time
 
 from environment.logs import setup_logging
 from environment.settings import Settings
+from protos.group_plan import RankSpec, plan_path, write_plan, write_ring
 from protos.transport import KeysError, worker_keys
-from workers.group.hosts import plan_path, write_plan
-from workers.group.ranks import JOIN_DEADLINE_S, RankSpec
+from workers.group.ranks import JOIN_DEADLINE_S
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +102,7 @@ def _run_rank(settings: Settings, body: dict, spec: RankSpec, fd: int) -> int:
         return _fail(f"--rank-keys on this host: {exc}")
     if not os.path.isdir(settings.model_dir):
         return _fail(f"no model folder at {settings.model_dir} on this host (every host needs it at rank 0's path)")
-    with open(spec.hostfile, "w") as f:
-        json.dump(body["ring"], f)
+    write_ring(spec.hostfile, body["ring"])
     write_plan(plan_path(spec.hostfile), {str(spec.rank): body["lockstep"]}, body.get("jaccl"))
     threading.Thread(target=watch_stdin, args=(fd,), daemon=True, name="stdin-watch").start()
     log.info("tandem rank %s (pid %d): joining rank 0 at %s within %d s, then following it over %s", spec.name,

@@ -1,5 +1,5 @@
 """A group's rank on another host, as the supervisor's child (`tandem serve
---hosts FILE`, workers/group/hosts.py): this process starts the rank there
+--hosts FILE`, deploy/hosts_flags.py): this process starts the rank there
 over --ssh-command, as mlx.launch does, and lives exactly as long as the ssh
 client, so the rank's death (or its host's, or the link's) is this child's
 exit, and the supervisor restarts the group as for a rank on this host.
@@ -28,9 +28,9 @@ import subprocess
 import sys
 
 from environment.logs import setup_logging
+from deploy.group_plan import local_index
 from environment.settings import Settings
-from workers.group.hosts import jaccl_plan, local_index, read_plan
-from workers.group.ranks import RankSpec
+from protos.group_plan import RankSpec, jaccl_plan, read_plan, read_ring
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,7 @@ def rank_settings(settings: Settings) -> dict:
 
 
 def payload(settings: Settings, roles: list[str], spec: RankSpec) -> bytes:
-    with open(spec.hostfile) as f:
-        ring = json.load(f)
+    ring = read_ring(spec.hostfile)
     lockstep, jaccl = read_plan(spec.hostfile)[spec.rank], jaccl_plan(spec.hostfile)
     body = {"settings": rank_settings(settings), "roles": list(roles), "group": spec.group, "rank": spec.rank,
             "size": spec.size, "ring": ring, "lockstep": lockstep, "jaccl": jaccl}

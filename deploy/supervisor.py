@@ -39,9 +39,9 @@ from cache_service.arena import unlink_arena
 from deploy.blas import calm_blas_threads
 from deploy.run_dir import RunDir, sweep_leftovers
 from deploy.service.listen_socket import Listeners, ListenError, open_listeners
+from deploy.group_plan import is_remote, local_index, rank_environment, write_group_plan, write_hostfile
 from environment.settings import Settings
-from workers.group.hosts import is_remote, local_index, write_group_plan
-from workers.group.ranks import RankSpec, rank_environment, write_hostfile
+from protos.group_plan import RankSpec
 
 log = logging.getLogger(__name__)
 

@@ -120,7 +120,7 @@ class Settings:
     # A group's unit of work (a prefill chunk, a decode step) running longer
     # than this: a rank is stuck in a collective; the group restarts.
     group_unit_timeout_s: float = 300.0
-    # A group across hosts (--hosts, workers/group/hosts.py): mlx.launch's hostfile's
+    # A group across hosts (--hosts, deploy/hosts_flags.py): mlx.launch's hostfile's
     # entries (ssh name, ips, rdma), rank i on entry i, entry 0 this host; its "envs" and
     # "backend" ("": ring, or nccl on CUDA; "jaccl"/"jaccl-ring" on Macs); the
     # command that starts a rank on another host; rank 0's CURVE folder (its pair and the

@@ -27,7 +27,8 @@ RANK = """
 import json, sys, time
 from protos.messages import ArenaSlice, KVShard
 from workers.group.handoff_shards import gather_parts, read_part
-from workers.group.ranks import RankSpec, join_group
+from protos.group_plan import RankSpec
+from workers.group.ranks import join_group
 
 rank, size, hostfile, layers, prompts = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]),
                                          int(sys.argv[5]))
@@ -53,7 +54,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=200)
     ap.add_argument("--ranks", type=int, default=2)
     args = ap.parse_args()
-    from workers.group.ranks import rank_environment, write_hostfile
+    from deploy.group_plan import rank_environment, write_hostfile
 
     with tempfile.TemporaryDirectory() as tmp:
         hostfile = os.path.join(tmp, "probe.hosts.json")

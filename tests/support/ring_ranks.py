@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from workers.group.ranks import write_hostfile
+from deploy.group_plan import write_hostfile
 
 
 def run_ring_ranks(script: str, tmp_path, size: int = 2, timeout: float = 90) -> list:

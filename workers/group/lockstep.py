@@ -4,7 +4,7 @@ Every rank of a group must issue the same MLX collectives in the same
 order, or the group hangs: so the followers do exactly what rank 0's loop
 did. Rank 0 (`Recorder`) sends each follower a stream of records over its
 own ZeroMQ PUSH socket (ipc, in the run dir; tcp with CURVE to a rank on
-another host, workers/group/hosts.py); a record is a list of ops:
+another host, deploy/group_plan.py); a record is a list of ops:
 
 - ("m", n): a message rank 0 handled, in its n protos/codec.py frames
   (after the op list, in order);

@@ -19,7 +19,8 @@ from environment.settings import Settings
 from protos.messages import WorkerHello
 from workers.group.lockstep import GroupBroken
 from workers.group.members import FollowerWorker, LeaderWorker
-from workers.group.ranks import RankSpec, join_group
+from protos.group_plan import RankSpec
+from workers.group.ranks import join_group
 from workers.models.loading import set_cuda_graphs
 
 log = logging.getLogger(__name__)

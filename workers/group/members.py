@@ -25,7 +25,8 @@ import zmq
 from protos.messages import RequestFailed
 from workers.group.lockstep import GroupBroken, Recorder, RecordStream, pin_seed
 from protos import transport
-from workers.group.ranks import RankSpec, lockstep_address, unit_deadline
+from protos.group_plan import RankSpec
+from workers.group.ranks import lockstep_address, unit_deadline
 from workers.memory_relief import relieve_memory
 from workers.socket_loop import Outbox
 from workers.worker import Worker

@@ -19,7 +19,8 @@ RANK = textwrap.dedent("""
     from cache_service.client import CacheUnavailable
     from protos.messages import ArenaSlice, KVHandoff
     from workers.group.handoff_shards import hand_off
-    from workers.group.ranks import RankSpec, join_group
+    from protos.group_plan import RankSpec
+    from workers.group.ranks import join_group
 
     rank, hostfile = int(sys.argv[1]), sys.argv[2]
     group = join_group(RankSpec("g", rank, 2, hostfile), deadline_s=60)

@@ -1,4 +1,4 @@
-"""A group across hosts (workers/group/hosts.py, deploy/hosts_flags.py): the
+"""A group across hosts (deploy/hosts_flags.py, deploy/group_plan.py): the
 hostfile's checks, each group start's plan, and rank 0's lockstep to a rank
 of another host over real tcp sockets with CURVE (keys from `tandem keys`):
 records arrive, a stranger's key is refused and the rank says it cannot
@@ -15,14 +15,14 @@ import pytest
 import zmq
 
 from deploy import keys_cmd
-from deploy.hosts_flags import hosts_settings, jaccl_problem
+from deploy.group_plan import is_remote, local_index, write_group_plan
+from deploy.hosts_flags import HostsError, hosts_settings, jaccl_problem, read_hosts
 from protos import transport
+from protos.group_plan import RankSpec, jaccl_plan, read_plan
 from tests.support.server import free_port
 from workers.group import lockstep
-from workers.group.hosts import (HostsError, is_remote, jaccl_plan, local_index, read_hosts, read_plan,
-                                 write_group_plan)
 from workers.group.lockstep import GroupBroken, Recorder, RecordStream
-from workers.group.ranks import RankSpec, group_environment
+from workers.group.ranks import group_environment
 
 THIS = {"ssh": "localhost", "ips": ["127.0.0.1"]}
 OTHER = {"ssh": "mac2", "ips": ["10.0.0.2"]}

@@ -88,7 +88,8 @@ RANK = textwrap.dedent("""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
     from workers.group.prefix_agreement import group_prefix
-    from workers.group.ranks import RankSpec, join_group
+    from protos.group_plan import RankSpec
+    from workers.group.ranks import join_group
     from workers.kv.block_hash import BlockHasher, block_extra
 
     rank, hostfile = int(sys.argv[1]), sys.argv[2]

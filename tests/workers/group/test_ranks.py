@@ -1,5 +1,5 @@
-"""A group's ranks set up without mlx.launch (workers/group/ranks.py): the
-hostfile the supervisor writes, the names, and a rank whose peers never
+"""A group's ranks set up without mlx.launch (deploy/group_plan.py,
+workers/group/ranks.py): the hostfile the supervisor writes, the names, and a rank whose peers never
 come exiting instead of waiting for ever."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import subprocess
 import sys
 import textwrap
 
-from workers.group.ranks import RankSpec, rank_environment, rank_names, write_hostfile
+from deploy.group_plan import rank_environment, write_hostfile
+from protos.group_plan import RankSpec, rank_names
 
 
 def test_hostfile_gives_each_rank_its_own_loopback_port(tmp_path):
@@ -30,7 +31,8 @@ def test_a_rank_whose_peer_never_comes_exits(tmp_path):
     hostfile = tmp_path / "g.hosts.json"
     write_hostfile(str(hostfile), 2)
     script = textwrap.dedent(f"""
-        from workers.group.ranks import RankSpec, join_group
+        from protos.group_plan import RankSpec
+        from workers.group.ranks import join_group
         join_group(RankSpec("g", 0, 2, {str(hostfile)!r}), deadline_s=1)
         print("joined")
     """)
