@@ -321,7 +321,7 @@ def test_both_kv_write_paths_write_the_same_bytes(monkeypatch):
 
 def test_a_staged_kv_write_copies_the_same_bytes_on_another_thread(monkeypatch):
     """A prefill worker lays a handoff out on its MLX thread and leaves the
-    copy into the arena to its store thread (arena_io.stage_encoded):
+    copy into the arena to its store thread (arena_io.stage_arrays):
     nothing is written before copy() runs, and it writes what write_kv does,
     in both layouts."""
     cache = [_filled_cache(mx.bfloat16, 21, s) for s in range(2)]
@@ -330,14 +330,14 @@ def test_a_staged_kv_write_copies_the_same_bytes_on_another_thread(monkeypatch):
         expect = bytearray(kv_nbytes(cache) + 128)
         layers = write_kv(expect, 128, cache)
         buf = bytearray(len(expect))
-        staged_layers, copy, held = arena_io.stage_encoded(buf, 128, cache_state.encode_cache(cache))
+        staged_layers, copy, held = arena_io.stage_arrays(buf, 128, cache_state.encode_cache(cache).arrays)
         assert staged_layers == layers and held and not any(buf)
         worker = threading.Thread(target=copy)
         worker.start()
         worker.join(10)
         assert bytes(buf) == bytes(expect), on_cpu
     with pytest.raises(ValueError, match="buffer too small"):
-        arena_io.stage_encoded(bytearray(64), 0, cache_state.encode_cache(cache))
+        arena_io.stage_arrays(bytearray(64), 0, cache_state.encode_cache(cache).arrays)
 
 
 def test_kv_transfer_errors():

@@ -20,16 +20,13 @@ prefix-cache blocks (blocks.py), any cache's state and snapshots
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Sequence
+from typing import List, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from environment.backend import on_cpu
 from protos.messages import ArenaSlice
-
-if TYPE_CHECKING:
-    from workers.kv.cache_state import EncodedCache
 
 
 ALIGN = 64  # cache-line alignment for every slice's start
@@ -77,31 +74,37 @@ def host_view(a) -> np.ndarray:
     return np.asarray(a)
 
 
-def write_encoded(buf, base_offset: int, enc: "EncodedCache") -> List[List[ArenaSlice]]:
-    """Copy an encoded cache's arrays into `buf` from `base_offset`: per layer
-    one ArenaSlice per array, in order (offsets absolute in `buf`)."""
-    layers, copy, _held = stage_encoded(buf, base_offset, enc)
+def arrays_nbytes(arrays: Sequence[Sequence]) -> int:
+    """Bytes `write_arrays` needs for per-layer `arrays`, alignment padding included."""
+    return sum(align(a.nbytes) for layer in arrays for a in layer)
+
+
+def write_arrays(buf, base_offset: int, arrays: Sequence[Sequence]) -> List[List[ArenaSlice]]:
+    """Copy per-layer arrays (an encoded cache's, cache_state.EncodedCache.arrays)
+    into `buf` from `base_offset`: per layer one ArenaSlice per array, in
+    order (offsets absolute in `buf`)."""
+    layers, copy, _held = stage_arrays(buf, base_offset, arrays)
     copy()
     return layers
 
 
-def stage_encoded(buf, base_offset: int, enc: "EncodedCache"):
-    """write_encoded in two halves. This one, on the MLX thread: check the
+def stage_arrays(buf, base_offset: int, arrays: Sequence[Sequence]):
+    """write_arrays in two halves. This one, on the MLX thread: check the
     room, lay the arrays out (on a GPU packed into one array, which the host
     reads at once), evaluate them and take host views. Returns (layers,
     copy, held): `copy()` writes those views into `buf` and touches no MLX
     array, so another thread may run it (on a GPU it is the slow part: the
     bytes come off the device page by page); the MLX arrays in `held` must
     outlive it, and are best dropped on the MLX thread."""
-    mx.eval(enc.arrays)
-    need = enc.nbytes
+    mx.eval(arrays)
+    need = arrays_nbytes(arrays)
     mv = memoryview(buf).cast("B")
     room = mv.nbytes
     release_view(mv)
     if base_offset < 0 or base_offset + need > room:
         raise ValueError(f"buffer too small: need {need} bytes at offset {base_offset}, buffer holds {room}")
     layers: List[List[ArenaSlice]] = []
-    held = (_layout_layers if rearrange_on_host() else _layout_packed)(enc.arrays, base_offset, layers)
+    held = (_layout_layers if rearrange_on_host() else _layout_packed)(arrays, base_offset, layers)
     sources = [(offset, host_view(a)) for offset, a in held]
 
     def copy() -> None:

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import (ArraysCache, CacheList, ChunkedKVCache, KVCache
                                  RotatingKVCache)
 
 from workers.kernels.mlx_cache import write_index
-from workers.kv.arena_io import MX_DTYPE_NAMES, align
+from workers.kv.arena_io import MX_DTYPE_NAMES, arrays_nbytes
 
 
 def check_plain_kv(cache: Sequence) -> None:
@@ -69,8 +69,8 @@ class EncodedCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes `write_encoded` needs, alignment padding included."""
-        return sum(align(a.nbytes) for layer in self.arrays for a in layer)
+        """Bytes `arena_io.write_arrays` needs, alignment padding included."""
+        return arrays_nbytes(self.arrays)
 
 
 def is_plain_kv(cache: Sequence) -> bool:

@@ -20,7 +20,7 @@ cache as one C-contiguous array of shape (1, kv_heads, tokens, head_dim)
 (arena_io.py's slices). `write_kv` / `read_kv` / `kv_nbytes` take plain
 attention KV (mlx_lm KVCache) only and raise TypeError naming any other type;
 tests and benchmarks call them, the prefill worker writes through
-`cache_state.encode_cache` + `arena_io.stage_encoded`. `write_cache` /
+`cache_state.encode_cache` + `arena_io.stage_arrays`. `write_cache` /
 `read_cache` take any mlx-lm cache list (sliding window, recurrent, mixes as
 in Gemma 3 or Qwen3-Next): a plain-KV list takes the same path and message
 as write_kv; any other list adds per-layer class and state metadata
@@ -40,7 +40,7 @@ from mlx_lm.models.cache import KVCache
 from cache_service.client import CacheUnavailable
 from protos.messages import ArenaSlice, HeldBlocks, KVHandoff
 from workers.kv.arena_io import (MX_DTYPE_NAMES, arena_kv_views, as_arena_slice, as_stored, read_slice, release_view,
-                                 slice_view, stage_encoded, write_encoded)
+                                 slice_view, stage_arrays, write_arrays)
 from workers.kv.cache_state import cache_dtype_name, check_plain_kv, decode_layer, encode_cache
 from workers.kv.hot_blocks import join, tail_of
 
@@ -72,7 +72,7 @@ def write_kv(buf, base_offset: int, cache: Sequence) -> List[List[ArenaSlice]]:
     `buf` must hold base_offset + kv_nbytes(cache) bytes.
     """
     check_plain_kv(cache)
-    return write_encoded(buf, base_offset, encode_cache(cache))
+    return write_arrays(buf, base_offset, encode_cache(cache).arrays)
 
 
 def read_kv(buf, layers: Sequence) -> List[KVCache]:
@@ -118,7 +118,7 @@ def write_cache(buf, base_offset: int, cache: Sequence) -> Tuple[List[List[Arena
     (layers, meta) for KVHandoff.layers and KVHandoff.cache_meta; for plain
     KV, meta is [] and layers are exactly write_kv's."""
     enc = encode_cache(cache)
-    return write_encoded(buf, base_offset, enc), enc.meta
+    return write_arrays(buf, base_offset, enc.arrays), enc.meta
 
 
 def read_cache(buf, layers: Sequence, meta: Sequence) -> list:
@@ -146,7 +146,7 @@ def write_handoff(client, arena_buf: Callable[[str], object], request_id: str, r
     given (those are referred to). `client` reserves the slot; `arena_buf`
     names an arena's buffer. With `staged` (a list) the copy into the arena
     is left to the caller: (copy, arrays it reads) is appended
-    (arena_io.stage_encoded's). A refused reservation raises CacheUnavailable,
+    (arena_io.stage_arrays'). A refused reservation raises CacheUnavailable,
     after `release_held(held.lease)`. With `by_value` the KV goes into a
     buffer of its own (KVHandoff.payload), not the arena: all of it, so
     `held` must be None."""
@@ -166,7 +166,7 @@ def write_handoff(client, arena_buf: Callable[[str], object], request_id: str, r
     if by_value:  # no reservation: the buffer goes with the message, freed when it is sent
         payload = np.empty(nbytes, np.uint8)
         where = dict(payload=payload)
-        layers, copy, kept = stage_encoded(payload, 0, enc)
+        layers, copy, kept = stage_arrays(payload, 0, enc.arrays)
     else:
         reply = client.alloc(nbytes, owner=request_id, ttl_s=HANDOFF_TTL_S)
         if not reply.ok:
@@ -174,7 +174,7 @@ def write_handoff(client, arena_buf: Callable[[str], object], request_id: str, r
                 release_held(held.lease)
             raise CacheUnavailable(f"KV handoff of {nbytes} bytes refused: {reply.error}")
         where = dict(arena=reply.arena, allocation=reply.allocation)
-        layers, copy, kept = stage_encoded(arena_buf(reply.arena), reply.offset, enc)
+        layers, copy, kept = stage_arrays(arena_buf(reply.arena), reply.offset, enc.arrays)
     if staged is None:
         copy()
     handoff = KVHandoff(request_id, result.num_tokens, result.rope_offset, layers=layers, kv_dtype=dtype,

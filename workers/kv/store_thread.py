@@ -21,7 +21,7 @@ prompt of the MLX thread's on an H100 swarm before), and nothing is sent.
 Both go through PrefixCache.detach: the hot tier takes the blocks on the
 MLX thread, which keeps the arrays the host views read (`keep`).
 
-The copy of a handoff's tail into the arena (arena_io.stage_encoded's
+The copy of a handoff's tail into the arena (arena_io.stage_arrays'
 `copy`) comes here too, when given: the host reading the KV off a GPU page by
 page is most of a handoff's cost (~5 of 7 ms a prompt on an H100 swarm). It
 runs first in its job: the store reads the tail from the arena, and the

@@ -73,7 +73,7 @@ def test_new_blocks_are_stored_from_a_host_copy_of_the_tail(dtype, tiny_dir, mod
     already in host memory (on a GPU: no second device-to-host transfer);
     the blocks read back equal the KV, and a tail that starts after the first
     new block leaves the store to the device copy."""
-    import workers.kv.prefix_cache as pc
+    import workers.kv.prefix_writes as pc
     from workers.kv import arena_io, blocks, handoff
     from workers.kv.hot_blocks import tail_of
 
