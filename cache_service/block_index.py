@@ -16,25 +16,27 @@ it marks them so that a parent is never older than its children (lookups
 touch the chain tail first, commits touch their new blocks and then every
 cached ancestor), so LRU eats chains from the tail and never leaves cached
 suffixes stranded behind an evicted parent (a lookup stops at the first miss).
+Room for a handoff, bigger than a block, is the coldest contiguous range
+(eviction.py); the table of leases and their deadlines is leases.py; the
+rules for a caller's arguments, checks.py.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
-import secrets
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
 from cache_service.allocator import Allocation, Allocator
+from cache_service.checks import check_hashes, check_nbytes, check_seconds
+from cache_service.eviction import coldest_window
+from cache_service.leases import Lease, Leases
 
 WRITING = "writing"
 READY = "ready"
 
-HASH_MIN_BYTES = 16  # design rule: block hashes are at least 128 bits, never truncated
-HASH_MAX_BYTES = 64
 BLOCK_OWNER = "kv-block"  # the allocator owner of every block; real owners stay in BlockEntry
 
 
@@ -57,37 +59,10 @@ class BlockEntry:
         return self.state == READY and self.leases == 0 and self.pins == 0
 
 
-@dataclass(eq=False)
-class Lease:
-    id: int
-    owner: str
-    deadline: float
-    hashes: list = field(default_factory=list)
-
-
 class Expired(NamedTuple):
     handoffs: list  # [Allocation] of CacheAlloc holders that never freed
     reservations: list  # [BlockEntry] whose writer never committed (dropped)
     leases: list  # [Lease] never released
-
-
-def check_hashes(hashes) -> None:
-    if not isinstance(hashes, (list, tuple)):
-        raise ValueError("hashes must be a list of bytes")
-    for h in hashes:
-        if not isinstance(h, bytes) or not HASH_MIN_BYTES <= len(h) <= HASH_MAX_BYTES:
-            raise ValueError(f"every hash must be {HASH_MIN_BYTES} to {HASH_MAX_BYTES} bytes, "
-                             f"got {type(h).__name__} of length {len(h) if isinstance(h, bytes) else '-'}")
-
-
-def check_seconds(value, name: str) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
-
-
-def check_nbytes(value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"nbytes must be a positive integer, got {value!r}")
 
 
 _COUNTERS = ("lookups_total", "lookup_blocks_total", "lookup_hit_blocks_total", "lookup_miss_total",
@@ -107,11 +82,7 @@ class BlockIndex:
         self._uses = 0
         self._ready_bytes = 0
         self._block_bytes = 0  # arena bytes of all blocks, READY and WRITING
-        self._leases: dict[int, Lease] = {}
-        self._lease_deadlines: list[tuple[float, int]] = []  # heap; released leases skipped lazily
-        # Lease ids start at a random point: the service restarts with fresh ids,
-        # and a stale holder's release must not end someone else's new lease.
-        self._next_lease = first_lease_id if first_lease_id is not None else 1 + secrets.randbelow(1 << 40)
+        self._leases = Leases(first_lease_id)
         self.counters = dict.fromkeys(_COUNTERS, 0)
 
     # -------------------------------------------------------------- queries --
@@ -181,15 +152,12 @@ class BlockIndex:
     def _lease(self, held: list[BlockEntry], owner: str, lease_s: float) -> tuple[int, list[BlockEntry]]:
         for entry in reversed(held):  # the chain's head ends up the most recent
             self._touch(entry)
-        lease = Lease(self._next_lease, owner, self._clock() + lease_s, [e.hash for e in held])
-        self._next_lease += 1
-        self._leases[lease.id] = lease
-        heapq.heappush(self._lease_deadlines, (lease.deadline, lease.id))
+        lease = self._leases.grant(owner, self._clock() + lease_s, [e.hash for e in held])
         return lease.id, held
 
     def release(self, lease_id: int) -> bool:
         """End a lease; False if unknown (released already, or expired)."""
-        lease = self._leases.pop(lease_id, None)
+        lease = self._leases.pop(lease_id)
         if lease is None:
             return False
         self._drop_lease(lease)
@@ -339,43 +307,15 @@ class BlockIndex:
         return self._evict_coldest_window(size)
 
     def _evict_coldest_window(self, size: int) -> bool:
-        """Room for something bigger than a block (a handoff): free bytes only
-        help when contiguous, so evicting in plain LRU order could empty the
-        cache without ever opening a large enough hole. Instead pick, among all
-        address ranges of free space and evictable blocks that fit `size`, the
-        one whose newest block is the oldest (fewest evicted bytes on ties), and
-        evict just that range."""
+        """Room for something bigger than a block (a handoff): evict the
+        coldest range of the arena that opens a hole of `size` bytes
+        (eviction.coldest_window)."""
         segs = self.allocator.segments()
-        costs = [self._eviction_cost(alloc_id) for _, _, alloc_id in segs]
-        best = None  # ((newest use, evicted bytes), first, last)
-        first = 0
-        span = evicted = 0
-        newest: deque[int] = deque()  # indexes in [first, last], their costs decreasing
-        for last, (_, length, _) in enumerate(segs):
-            cost = costs[last]
-            if cost is None:  # a barrier: nothing spans it
-                first, span, evicted = last + 1, 0, 0
-                newest.clear()
-                continue
-            span += length
-            evicted += length if cost >= 0 else 0
-            while newest and costs[newest[-1]] <= cost:
-                newest.pop()
-            newest.append(last)
-            # Shrink from the left while the window still fits.
-            while span - segs[first][1] >= size:
-                span -= segs[first][1]
-                evicted -= segs[first][1] if costs[first] >= 0 else 0
-                first += 1
-                if newest[0] < first:
-                    newest.popleft()
-            if span >= size:
-                key = (costs[newest[0]], evicted)
-                if best is None or key < best[0]:
-                    best = (key, first, last)
-        if best is None:
+        window = coldest_window([length for _, length, _ in segs],
+                                [self._eviction_cost(alloc_id) for _, _, alloc_id in segs], size)
+        if window is None:
             return False
-        _, first, last = best
+        first, last = window
         for _, _, alloc_id in segs[first:last + 1]:
             if alloc_id is not None:
                 self._evict(self._entries[self._by_alloc[alloc_id]])
@@ -423,13 +363,9 @@ class BlockIndex:
     def expire(self, now: Optional[float] = None) -> Expired:
         """End leases and reservations past their deadline, and handoffs past theirs."""
         now = self._clock() if now is None else now
-        leases = []
-        while self._lease_deadlines and self._lease_deadlines[0][0] <= now:
-            _, lease_id = heapq.heappop(self._lease_deadlines)
-            lease = self._leases.pop(lease_id, None)  # None: released earlier
-            if lease is not None:
-                self._drop_lease(lease)
-                leases.append(lease)
+        leases = self._leases.expire(now)
+        for lease in leases:
+            self._drop_lease(lease)
         handoffs, reservations = [], []
         for alloc in self.allocator.expire(now):  # frees the space already
             h = self._by_alloc.pop(alloc.id, None)
@@ -444,10 +380,7 @@ class BlockIndex:
         return Expired(handoffs, reservations, leases)
 
     def next_deadline(self) -> Optional[float]:
-        while self._lease_deadlines and self._lease_deadlines[0][1] not in self._leases:
-            heapq.heappop(self._lease_deadlines)
-        deadlines = [d for d in (self.allocator.next_deadline(),
-                                 self._lease_deadlines[0][0] if self._lease_deadlines else None) if d is not None]
+        deadlines = [d for d in (self.allocator.next_deadline(), self._leases.next_deadline()) if d is not None]
         return min(deadlines, default=None)
 
     # --------------------------------------------------------------- stats --

@@ -19,7 +19,7 @@ import re
 import stat
 from typing import Optional
 
-from cache_service.block_index import HASH_MAX_BYTES, HASH_MIN_BYTES
+from cache_service.checks import HASH_MAX_BYTES, HASH_MIN_BYTES
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,8 @@ full) and reads a block back on a memory miss (`read_into`, straight into the
 arena).
 
 File: <root>/<first hex byte>/<hash hex>.kvb (disk_layout.py) =
-    header (magic, format version, payload length, SHA-256 of the payload) + payload.
+    header (magic, format version, payload length, SHA-256 of the payload) + payload
+    (block_file.py).
 Written to a temporary name and renamed, so a reader sees a whole file or none.
 A file that fails any check (bad magic or version, wrong length, checksum) is
 deleted, counted, and treated as a miss: never served. The length is checked
@@ -28,30 +29,28 @@ its folders are 0700 and the files 0600, created so (never more open for an
 instant, whatever the umask), and a tree an older version left open is closed
 at start. With a `ttl_s`, a file unused that long (by its mtime, which every
 use moves) is deleted at start and by the writer thread every few minutes.
-Names, modes and clearing: cache_service/disk_layout.py.
+Names, modes and clearing: cache_service/disk_layout.py; the writer's queue:
+disk_queue.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import queue
 import stat
-import struct
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Optional
 
+from cache_service.block_file import HEADER, header_of, read_verified
 from cache_service.disk_layout import (DIR_MODE, FILE_MODE, TMP_SUFFIX, block_path, close_mode,
                                        create_private_file, hash_of_name, make_private_dir, scandir, unlink)
+from cache_service.disk_queue import DiskQueue
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"TNDMKVB\x00"
-FORMAT_VERSION = 1
-HEADER = struct.Struct("<8sIQ32s")  # magic, version, payload length, sha256(payload)
 _STALE_TMP_S = 60.0  # older temp files are a crashed writer's leftovers; younger may be another service's
 # Expiry passes: at most this far apart (and an eighth of the TTL), each
 # deleting at most a batch (the writes wait meanwhile).
@@ -82,13 +81,7 @@ class DiskTier:
         self._bytes = 0
         self.counters = dict.fromkeys(_COUNTERS, 0)
         self._scan()
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_items)
-        self.queue_bytes = queue_bytes
-        self._queued_bytes = 0  # of the writes in the queue; guarded by _idle
-        self._finished: deque[bytes] = deque()  # hashes whose submitted write is over
-        self._idle = threading.Condition()
-        self._pending = 0
-        self._closing = False
+        self._queue = DiskQueue(queue_bytes, queue_items)
         self._last_touch_ns = 0
         self._stop = threading.Event()
         self._abandon = False  # close() ran out of time: drop what is still queued
@@ -161,7 +154,7 @@ class DiskTier:
         path = self.path(h)
         try:
             with open(path, "rb") as f:
-                problem = _read_verified(f, dest)
+                problem = read_verified(f, dest)
         except FileNotFoundError:  # another service sharing the directory evicted it
             self._forget(h)
             return False
@@ -179,7 +172,7 @@ class DiskTier:
     def touch(self, hashes: list) -> None:
         """Mark blocks used, in order (the last is the most recent). Queued
         behind the pending writes; dropped when the queue is full."""
-        self._enqueue(("touch", list(hashes)))
+        self._queue.put(("touch", list(hashes)))
 
     def _touch_now(self, hashes: list) -> None:
         with self._lock:
@@ -213,45 +206,27 @@ class DiskTier:
     def submit(self, h: bytes, data: memoryview) -> bool:
         """Queue a write of `data` (the caller keeps it unchanged until `h`
         comes out of `finished()`). False, counted, when the queue is full."""
-        if self._enqueue(("write", h, data), data.nbytes):
+        if self._queue.put(("write", h, data), data.nbytes):
             return True
         self.count_dropped(1)
         return False
 
     def room_bytes(self) -> int:
         """Bytes of writes the queue takes now (an empty queue also takes one larger write)."""
-        with self._idle:
-            return max(0, self.queue_bytes - self._queued_bytes)
+        return self._queue.room_bytes()
 
     def count_dropped(self, n: int) -> None:
         """Writes the caller did not submit for want of room."""
         with self._lock:
             self.counters["disk_writes_dropped_total"] += n
 
-    def _enqueue(self, item: tuple, nbytes: int = 0) -> bool:
-        with self._idle:
-            if self._closing or (nbytes and self._queued_bytes and self._queued_bytes + nbytes > self.queue_bytes):
-                return False
-            self._pending += 1
-            self._queued_bytes += nbytes
-        try:
-            self._queue.put_nowait(item)
-            return True
-        except queue.Full:
-            self._done_one(nbytes)
-            return False
-
     def finished(self) -> list[bytes]:
         """Hashes whose submitted write is over (written, skipped or failed)."""
-        out = []
-        while self._finished:
-            out.append(self._finished.popleft())
-        return out
+        return self._queue.finished()
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until every submitted write is over; False on timeout."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
+        return self._queue.wait_idle(timeout_s)
 
     def write(self, h: bytes, data) -> bool:
         """Store one block now (the writer thread's job; tests call it too)."""
@@ -270,7 +245,7 @@ class DiskTier:
         if stored and os.path.exists(path):  # same hash, same bytes: only its recency changes
             self._touch_now([h])
             return True
-        header = HEADER.pack(MAGIC, FORMAT_VERSION, data.nbytes, hashlib.sha256(data).digest())
+        header = header_of(data)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
         try:
             with os.fdopen(create_private_file(tmp), "wb") as f:
@@ -309,7 +284,7 @@ class DiskTier:
         while True:
             self._maybe_expire()
             try:
-                item = self._queue.get(timeout=0.1)
+                item = self._queue.get(0.1)
             except queue.Empty:
                 if self._stop.is_set():
                     return
@@ -325,18 +300,7 @@ class DiskTier:
             except Exception:  # the writer must outlive any one bad write
                 log.exception("KV disk tier: %s failed", item[0])
             finally:
-                nbytes = 0
-                if item[0] == "write":
-                    nbytes = item[2].nbytes
-                    item[2].release()  # the arena can unmap once no view is left
-                    self._finished.append(item[1])
-                self._done_one(nbytes)
-
-    def _done_one(self, nbytes: int = 0) -> None:
-        with self._idle:
-            self._pending -= 1
-            self._queued_bytes -= nbytes
-            self._idle.notify_all()
+                self._queue.done(item)
 
     # -------------------------------------------------------------- expiry --
 
@@ -388,8 +352,7 @@ class DiskTier:
     def close(self, flush_timeout_s: float = 1.0) -> None:
         """Stop taking writes, finish the queued ones within the timeout (then
         drop the rest), stop the writer."""
-        with self._idle:
-            self._closing = True
+        self._queue.close()
         if not self.wait_idle(flush_timeout_s):
             log.warning("dropping unwritten KV blocks at shutdown")
             self._abandon = True
@@ -407,25 +370,3 @@ class DiskTier:
 def empty_stats() -> dict:
     """The disk keys of the stats when there is no disk tier."""
     return {"disk_bytes": 0, "disk_blocks": 0, "disk_capacity_bytes": 0, **dict.fromkeys(_COUNTERS, 0)}
-
-
-def _read_verified(f, dest: memoryview) -> Optional[str]:
-    """Read one block file into `dest`; what is wrong with it, or None."""
-    head = f.read(HEADER.size)
-    if len(head) < HEADER.size:
-        return "truncated header"
-    magic, version, length, digest = HEADER.unpack(head)
-    if magic != MAGIC:
-        return "bad magic"
-    if version != FORMAT_VERSION:
-        return f"format version {version}, expected {FORMAT_VERSION}"
-    if length != dest.nbytes:
-        return f"payload length {length} in the header, {dest.nbytes} expected from the file size"
-    got = f.readinto(dest)
-    if got != length:
-        return f"truncated payload ({got} of {length} bytes)"
-    if f.read(1):
-        return "bytes past the payload"
-    if hashlib.sha256(dest).digest() != digest:
-        return "checksum mismatch"
-    return None

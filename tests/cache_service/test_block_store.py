@@ -15,9 +15,10 @@ import pytest
 
 from cache_service.allocator import ALIGNMENT, Allocator
 from cache_service.arena import Arena, new_arena_name
+from cache_service.block_file import FORMAT_VERSION, HEADER, MAGIC
 from cache_service.block_index import READY, WRITING, BlockIndex
 from cache_service.block_store import BlockStore
-from cache_service.disk_tier import FORMAT_VERSION, HEADER, MAGIC, DiskTier
+from cache_service.disk_tier import DiskTier
 
 B = 256  # bytes per block in most tests
 

@@ -11,8 +11,9 @@ import time
 
 import pytest
 
+from cache_service.block_file import HEADER
 from cache_service.disk_layout import clear_folder
-from cache_service.disk_tier import HEADER, DiskTier
+from cache_service.disk_tier import DiskTier
 
 B = 4096
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from cache_service.disk_tier import HEADER, DiskTier
+from cache_service.block_file import HEADER
+from cache_service.disk_tier import DiskTier
 from deploy.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
