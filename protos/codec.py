@@ -23,7 +23,6 @@ from typing import Any, Callable, Union
 import msgpack
 import numpy as np
 
-from protos import messages as _messages
 from protos.messages import ALL_MESSAGES, VERSION
 
 
@@ -301,7 +300,7 @@ def _reader(hint: Any) -> Reader:
 
 
 def _field_readers(cls: type) -> dict[str, Reader]:
-    hints = typing.get_type_hints(cls, vars(_messages))
+    hints = typing.get_type_hints(cls)  # in the class's own module (protos/messages.py lists them)
     return {f.name: _reader(hints[f.name]) for f in dataclasses.fields(cls)}
 
 

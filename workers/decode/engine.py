@@ -15,11 +15,11 @@ before they are merged into the batch. Here newcomers are merged as they are
 and their first token is fed in the running batch's next step, with everyone
 else's: one forward pass per step, whoever joins.
 
-Contract with the caller (workers/worker.py):
-  * A request whose first token already finishes it (first token is a stop/EOS
-    id, or max_tokens <= generated) never reaches `add`; the caller reports it
-    finished (see workers.prefill.engine.first_token_finishes). `add` raises
-    ValueError for such requests rather than emit a token past the end.
+Contract with the caller (workers/decode/role.py):
+  * A request whose first token already finishes it (a stop/EOS id, or its
+    token budget exhausted by it) never reaches `add`, which raises
+    ValueError for one (workers/decode/joining.py: what `add` checks, and
+    how a request joins).
   * `step()` returns one TokenUpdate per running request that produced a token
     this step; the first token (from prefill) is never repeated. A request
     that joins in a step is forwarded once in that step and yields its first
@@ -30,38 +30,13 @@ Contract with the caller (workers/worker.py):
 
 Prefix cache (optional `prefix`, a workers.kv.prefix_cache.PrefixCache): when a
 request ends (stop, length, or cancel) its KV goes back to the shared cache,
-block by block, so the next turn of the conversation reuses everything up to
-its new message. The KV then holds the prompt, the first token and every
-generated token including the last one: mlx-lm feeds each token through the
-model in the same step that returns it (it computes the next token's logits
-ahead), and its `all_tokens` / `GenerationBatch.tokens` list is kept equal to
-the tokens in the cache. Those tokens' full blocks are committed (the cache
-service skips the ones it has: the prompt's, stored by prefill), and the
-tokens after the last full one as a tail block (workers/kv/block_hash.py), so
-that the next turn computes only its new message, as in one process.
-
-A commit never leaves the GPU waiting on the host. When a request ends, its
-blocks are reserved and laid out as device copies (PrefixCache.prepare_store)
-that are computed behind the step in flight; the batch finishes them just
-before it queues its next step (`DecodeBatch.barrier`, with the rows a leave
-moved), then writes them to the arena and commits them while that step runs
-(`DecodeBatch.on_queued` -> `commit_finished`). Only then is the request's last
-token returned: a client (an agent) sends its next turn the moment it has
-the answer, and that turn must find the answer's blocks. The last token thus
-comes one step's queueing later than the others', and no other row waits
-for a host copy or a round trip to the cache service. On a GPU (`stores`, a
-workers.kv.store_thread.StoreThread) even that host work leaves the MLX thread:
-reading the blocks off the device is page-by-page through CUDA's managed
-memory (~14 ms a request on an H100), so the store thread copies and commits
-them, then sends the last token itself.
+committed behind the step in flight, and its last token is returned once its
+blocks are written (workers/decode/commits.py).
 
 Models whose cache is not plain attention KV (sliding window, recurrent) join
 the batch the same way: their layers' merge turns RotatingKVCache into a
 BatchRotatingKVCache and ArraysCache into a batched ArraysCache. Their prefix
-cache is a snapshot cache, and decode commits nothing to it: the state at the
-end of an answer sits at no block boundary, and neither a window nor a
-recurrent state can be rolled back to one. The next turn still reuses the
-previous turn's prompt snapshot (that prompt is a prefix of the next one).
+cache is a snapshot cache, to which decode commits nothing.
 
 Constrained requests (a grammar in their SamplingParams; `grammars`, a
 workers.grammar.Grammars) decode in the same batch as free ones: each gets a
@@ -75,32 +50,26 @@ role.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Tuple
 
 import mlx.core as mx
-from mlx_lm.generate import StopSequences, generation_stream
+from mlx_lm.generate import generation_stream
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from environment.backend import on_cpu
-from protos.messages import DecodeRequest, TokenBatch, TokenUpdate
-from workers.decode import ragged_kv
-from workers.decode.handoff_check import check_cache
+from protos.messages import DecodeRequest, TokenUpdate
+from workers.decode.commits import EndedCommits
+from workers.decode.joining import Joining, joining_rows
 from workers.decode.prefix_sharing import PrefixSharing
-from workers.decode.shifted_rope import ShiftedKVCache
-from workers.grammar import ConstrainedRows, GrammarError, matcher_after
+from workers.grammar import ConstrainedRows, GrammarError
 from workers.kernels import mlx_hooks
-from workers.kernels.generation_batch import DecodeBatch, JoiningRows
+from workers.kernels.generation_batch import DecodeBatch
 from workers.loop_clock import part
 from workers.models.sharding import is_pipelined
-from workers.kv.store_thread import PreparedStore
-from workers.sampling import GREEDY_SAMPLER, build_sampling, token_logprob, wants_logprobs
-
-log = logging.getLogger(__name__)
-
+from workers.sampling import GREEDY_SAMPLER, token_logprob, wants_logprobs
 
 @dataclass
 class _Live:
@@ -115,14 +84,6 @@ class _Live:
     # Joined and not stepped yet: the batch's next response for it is its
     # first token, which prefill already reported.
     fresh: bool = True
-
-
-@dataclass
-class _Queued:
-    request: DecodeRequest
-    cache: list
-    stop_ids: List[int]
-    matcher: object = None  # an llguidance matcher when the request follows a grammar
 
 
 class DecodeEngine:
@@ -150,22 +111,15 @@ class DecodeEngine:
         # prefix's KV: read once per step, held once.
         self.sharing = PrefixSharing() if self.ragged else None
         self.eos_token_ids = [int(t) for t in eos_token_ids]
-        # Only block caches take a finished conversation (see the module doc).
+        # Only block caches take a finished conversation (workers/decode/commits.py).
         self.prefix = prefix if prefix is not None and prefix.reuses_blocks else None
-        # Ended requests whose blocks are prepared and not yet written, with
-        # the last update to return once they are (None: a cancel).
-        self._to_commit: List[Tuple[PreparedStore, Optional[TokenUpdate]]] = []
-        self._committed: List[TokenUpdate] = []  # last updates whose blocks are written
-        # A StoreThread that writes, commits and sends the last updates (set
-        # by the worker on a GPU); it keeps the device copies it reads until
-        # the worker's loop frees them (StoreThread.release_done).
-        self.stores = None
         self._batch = DecodeBatch.empty(model, GREEDY_SAMPLER)
         self._batch.compute_ahead = not on_cpu()  # see DecodeBatch.compute_ahead
         self._batch.constrained = ConstrainedRows()
+        self._commits = EndedCommits(self.prefix, self._batch)
         self._failures: List[Tuple[str, Exception]] = []  # (request id, why): dropped, for the role to fail
         self._next_uid = 0
-        self._queue: deque[_Queued] = deque()  # admitted later, at a step boundary
+        self._queue: deque[Joining] = deque()  # admitted later, at a step boundary
         self._live: Dict[int, _Live] = {}  # batch uid -> request
         self._uid_of: Dict[str, int] = {}  # request_id -> uid
         # As mlx-lm's BatchGenerator does: keep the model wired (Metal only).
@@ -186,7 +140,7 @@ class DecodeEngine:
     def has_work(self) -> bool:
         """Requests to step, or ended requests' KV still to commit (or their
         last tokens still to return)."""
-        return bool(self._live or self._queue or self._to_commit or self._committed)
+        return bool(self._live or self._queue or self._commits.busy)
 
     @property
     def kv_bytes(self) -> int:
@@ -206,34 +160,23 @@ class DecodeEngine:
             q.request.request_id == request_id for q in self._queue
         )
 
+    @property
+    def stores(self):
+        """A StoreThread that writes ended requests' blocks and sends their
+        last updates (set by the worker on a GPU), or None."""
+        return self._commits.stores
+
+    @stores.setter
+    def stores(self, stores) -> None:
+        self._commits.stores = stores
+
     # ---------------------------------------------------------------- control
     def add(self, request: DecodeRequest, cache: list) -> None:
         """Queue a prefilled request; it joins the batch at the next step()."""
         rid = request.request_id
         if rid in self:
             raise ValueError(f"request {rid!r} is already decoding")
-        sp = request.sampling
-        # A resumed request's grammar follows its answer so far first (the
-        # prompt's last generated - 1 tokens); GrammarError fails it here.
-        answer = request.prompt_tokens[len(request.prompt_tokens) - max(int(request.generated) - 1, 0):]
-        matcher = matcher_after(self.grammars, sp, answer)
-        stop_ids = set(int(t) for t in sp.stop_token_ids) | set(self.eos_token_ids)
-        if matcher is not None:
-            stop_ids |= set(self.grammars.eos_ids)
-        stop_ids = sorted(stop_ids)
-        if request.first_token in stop_ids:
-            raise ValueError(f"request {rid!r}: first token is a stop token; "
-                             "the caller must finish it (never send it to decode)")
-        if sp.max_tokens - request.generated <= 0:
-            raise ValueError(f"request {rid!r}: max_tokens already reached; "
-                             "the caller must finish it (never send it to decode)")
-        check_cache(cache, request)
-        # M-RoPE prompts (Qwen-VL) leave the next rope position away from the
-        # token count: ragged rows, or the padded batch's per-row offsets
-        # (ShiftedKVCache), carry it.
-        shift = request.handoff.rope_offset - request.handoff.num_tokens
-        cache = ragged_kv.rows_of(cache, shift) if self.ragged else ShiftedKVCache.of(cache, shift)
-        self._queue.append(_Queued(request, cache, stop_ids, matcher))
+        self._queue.append(Joining.of(request, cache, self.grammars, self.eos_token_ids, self.ragged))
 
     def cancel(self, request_id: str, save: bool = True) -> bool:
         """Drop a request now (queued or running); frees its KV. False if unknown.
@@ -247,7 +190,8 @@ class DecodeEngine:
             if save and live.cacheable and self.prefix is not None:
                 # Prepared before the filter drops its rows (nothing waits:
                 # the copies are computed before the next step is queued).
-                self._prepare_commit(live, self._batch.tokens[i], self._batch.extract_cache(i), None)
+                self._commits.prepare(request_id, live.salt, self._batch.tokens[i],
+                                      self._batch.extract_cache(i), None)
             self._batch.filter([j for j in range(len(self._batch.uids)) if j != i])
             return True
         for q in self._queue:
@@ -263,10 +207,10 @@ class DecodeEngine:
         with part(self.clock, "admit"):
             self._admit()
         if not self._live:
-            self.commit_finished()
-            return self._take_committed()
+            self._commits.commit()
+            return self._commits.take()
         with mx.stream(generation_stream):
-            self._batch.on_queued = self.commit_finished
+            self._batch.on_queued = self._commits.commit
             try:
                 responses = self._speculative_step()
                 if responses is None:
@@ -297,10 +241,10 @@ class DecodeEngine:
                 del self._uid_of[live.request_id]
                 self._left(r.uid, live.request_id)
                 if (self.prefix is not None and live.cacheable and r.prompt_cache
-                        and self._prepare_commit(live, r.all_tokens, r.prompt_cache, update)):
+                        and self._commits.prepare(live.request_id, live.salt, r.all_tokens, r.prompt_cache, update)):
                     continue  # returned once its blocks are written
             updates.append(update)
-        return updates + self._take_committed()
+        return updates + self._commits.take()
 
     def _ordinary_step(self):
         """An ordinary step; timed for the speculation's costs when the step
@@ -359,57 +303,10 @@ class DecodeEngine:
         return failures
 
     def commit_finished(self) -> int:
-        """Write and commit the blocks prepared for requests that ended (their
-        copies are computed by now in a decode loop, else waited for here).
-        Their last updates are returned by the next step(). Returns the
-        blocks written."""
-        if not self._to_commit:
-            return 0
-        pending, self._to_commit = self._to_commit, []
-        t0, blocks = time.perf_counter(), 0
-        with part(self.clock, "commit"):
-            mx.eval([a for prepared, _ in pending for a in prepared.arrays()])
-            if self.stores is not None:
-                for prepared, update in pending:
-                    self._hand_to_stores(prepared, update)
-                return 0
-            for prepared, update in pending:
-                blocks += self.prefix.finish_store(prepared)  # never raises: failures are logged
-                if update is not None:
-                    self._committed.append(update)
-        log.debug("decode prefix commit: %d requests, %d new blocks (%d bytes) in %.2f ms", len(pending),
-                  blocks, blocks * self.prefix.layout.block_nbytes, (time.perf_counter() - t0) * 1000)
-        return blocks
-
-    def _hand_to_stores(self, prepared: PreparedStore, update: Optional[TokenUpdate]) -> None:
-        """commit_finished's host work, to the store thread: the hot tier takes
-        the blocks here, the thread reads host views of the device copies."""
-        self.prefix.detach(prepared)
-        self.stores.submit(prepared, TokenBatch([update]) if update is not None else None, keep=prepared.kept)
-
-    def _prepare_commit(self, live: "_Live", tokens: List[int], cache: list,
-                        update: Optional[TokenUpdate]) -> bool:
-        """Reserve an ended request's blocks and queue their device copies
-        behind the step in flight; the batch finishes them before it queues
-        its next step, once nothing reads its buffers (they are written in
-        place again). False when there is nothing to commit."""
-        request_id = live.request_id
-        held = cache[0].offset if cache else 0
-        if len(tokens) != held:  # never hash tokens the KV does not hold
-            log.warning("request %s: %d tokens for %d cached positions; not committing its KV",
-                        request_id, len(tokens), held)
-            return False
-        with part(self.clock, "prepare commit"):
-            prepared = self.prefix.prepare_store(list(tokens), cache, request_id, tail=True,  # never raises
-                                                 salt=live.salt)
-        if prepared is None:
-            return False
-        arrays = prepared.arrays()
-        if arrays:
-            mx.async_eval(arrays)
-            self._batch.barrier = self._batch.barrier + arrays
-        self._to_commit.append((prepared, update))
-        return True
+        """Write and commit the blocks prepared for requests that ended
+        (workers/decode/commits.py); their last updates are returned by the
+        next step(). Returns the blocks written."""
+        return self._commits.commit()
 
     @property
     def clock(self):
@@ -423,14 +320,7 @@ class DecodeEngine:
     def abandon_commits(self) -> List[TokenUpdate]:
         """The last updates held for commits, now, their commits dropped
         (after a failed step: the batch is suspect)."""
-        held = [u for _, u in self._to_commit if u is not None] + self._committed
-        self._to_commit, self._committed = [], []
-        self._batch.barrier = []
-        return held
-
-    def _take_committed(self) -> List[TokenUpdate]:
-        done, self._committed = self._committed, []
-        return done
+        return self._commits.abandon()
 
     def close(self) -> None:
         if self._old_wired_limit is not None:
@@ -440,20 +330,13 @@ class DecodeEngine:
 
     # --------------------------------------------------------------- internal
     def _admit(self) -> None:
-        joining: List[_Queued] = []
+        joining: List[Joining] = []
         while self._queue and len(self._live) + len(joining) < self.max_batch:
             joining.append(self._queue.popleft())
         if not joining:
             return
         uids = list(range(self._next_uid, self._next_uid + len(joining)))
         self._next_uid += len(joining)
-        samplers, processors = [], []
-        for q in joining:
-            # draws_done: prefill already drew `generated` tokens from a seeded
-            # stream; continue it rather than replay it.
-            sampler, procs = build_sampling(q.request.sampling, draws_done=request_draws(q.request))
-            samplers.append(sampler)
-            processors.append(procs)
         for uid, q in zip(uids, joining):
             req, sp = q.request, q.request.sampling
             if q.matcher is not None:
@@ -468,26 +351,4 @@ class DecodeEngine:
             self._live[uid] = _Live(req.request_id, uid, wants_logprobs(sp),
                                     int(sp.top_logprobs), cacheable, salt=req.cache_salt)
             self._uid_of[req.request_id] = uid
-        self._batch.extend(JoiningRows(
-            self.model, uids,
-            mx.array([int(q.request.first_token) for q in joining], dtype=mx.uint32),
-            _merge([q.cache for q in joining]),
-            # The KV's tokens; the batch appends first_token when it feeds it,
-            # and penalties see the same context as in generate_step.
-            [[int(t) for t in q.request.prompt_tokens] for q in joining],
-            samplers, GREEDY_SAMPLER, processors,
-            [StopSequences([[t] for t in q.stop_ids]) for q in joining],
-            # +1: the first response is first_token itself (dropped in step).
-            [q.request.sampling.max_tokens - q.request.generated + 1 for q in joining],
-        ))
-
-
-def _merge(caches: List[list]) -> list:
-    """Per-request caches -> per-layer batch caches (each layer's class merges,
-    as mlx-lm's BatchGenerator does)."""
-    return [type(layer[0]).merge(list(layer)) for layer in zip(*caches)]
-
-
-def request_draws(request: DecodeRequest) -> int:
-    """Random draws already taken from the request's seeded stream."""
-    return max(int(request.generated), 0)
+        self._batch.extend(joining_rows(self.model, uids, joining))

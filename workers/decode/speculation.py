@@ -180,14 +180,13 @@ class Speculation:
             if row.wait > 0:
                 row.wait -= 1
                 continue
-            left = batch.max_tokens[i] - batch._num_tokens[i] - 1  # tokens after this step's input
             row.k = self.best_k(row.rate, n)
             if row.k == 0 and not row.probe:
                 # No draft pays at this rate: rest, then try one (a rate that
                 # is never tested again would never change).
                 self._rest(row)
                 continue
-            row.k, row.probe = min(max(row.k, 1), left), False
+            row.k, row.probe = batch.budget(i).fit_draft(max(row.k, 1)), False
             if row.k > 0 and self._may_draft(batch, i, uid):
                 asking.append((i, uid, row.k))
         if not asking:

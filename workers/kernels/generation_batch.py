@@ -1,8 +1,15 @@
 """mlx-lm's GenerationBatch as the decode engine runs it (workers/decode/engine.py).
 
-Both classes override GenerationBatch's private `_step` (and `_Joining`
+Both classes override GenerationBatch's private `_step` (and `JoiningRows`
 sets its `_next_logprobs`): that reach into mlx-lm's internals is why they
 live here, with the other hooks, rather than beside the engine.
+
+A row's token budget (protos/budget.py) is kept in mlx-lm's own counters,
+read and spent here alone: `max_tokens[i]` is its `allowed` and
+`_num_tokens[i]` (the tokens the batch returned for it) its `produced`, so
+GenerationBatch.next's end of a row (`_num_tokens >= max_tokens`, "length")
+is the budget's `exhausted`. `DecodeBatch.budget(i)` reads it;
+`JoiningRows` sets it as a request joins.
 
 A batch with constrained rows (workers/grammar.py) steps through
 `_MaskedForward`: GenerationBatch._step builds a step's forward pass from
@@ -25,6 +32,7 @@ from typing import Callable, List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 
+from protos.budget import TokenBudget
 from workers.grammar import ConstrainedRows, apply_masks
 from workers.kernels.slot_batch_cache import SlotBatchKVCache, share_row_state, swap_remove_order
 from workers.kernels.verify_step import Verified, verify_step
@@ -73,6 +81,17 @@ class DecodeBatch(GenerationBatch):
         if self.on_queued is not None:
             self.on_queued()
         return out
+
+    def budget(self, i: int) -> TokenBudget:
+        """Row i's token budget, counting the tokens the batch returned
+        (its next input, sampled, is not one yet)."""
+        return TokenBudget(self.max_tokens[i], self._num_tokens[i])
+
+    def spend(self, i: int) -> TokenBudget:
+        """Row i returned one more token (a speculative step's, which counts
+        as GenerationBatch.next does): its budget after it."""
+        self._num_tokens[i] += 1
+        return self.budget(i)
 
     def next_inputs(self) -> List[int]:
         """The tokens the next step feeds (sampled by the step before), on
@@ -205,8 +224,17 @@ class JoiningRows(GenerationBatch):
     """Newcomers to a running GenerationBatch, built without a step of their
     own: their first input (first_token) is fed in the batch's next step,
     which returns it as their first response (step() drops it, prefill
-    reported it) and samples their first decode token. Counting that
-    response is why their max_tokens carry one more."""
+    reported it) and samples their first decode token.
+
+    `budgets`: the requests' (DecodeRequest.budget, first_token counted).
+    The batch counts that first response again, so each row starts from the
+    budget before first_token."""
+
+    def __init__(self, model, uids, inputs, prompt_cache, tokens, samplers, fallback_sampler,
+                 logits_processors, stop_sequences, budgets: List[TokenBudget]):
+        super().__init__(model, uids, inputs, prompt_cache, tokens, samplers, fallback_sampler,
+                         logits_processors, stop_sequences, [b.allowed for b in budgets])
+        self._num_tokens = [b.produced - 1 for b in budgets]
 
     def _step(self):  # only GenerationBatch.__init__ calls it on this object
         # The response's logprobs for first_token, never reported.

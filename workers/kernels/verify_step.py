@@ -1,8 +1,9 @@
 """A speculative step of the decode batch: every row's drafts checked in one pass.
 
 It lives in workers/kernels/ because it drives mlx-lm's GenerationBatch from
-the inside (its `_next_tokens`, `_num_tokens`, stop matchers and token
-contexts), as workers/kernels/generation_batch.py does for an ordinary step.
+the inside (its `_next_tokens`, stop matchers and token contexts), as
+workers/kernels/generation_batch.py does for an ordinary step; a row's token
+budget it spends through that module's `DecodeBatch.spend`.
 
 An ordinary step feeds each row its next input y (sampled by the step
 before) and samples the token after it. A speculative step feeds each row
@@ -136,8 +137,7 @@ def _respond(batch, inputs, drafts, accepted, logprobs, width) -> list:
         finish, kept = None, 0
         for tok in tokens:
             kept += 1
-            batch._num_tokens[i] += 1
-            if batch._num_tokens[i] >= batch.max_tokens[i]:
+            if batch.spend(i).exhausted:
                 finish = "length"
             if batch._matchers[i].advance(tok):
                 finish = "stop"

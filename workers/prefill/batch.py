@@ -85,7 +85,7 @@ def run_batch(jobs: Sequence[PrefillJob]) -> List[PrefillResult]:
                 c.finalize()
             starts = cache[0].left_padding.tolist()  # every layer's padding is the same
             rows = [[_row(c, i, start) for c in cache] for i, start in enumerate(starts)]
-            firsts = sample_firsts([(logits[i:i + 1], j.prompt, j.sampling, j.matcher, j.draws) for i, j in enumerate(jobs)],
+            firsts = sample_firsts([(logits[i:i + 1], j.prompt, j.sampling, j.matcher, j.budget.produced) for i, j in enumerate(jobs)],
                                    [c for row in rows for c in row])
     ms = (time.perf_counter() - tic) * 1000.0
     results = []

@@ -43,13 +43,14 @@ mask, filled while the final chunk computes.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
+from protos.budget import TokenBudget
 from protos.messages import SamplingParams, TokenLogprob
 from workers.grammar import GrammarError, apply_masks, consume, fill_masks, matcher_after
 from workers.kernels import mlx_hooks
@@ -73,14 +74,16 @@ class PrefillJob:
     """One prompt being prefilled, one chunk per `step()`."""
 
     def __init__(self, engine: "PrefillEngine", prompt_tokens: Sequence[int],
-                 sampling: SamplingParams, owner: str = "", generated: int = 0, salt: str = ""):
+                 sampling: SamplingParams, owner: str = "", budget: Optional[TokenBudget] = None, salt: str = ""):
         if len(prompt_tokens) == 0:
             raise ValueError("empty prompt")
         self.engine = engine
-        # A resumed request (`generated` > 0: the prompt ends with its answer
-        # so far) samples with the tokens left and its grammar past that answer.
-        self.sampling, self.draws = resumed_sampling(sampling, generated), generated
-        self.matcher = matcher_after(engine.grammars, sampling, prompt_tokens[len(prompt_tokens) - generated:])
+        self.sampling = sampling
+        # A resumed request's (produced > 0) prompt ends with its answer so
+        # far: its grammar follows that answer, its seeded stream drew for it.
+        self.budget = budget if budget is not None else TokenBudget(sampling.max_tokens)
+        self.matcher = matcher_after(engine.grammars, sampling,
+                                     prompt_tokens[len(prompt_tokens) - self.budget.produced:])
         self.owner = owner  # request id: names leases and reservations in the cache service
         self.salt = salt  # the request's cache salt: its blocks are found and stored under it
         self.tokens = [int(t) for t in prompt_tokens]
@@ -185,7 +188,7 @@ class PrefillJob:
             logits = self.ane.last_logits(self.prompt[None, self.processed:], self.cache)
         else:
             logits = mlx_hooks.logits_at(self.engine.model, self.prompt[None, self.processed:], self.cache)
-        first, lp = sample_first(logits, self.prompt, self.sampling, self.cache, self.matcher, self.draws)
+        first, lp = sample_first(logits, self.prompt, self.sampling, self.cache, self.matcher, self.budget.produced)
         return PrefillResult(
             first_token=first,
             logprob=lp,
@@ -195,11 +198,6 @@ class PrefillJob:
             prefill_ms=0.0,
             cached_tokens=self.cached_tokens,
         )
-
-
-def resumed_sampling(sampling: SamplingParams, generated: int) -> SamplingParams:
-    """A resumed request's sampling: max_tokens less the answer so far."""
-    return replace(sampling, max_tokens=sampling.max_tokens - generated) if generated else sampling
 
 
 def sample_first(logits: mx.array, prompt: mx.array, sampling: SamplingParams, cache: list, matcher=None,
@@ -301,8 +299,9 @@ class PrefillEngine:
             self.compute_cost.add(seconds / tokens)
 
     def start(self, prompt_tokens: Sequence[int], sampling: SamplingParams, owner: str = "",
-              generated: int = 0, salt: str = "") -> PrefillJob:
-        return PrefillJob(self, prompt_tokens, sampling, owner, generated, salt)
+              budget: Optional[TokenBudget] = None, salt: str = "") -> PrefillJob:
+        """A job for the prompt; `budget`: a resumed request's (None: a new one's)."""
+        return PrefillJob(self, prompt_tokens, sampling, owner, budget, salt)
 
     def run(self, prompt_tokens: Sequence[int], sampling: SamplingParams, owner: str = "") -> PrefillResult:
         """Prefill to the end and save the prompt's blocks (tests, simple callers)."""
@@ -313,15 +312,16 @@ class PrefillEngine:
         return result
 
 
-def first_token_finishes(result_token: int, sampling: SamplingParams,
-                         eos_token_ids: Sequence[int] = ()) -> Optional[str]:
-    """finish_reason if the first (prefill) token already ends the request.
+def first_token_finishes(result_token: int, sampling: SamplingParams, eos_token_ids: Sequence[int] = (),
+                         budget: Optional[TokenBudget] = None) -> Optional[str]:
+    """finish_reason if the first (prefill) token already ends the request
+    (`budget`: a resumed request's, before that token; None: a new one's).
 
     Such requests must NOT be sent to the decode engine (DecodeEngine.add
     rejects them): the caller reports the token with this finish_reason.
     """
     if result_token in set(sampling.stop_token_ids) | set(eos_token_ids):
         return "stop"
-    if sampling.max_tokens <= 1:
+    if (budget if budget is not None else TokenBudget(sampling.max_tokens)).after(1).exhausted:
         return "length"
     return None

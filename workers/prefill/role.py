@@ -104,14 +104,14 @@ class PrefillRole(Role):
 
     def start_prefill(self, req: PrefillRequest):
         if not req.images:
-            return self.engine.start(req.prompt_tokens, req.sampling, owner=req.request_id, generated=req.generated,
+            return self.engine.start(req.prompt_tokens, req.sampling, owner=req.request_id, budget=req.budget,
                                      salt=req.cache_salt)
         if self.vision is None:
             raise ValueError("this model does not take images")
         job = VLMPrefillJob(self.vision.engine, req.prompt_tokens, req.images, req.sampling,
                             chunk_size=self.settings.prefill_chunk, owner=req.request_id, prefix=self.prefix,
                             embeddings=self.vision.embeddings, grammars=self.engine.grammars,
-                            generated=req.generated, salt=req.cache_salt)
+                            budget=req.budget, salt=req.cache_salt)
         job.clock = self.clock
         return job
 
@@ -194,7 +194,7 @@ class PrefillRole(Role):
         """A prompt is prefilled: its first token out, then its KV handed
         off (or kept, colocated) and its new blocks stored."""
         first = result.first_token
-        finish = first_token_finishes(first, job.sampling)  # a resumed request's: the tokens it has left
+        finish = first_token_finishes(first, job.sampling, budget=job.budget)  # a resumed request: what it has left
         local = finish is not None or self.keeps_kv(req)
         if local:
             self.unhold(req.request_id)  # a batch's row that ended at its first token

@@ -38,13 +38,14 @@ import numpy as np
 from mlx_lm.generate import generation_stream
 
 from cache_service.client import CacheUnavailable
+from protos.budget import TokenBudget
 from protos.messages import ImageInput, SamplingParams
 from environment.vision_layout import ImageBatch
 from workers.grammar import matcher_after
 from workers.kernels import mlx_hooks
 from workers.kv.block_hash import image_block_extra
 from workers.loop_clock import part
-from workers.prefill.engine import PrefillResult, resumed_sampling, sample_first
+from workers.prefill.engine import PrefillResult, sample_first
 
 
 class VLMPrefillJob:
@@ -52,15 +53,16 @@ class VLMPrefillJob:
 
     def __init__(self, engine, prompt_tokens: Sequence[int], images: Sequence[ImageInput],
                  sampling: SamplingParams, chunk_size: int = 512, owner: str = "", prefix=None,
-                 embeddings=None, grammars=None, generated: int = 0, salt: str = ""):
+                 embeddings=None, grammars=None, budget: Optional[TokenBudget] = None, salt: str = ""):
         if not prompt_tokens:
             raise ValueError("empty prompt")
         self.engine = engine  # workers.vision.engine.VisionEngine with the text model
         self.tokens = [int(t) for t in prompt_tokens]
         self.images = list(images)
         # A resumed request: as PrefillJob's (workers/prefill/engine.py).
-        self.sampling, self.draws = resumed_sampling(sampling, generated), generated
-        self.matcher = matcher_after(grammars, sampling, self.tokens[len(self.tokens) - generated:])
+        self.sampling = sampling
+        self.budget = budget if budget is not None else TokenBudget(sampling.max_tokens)
+        self.matcher = matcher_after(grammars, sampling, self.tokens[len(self.tokens) - self.budget.produced:])
         self.chunk_size = chunk_size
         self.owner = owner
         self.salt = salt  # the request's cache salt: its blocks are found and stored under it
@@ -158,7 +160,7 @@ class VLMPrefillJob:
                 with mlx_hooks.head_at(eng.model.language_model, [end - start - 1]):
                     logits = eng.prefill_chunk(*self._inputs(start, end), self._cache).logits[:, -1]
                 first, lp = sample_first(logits, mx.array(self.tokens, dtype=mx.int32), self.sampling, self._cache,
-                                         self.matcher, self.draws)
+                                         self.matcher, self.budget.produced)
         self._done = end
         if end == self._snapshot_at:
             self.snapshot = self.prefix.capture(self._cache, end)
