@@ -36,14 +36,16 @@ from router.api.errors import ApiError, exception_handlers
 from router.api.generation import Generation
 from router.guards.http_guard import HttpGuard
 from router.api.http_stream import GenerationResponse
-from router.media.decode import DecodedVideo, MediaLimits, RecentImages
+from router.media.decode import MediaLimits, RecentImages
 from router.media.parts import load_media_parts
+from router.media.video import DecodedVideo
 from router.metrics import AdmissionMetrics
 from router.api.openai_request import (MODEL_ALIAS, ParsedRequest, check_chat_fields, parse_chat, parse_completion,
                             parse_json, read_body)
 from router.api.openai_format import ChatFormat, CompletionFormat
 from router.api.responses_format import ResponsesFormat
-from router.api.responses_request import ResponseStore, responses_turn
+from router.api.response_store import ResponseStore
+from router.api.responses_request import responses_turn
 from router.api.text_stream import TextStream, TokenBytes
 from router.media.vision_prompt import VisionPrompter
 

@@ -27,7 +27,8 @@ from typing import Callable
 from router.api.errors import ApiError
 from router.api.generation import Generation, Piece
 from router.api.http_stream import sse
-from router.api.responses_request import ResponsesTurn, StoredResponse, TenantResponses
+from router.api.response_store import StoredResponse, TenantResponses
+from router.api.responses_request import ResponsesTurn
 
 
 def _new_id(prefix: str) -> str:

@@ -1,6 +1,6 @@
 """A request of OpenAI's Responses API (`POST /v1/responses`) as the chat
-request it amounts to, and the store of recent responses that
-`previous_response_id` continues.
+request it amounts to, continuing a stored response when it names one
+(`previous_response_id`; the store: router/api/response_store.py).
 
 The translation gives a chat-completions body that router/api/openai_request.py
 `parse_chat` reads like any other: the same prompt rendering, tools,
@@ -19,11 +19,11 @@ from __future__ import annotations
 import copy
 import json
 import re
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from router.api.errors import ApiError, invalid, only
+from router.api.response_store import ResponseStore
 
 RESPONSE_FIELDS = frozenset((
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "max_output_tokens",
@@ -52,11 +52,6 @@ TEXT_FIELDS = frozenset(("format",))
 FORMAT_FIELDS = frozenset(("type", "name", "schema", "strict", "description"))
 MAX_METADATA_KEYS = 16
 
-# The store's bounds: responses kept, and their conversations' tokens
-# (conversations share their messages, so this overcounts the memory held).
-MAX_STORED_RESPONSES = 4096
-MAX_STORED_TOKENS = 16_000_000
-
 
 def _wrong_type(param: str, expected: str) -> ApiError:
     return invalid(param, f"expected {expected}", 422, "invalid_type")
@@ -74,87 +69,6 @@ def _string(obj: dict, name: str, path: str = "", required: bool = False) -> str
     if value is not None and not isinstance(value, str):
         raise _wrong_type(path + name, "a string")
     return value
-
-
-# --------------------------------------------------------------------------- #
-# The store
-# --------------------------------------------------------------------------- #
-
-
-@dataclass
-class StoredResponse:
-    response: dict  # the response object as sent (GET /v1/responses/{id})
-    conversation: list[dict]  # chat messages, the answer last; instructions not among them
-    tokens: int  # the conversation's length in tokens, prompt and answer
-
-
-class ResponseStore:
-    """Recent responses by id, least recently used dropped first, bounded by
-    count and by their conversations' tokens. In memory: a restart forgets.
-    Each response belongs to the API key's tenant that made it (`tenant`,
-    router/guards/http_guard.py): another key's caller cannot read, delete or
-    continue it, and is told it does not exist."""
-
-    def __init__(self, max_responses: int = MAX_STORED_RESPONSES, max_tokens: int = MAX_STORED_TOKENS):
-        self.max_responses = max_responses
-        self.max_tokens = max_tokens
-        self._by_id: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
-        self._tokens = 0
-
-    def of(self, tenant: str) -> "TenantResponses":
-        """The responses of one tenant ("": no API keys configured)."""
-        return TenantResponses(self, tenant)
-
-    def put(self, stored: StoredResponse, tenant: str = "") -> None:
-        self.delete(stored.response["id"], tenant)
-        self._by_id[tenant, stored.response["id"]] = stored
-        self._tokens += stored.tokens
-        while self._by_id and (len(self._by_id) > self.max_responses or self._tokens > self.max_tokens):
-            _, dropped = self._by_id.popitem(last=False)
-            self._tokens -= dropped.tokens
-
-    def get(self, response_id: str, param: str | None = None, tenant: str = "") -> StoredResponse:
-        stored = self._by_id.get((tenant, response_id))
-        if stored is None:
-            raise ApiError(404, f"Response with id '{response_id}' not found. Tandem keeps recent responses in "
-                           "memory only (not after a restart, nor with store=false).", param=param,
-                           code="response_not_found")
-        try:
-            self._by_id.move_to_end((tenant, response_id))
-        except KeyError:  # dropped meanwhile by the event loop (responses_turn runs in a thread)
-            pass
-        return stored
-
-    def delete(self, response_id: str, tenant: str = "") -> bool:
-        dropped = self._by_id.pop((tenant, response_id), None)
-        if dropped is not None:
-            self._tokens -= dropped.tokens
-        return dropped is not None
-
-    def __len__(self) -> int:
-        return len(self._by_id)
-
-
-@dataclass
-class TenantResponses:
-    """ResponseStore's put / get / delete for one tenant."""
-
-    store: ResponseStore
-    tenant: str
-
-    def put(self, stored: StoredResponse) -> None:
-        self.store.put(stored, self.tenant)
-
-    def get(self, response_id: str, param: str | None = None) -> StoredResponse:
-        return self.store.get(response_id, param, self.tenant)
-
-    def delete(self, response_id: str) -> bool:
-        return self.store.delete(response_id, self.tenant)
-
-
-# --------------------------------------------------------------------------- #
-# A request as a chat request
-# --------------------------------------------------------------------------- #
 
 
 @dataclass

@@ -36,17 +36,16 @@ import httpx
 from router.api.errors import ApiError
 from router.media.decode import (
     DecodedImage,
-    DecodedVideo,
     MediaError,
     MediaLimits,
     RecentImages,
     decode_image_bytes,
-    decode_video_bytes,
     reuse_image,
     too_many_bytes,
 )
 from router.media.budget import NoRoom, PixelBudget
 from router.media.fetch import TooLarge, Unfetchable, fetch_http
+from router.media.video import DecodedVideo, decode_video_bytes
 
 log = logging.getLogger("tandem.router.media")
 

@@ -26,7 +26,8 @@ import numpy as np
 from environment.model_folder import ModelError
 from protos.messages import ImageInput
 from environment.vision_layout import LAYOUTS
-from router.media.decode import DecodedVideo, MediaError
+from router.media.decode import MediaError
+from router.media.video import DecodedVideo
 
 
 class VisionPrompter:

@@ -281,7 +281,8 @@ def test_a_video_goes_in_as_a_video_or_as_its_frames(vlm_server, media_dir):
     mlx-vlm's for those frames as images). Qwen3-VL: tests/workers/vision/test_vision_qwen3vl.py."""
     from PIL import Image
 
-    from router.media.decode import MediaLimits, decode_video_bytes
+    from router.media.decode import MediaLimits
+    from router.media.video import decode_video_bytes
 
     data = make_video(media_dir / "clip.mp4", frames=20, fps=10.0, size=(64, 48))
     video = decode_video_bytes(data, MediaLimits(), "v", 2.0, 2, "file", None)

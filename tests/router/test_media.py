@@ -24,15 +24,14 @@ from router.api.errors import ApiError
 from router.media.decode import (
     RecentImages,
     DecodedImage,
-    DecodedVideo,
     MediaError,
     MediaLimits,
     decode_image_bytes,
-    decode_video_bytes,
     image_content_hash,
 )
 from router.media.fetch import HostPolicy
 from router.media.parts import FETCH_FAILED, fetch_url, load_media_parts
+from router.media.video import DecodedVideo, decode_video_bytes
 from tests.support.media import make_video
 
 LIMITS = MediaLimits()

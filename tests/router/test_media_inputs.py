@@ -18,8 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from router.media.decode import IMAGE_FORMATS, MediaError, MediaLimits, decode_image_bytes, decode_video_bytes
+from router.media.decode import IMAGE_FORMATS, MediaError, MediaLimits, decode_image_bytes
 from router.media.parts import load_media_parts
+from router.media.video import decode_video_bytes
 from tests.support.media import make_video
 
 LIMITS = MediaLimits(max_pixels=1 << 20, fetch_timeout_s=2.0)

@@ -17,8 +17,9 @@ from protos.grammar import ll_tokenizer
 from router.routing.engine_api import EngineError
 from router.api.errors import ApiError
 from router.api.generation import Piece
+from router.api.response_store import ResponseStore, StoredResponse
 from router.api.responses_format import ResponsesFormat, answer_message
-from router.api.responses_request import ResponseStore, StoredResponse, responses_turn
+from router.api.responses_request import responses_turn
 from tests.support.fake_engine import FakeEngine
 from tests.support.router_server import serve_app
 

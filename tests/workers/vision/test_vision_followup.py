@@ -267,7 +267,7 @@ def test_the_router_tokenizes_each_placeholder_run_as_one_token(any_vlm, monkeyp
     """VisionPrompter.build's ids are those of the fully expanded prompt
     text (VisionEngine.prompt_tokens), but the tokenizer never sees a run of
     placeholders: each is one placeholder, repeated as ids afterwards."""
-    from router.media.decode import DecodedVideo
+    from router.media.video import DecodedVideo
     from router.media.vision_prompt import VisionPrompter
 
     eng = any_vlm.engine

@@ -142,7 +142,8 @@ def test_a_video_part_through_the_router_prompt_and_prefill(q3, tmp_path):
     from mlx_vlm.utils import VideoMetadata, prepare_inputs, should_add_special_tokens
 
     from protos.messages import SamplingParams
-    from router.media.decode import DecodedImage, MediaLimits, decode_video_bytes, image_content_hash
+    from router.media.decode import DecodedImage, MediaLimits, image_content_hash
+    from router.media.video import decode_video_bytes
     from router.media.vision_prompt import VisionPrompter
     from workers.prefill.vlm import VLMPrefillJob
     from workers.decode.shifted_rope import shift_rope
@@ -368,7 +369,8 @@ def test_served_end_to_end(request, tmp_path_factory):
     assert counters(srv) == (2, 1)
     assert answer == text_reference(folder, template_form(messages), [image]).lstrip(" ")
 
-    from router.media.decode import MediaLimits, decode_video_bytes
+    from router.media.decode import MediaLimits
+    from router.media.video import decode_video_bytes
 
     data = make_video(media / "clip.mp4", frames=25, fps=10.0, size=(96, 64))
     video = decode_video_bytes(data, MediaLimits(), "v", 2.0, 4, "file", None)
