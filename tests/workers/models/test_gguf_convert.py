@@ -18,7 +18,8 @@ from mlx_lm.models import llama
 
 from tests.support.gguf_fixtures import write_minimal_gguf, write_tiny_llama
 from workers.models import gguf_convert
-from workers.models.gguf_convert import convert_gguf, read_header
+from workers.models.gguf_convert import convert_gguf
+from workers.models.gguf_header import read_header
 from workers.models.loading import load_model
 from environment.model_folder import ModelError
 from workers.models.store import embedded_gguf
