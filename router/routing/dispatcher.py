@@ -10,7 +10,8 @@ updates until finish. Any worker silent for `heartbeat_timeout_s`, or replaced
 by a new process, is dead (router/routing/worker_table.py): each of its requests
 resumes on a live or restarted worker (`_move`: the prompt and the answer so
 far prefilled again, the stream going on where it was), and fails only if no
-worker comes back within migrate_timeout_s.
+worker comes back within migrate_timeout_s. A request's record:
+router/routing/request_state.py; its moves: router/routing/request_moves.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
 import zmq
@@ -34,6 +34,8 @@ from router.routing.handoff_route import HandoffRoute
 from router.metrics import Metrics
 from router.power_watch import PowerWatch
 from router.routing.prefix_affinity import prefix_keys
+from router.routing.request_moves import RequestMoves
+from router.routing.request_state import VISION_LOST, RequestState
 from router.media.stored_images import StoredImages
 from router.routing.worker_socket import WorkerSockets
 from router.routing.worker_table import WorkerState, WorkerTable
@@ -41,35 +43,9 @@ from router.routing.worker_table import WorkerState, WorkerTable
 log = logging.getLogger(__name__)
 
 ORPHANS_KEPT = 4096  # wire ids of unknown requests already cancelled
-VISION_LOST = object()  # event: the vision worker died; prefill encodes the images
 
 
-@dataclass
-class RequestState:
-    req: GenerationRequest
-    events: asyncio.Queue
-    prefill_worker: str
-    decode_worker: str = ""
-    phase: str = "prefill"  # vision -> prefill -> decode -> done
-    vision: object = None  # the VisionDone of its images, if a vision worker stored them
-    vision_worker: str = ""
-    first_token: Optional[int] = None  # from PrefillDone; decode continues after it
-    started: float = field(default_factory=time.monotonic)
-    # The id the workers know it by: the request id, then "<id>~<n>" after its
-    # n-th move, so nothing a replaced worker still sends about it is taken.
-    wire_id: str = ""
-    answer: list = field(default_factory=list)  # tokens received so far, in order
-    moves: int = 0  # times it moved to another worker after one died
-    strikes: int = 0  # workers that died running it, no token gained between (max_migrations)
-    struck_at: int = -1  # len(answer) at the last strike
-    resumed: int = 0  # answer tokens at the end of the prompt it was last prefilled with
-
-    def prompt(self) -> list:
-        """The prompt its current prefill runs: a moved request's ends with its answer so far."""
-        return list(self.req.prompt_tokens) + self.answer[:self.resumed]
-
-
-class Dispatcher:
+class Dispatcher(RequestMoves):
     """Implements router.routing.engine_api.Engine over ZeroMQ."""
 
     def __init__(self, settings: Settings, max_context: int):
@@ -270,61 +246,6 @@ class Dispatcher:
         if target in self.workers:
             await self._send(target, Cancel(st.wire_id))
 
-    # ---------------------------------------------------------- migration --
-    def _relocate(self, st: RequestState, why: str, wid: str = "", strike: bool = True) -> None:
-        """Worker `wid` holding `st` died: resume it elsewhere (`_move`) unless
-        it is over. `strike`: it died running it (not: it never got there)."""
-        if st.phase == "done" or self.requests.get(st.wire_id) is not st:
-            return
-        if st.phase == "vision":
-            if wid == st.vision_worker:
-                st.events.put_nowait(VISION_LOST)  # prefill encodes the images itself
-            return  # a prefill worker that died meanwhile: _prefill finds another
-        # Detached now: nothing its old worker sends from here on is taken.
-        old_wire, old_worker = st.wire_id, st.decode_worker if st.phase == "decode" else st.prefill_worker
-        role = st.phase
-        self.requests.pop(old_wire, None)
-        self._orphaned(old_wire)  # cancelled below, not again as an orphan
-        self.table.unassign(old_wire, st.prefill_worker, st.decode_worker)
-        st.moves += 1
-        if strike:
-            st.strikes = 1 if len(st.answer) > st.struck_at else st.strikes + 1
-            st.struck_at = len(st.answer)
-        st.wire_id = f"{st.req.request_id}~{st.moves}"
-        st.phase, st.first_token, st.prefill_worker, st.decode_worker = "prefill", None, "", ""
-        self.requests[st.wire_id] = st
-        task = asyncio.create_task(self._move(st, why, role, old_worker and (old_worker, old_wire)))
-        self._moving.add(task)
-        task.add_done_callback(self._moving.discard)
-
-    async def _move(self, st: RequestState, why: str, role: str, old: tuple | str) -> None:
-        """Resume `st` on live workers: its prompt and answer so far prefilled
-        again (mostly from the prefix cache), the next token continuing the
-        stream. It waits up to migrate_timeout_s for a worker of each role."""
-        if old:  # a worker declared dead may be alive and still running it
-            await self._send(old[0], Cancel(old[1]), quiet=True)
-        if st.strikes > self.settings.max_migrations:
-            st.events.put_nowait(EngineError(502, f"{why}; {st.strikes} workers died running this request with no "
-                                                  "token gained between, so it is not moved again"))
-            return
-        log.info("request %s: %s; resuming after %d token(s) (move %d)", st.req.request_id, why,
-                 len(st.answer), st.moves)
-        self.metrics.moves.labels(role).inc()
-        roles = ("prefill",) if self.settings.colocate else ("prefill", "decode")
-        deadline = time.monotonic() + self.settings.migrate_timeout_s
-        if not await self.table.wait_ready(roles, deadline, gone=lambda: self.requests.get(st.wire_id) is not st):
-            if self.requests.get(st.wire_id) is st:
-                st.events.put_nowait(EngineError(
-                    503, f"{why}, and no worker took its place within {self.settings.migrate_timeout_s:.0f}s",
-                    retry_after=1.0))
-            return
-        st.resumed = len(st.answer)
-        keys = self._keys(st)
-        w = self.table.pick_prefill(keys)
-        st.prefill_worker = w.hello.worker_id
-        w.assigned.add(st.wire_id)
-        await self._prefill(st, pixels=True)
-
     # ------------------------------------------------------------ inbound --
     async def _receive_loop(self) -> None:
         while True:
@@ -443,15 +364,6 @@ class Dispatcher:
             self._relocate(st, "decode worker unreachable", st.decode_worker, strike=False)
 
     # ---------------------------------------------------------- watchdog --
-    def _moved_off(self, wid: str, w: WorkerState, why: str) -> None:
-        """A worker is gone: every request it held resumes elsewhere."""
-        log.warning("worker %s (%s, pid %d) %s; moving %d request(s)", wid, "+".join(w.hello.roles),
-                    w.hello.pid, why, len(w.assigned))
-        for wire_id in list(w.assigned):
-            st = self.requests.get(wire_id)
-            if st is not None:
-                self._relocate(st, f"{'+'.join(w.hello.roles)} worker (pid {w.hello.pid}) {why}", wid)
-
     async def _watch_loop(self) -> None:
         while True:
             now = time.monotonic()
