@@ -2,7 +2,7 @@
 like, how folders and files are made private, and how `tandem cache clear`
 empties one.
 
-    <root>/<first hex byte>/<hash hex>.kvb            a block (disk_tier.py: its bytes)
+    <root>/<first hex byte>/<hash hex>.kvb            a block (block_file.py: its bytes)
     <root>/<first hex byte>/<hash hex>.kvb.<pid>.<thread>.tmp   a block being written
 
 KV can be turned back into the prompt that made it: the root and its folders
