@@ -39,7 +39,7 @@ def rank_settings(settings: Settings) -> dict:
     """The settings a rank on another host gets, as JSON: no API keys (they
     never leave this host), none of this host's files (disk tier, test
     hooks); its run dir is made there. Its prefix cache is dropped there
-    (workers/group/members.py: no cache service on its host)."""
+    (workers/parts.py `prefix_here`: no cache service on its host)."""
     remote = dataclasses.replace(settings, api_keys=(), cache_dir=None, run_dir="", arena_name="",
                                  memory_pressure_file=None, power_state_file=None, group_keys="")
     return dataclasses.asdict(remote)

@@ -1,5 +1,6 @@
 """A worker process's main (the supervisor's `spawn` target): the sockets,
-the signals, the Worker loop (workers/worker.py), optionally under cProfile."""
+the signals, its parts (workers/parts.py) and the Worker loop over them
+(workers/worker.py), optionally under cProfile."""
 
 from __future__ import annotations
 
@@ -15,15 +16,18 @@ from environment.settings import Settings
 from protos import transport
 from protos.messages import WorkerHello
 from workers.models.loading import set_cuda_graphs
-from workers.socket_loop import SocketLoop
-from workers.worker import Worker
+from workers.parts import WorkerParts
+from workers.power_limits import PowerLimits
+from workers.socket_loop import Outbox, SocketLoop
+from workers.worker import Alone, Worker
 
 log = logging.getLogger(__name__)
 
 
-def run(settings: Settings, roles: list[str], worker_id: str, make_worker=Worker) -> None:
-    """Process main for a worker (a `spawn` target). `make_worker`: the Worker
-    class, or a tensor-parallel group's rank 0 (workers/group/main.py)."""
+def run(settings: Settings, roles: list[str], worker_id: str, make_runner=None) -> None:
+    """Process main for a worker (a `spawn` target). `make_runner(ctx, hello)`:
+    how the loop takes messages and runs units (workers/worker.py Alone, or
+    a group's rank 0: workers/group/main.py)."""
     set_cuda_graphs()  # before any GPU work: MLX reads it once
     setup_logging(settings.log_level, f"worker:{worker_id}")
     ctx = zmq.Context()
@@ -33,24 +37,35 @@ def run(settings: Settings, roles: list[str], worker_id: str, make_worker=Worker
     loop = SocketLoop(ctx, settings.router_address or transport.ipc_address(settings.run_dir, "router"), hello,
                       settings.heartbeat_interval_s, join_timeout_s=settings.router_join_timeout_s,
                       curve=transport.worker_keys(settings.router_keys) if settings.router_keys else None)
-    worker = make_worker(settings, roles, worker_id, ctx, loop)
+    runner = make_runner(ctx, hello) if make_runner else Alone()
+    power = PowerLimits(settings, may_defer=runner.group is None)  # a group warms up at once, in step
+    parts = WorkerParts(settings, roles, worker_id, hello, runner.wrap_outbox(Outbox(ctx)), power,
+                        group=runner.group)
+    worker = None
 
     def on_signal(signum, _frame):
-        worker.stopping = True
+        if worker is not None:
+            worker.stopping = True
         loop.inbox.put(None)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     loop.start()
     try:
-        worker.load()
+        parts.load()
+        runner.loaded()
+        worker = Worker(parts.roles, parts.takes, worker_id=worker_id, inbox=loop.inbox, outbox=parts.outbox,
+                        hello=hello, power=power, runner=runner, after_pass=parts.after_pass)
         _serve_profiled(worker, os.environ.get("TANDEM_PROFILE_DIR"))
     finally:
-        if worker.stores:
-            worker.stores.close()  # while the socket loop runs: its queued handoffs still go out
+        if parts.stores:
+            parts.stores.close()  # while the socket loop runs: its queued handoffs still go out
         loop.stopping.set()
         loop.join(timeout=2)
-        worker.close()
+        try:
+            runner.close()
+        finally:
+            parts.close()
         ctx.term() if not loop.is_alive() else None
         log.info("worker %s stopped", worker_id)
     if loop.error is not None:  # its socket loop died: exit non-zero, the supervisor restarts us

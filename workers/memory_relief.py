@@ -7,9 +7,9 @@ them) and MLX's cache of freed buffers (`mx.clear_cache`). Both refill as
 requests run, so a worker that stays pressed keeps dropping them; nothing a
 request in flight holds is touched.
 
-MLX thread only: `relieve_memory` is called from the worker's loop
-(workers/worker.py `Worker.serve`). MLX's buffer cache is per process, so is
-the one `MemoryRelief` here.
+MLX thread only: `relieve_memory` is called after every pass of the
+worker's loop (workers/parts.py `WorkerParts.relieve`). MLX's buffer cache
+is per process, so is the one `MemoryRelief` here.
 """
 
 from __future__ import annotations

@@ -1,7 +1,14 @@
 """What the Worker loop (workers/worker.py) asks of each role a process holds
-(workers/prefill/role.py, workers/decode/role.py, workers/vision/role.py):
-take a request, say whether work waits, drop a request, count the load; and
-how a role's unit of work fails one request, never the process.
+(workers/prefill/role.py, workers/decode/role.py, workers/vision/role.py,
+workers/warm_up.py): take a request, say whether work waits, offer the
+units of MLX work due now, drop a request, take the power policy's limits,
+report its load; and how a role's unit of work fails one request, never
+the process.
+
+A unit is an object (`Unit`), not a name the loop dispatches on: the loop
+runs what a role offers, and a group's rank 0 records each unit by its name
+for the other ranks, which run the same role's unit of that name
+(workers/group/members.py).
 
 A role gets everything it uses in its constructor (engine, prefix cache,
 cache client, arena, outbox, clock, ...), so a test builds one alone, with
@@ -11,7 +18,8 @@ fakes, and drives it as the loop would.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from dataclasses import dataclass, replace
+from typing import Callable, Iterator, Optional
 
 from cache_service.client import CacheUnavailable
 from protos.messages import RequestFailed
@@ -24,6 +32,27 @@ def request_failed(request_id: str, exc: Exception) -> RequestFailed:
     away is a 503 (try again), anything else a 500."""
     status = 503 if isinstance(exc, CacheUnavailable) else 500
     return RequestFailed(request_id, f"{type(exc).__name__}: {exc}", status)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One unit of MLX work a role offers the loop (one prefill chunk, one
+    decode step, ...). `run(wait)`; `wait`: whether it may wait for what it
+    needs (the decode role's handoff reads, when the loop has nothing else
+    to do). `shared`: for a unit whose run hangs on what rank 0 decided by
+    time, the object holding that decision (state() / load(): a decode
+    step's speculative step costs), which a group's followers load."""
+
+    name: str  # the logs' and a group's records' name for it
+    run: Callable[[bool], None]
+    wait: bool = False
+    shared: Optional[Callable[[], object]] = None
+
+    def __call__(self) -> None:
+        self.run(self.wait)
+
+    def waiting(self, wait: bool) -> "Unit":
+        return replace(self, wait=wait)
 
 
 class Role:
@@ -43,6 +72,32 @@ class Role:
 
     def has_work(self) -> bool:
         return False
+
+    def units(self, busy_elsewhere: Callable[[], bool]) -> Iterator[Unit]:
+        """The units due now, in order; the loop runs each before asking for
+        the next. `busy_elsewhere()`: whether another role has work."""
+        return iter(())
+
+    def unit_kinds(self) -> list[Unit]:
+        """Every unit this role may offer: a group's followers find rank 0's by name."""
+        return []
+
+    def pause_s(self) -> float:
+        """After `units`: how long the loop may wait for messages before this
+        role's deferred work is due (the power policy's decode pace); 0: none."""
+        return 0.0
+
+    def limit(self, limits) -> str:
+        """Take the power policy's limits (protos.messages.WorkerLimits),
+        never above the settings'; what they are now, in words ("": none)."""
+        return ""
+
+    def report(self, hello) -> None:
+        """This role's part of the heartbeat (protos.messages.WorkerHello)
+        beyond running and waiting."""
+
+    def set_clock(self, clock) -> None:
+        self.clock = clock
 
     def cancel(self, request_id: str, save: bool = True) -> None:
         """Drop a request wherever it is in this role (`save`: its KV may

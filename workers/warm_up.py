@@ -31,6 +31,7 @@ import logging
 import time
 
 from protos.messages import DecodeRequest, KVHandoff, SamplingParams
+from workers.role import Role, Unit
 
 log = logging.getLogger(__name__)
 
@@ -120,3 +121,32 @@ def _decode(decode, rows: list, sampling: SamplingParams, speculate: bool = True
         for rid, _, _ in rows:
             decode.cancel(rid, save=False)  # still there only if a step failed
         decode.prefix, decode.speculation = prefix, speculation
+
+
+class WarmUpRole(Role):
+    """The warm-up the power policy deferred (on battery in saver,
+    environment/power/policy.py), as a role of the loop: its one unit is
+    due once no other role has work and a policy allows it, and runs once.
+    `run()` warms the process up."""
+
+    def __init__(self, run, *, worker_id: str, outbox, clock, deferred: bool = True):
+        super().__init__(worker_id, outbox, clock)
+        self.deferred = deferred
+        self.cold = True
+        self.unit = Unit("warm up", self.warm)
+        self._run = run
+
+    def units(self, busy_elsewhere):
+        if self.cold and not self.deferred and not busy_elsewhere():
+            yield self.unit
+
+    def unit_kinds(self) -> list[Unit]:
+        return [self.unit]
+
+    def limit(self, limits) -> str:
+        self.deferred = bool(limits.defer_warm_up)
+        return ""
+
+    def warm(self, wait: bool = False) -> None:
+        self._run()
+        self.cold = False

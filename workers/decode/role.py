@@ -23,8 +23,9 @@ from concurrent.futures import wait as wait_for
 from typing import Callable
 
 from protos.messages import DecodeRequest, KVHandoff, RequestFailed, TokenBatch
+from workers.group.handoff_shards import own_part
 from workers.kv import handoff as kv_handoff
-from workers.role import Role
+from workers.role import Role, Unit
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +40,14 @@ class DecodeRole(Role):
     `cache` (a CacheClient: frees handoff slots, releases leases),
     `arena_buf` (arena name -> its buffer), `local_kv` (request id -> KV,
     filled by this process's PrefillRole when colocated) and `reader` (a
-    one-thread executor for handoff copies, or None)."""
+    one-thread executor for handoff copies, or None). `rank`: (rank, size) of
+    a decode group, whose every rank reads its own part of a handoff
+    (workers/group/handoff_shards.py); (0, 1) alone. `max_batch`: the
+    settings' decode batch, which the power policy lowers, never raises."""
 
     def __init__(self, engine, *, worker_id: str, prefix, cache, arena_buf: Callable[[str], object], outbox,
-                 clock, local_kv: dict, reader=None, fail=None):
+                 clock, local_kv: dict, reader=None, fail=None, rank: tuple = (0, 1),
+                 max_batch: int = 0):
         super().__init__(worker_id, outbox, clock, fail)
         self.engine = engine
         self.prefix = prefix
@@ -50,6 +55,11 @@ class DecodeRole(Role):
         self.arena_buf = arena_buf
         self.local_kv = local_kv
         self.reader = reader
+        self.rank = rank
+        self.max_batch = max_batch
+        self.read_unit = Unit("reads", self.take_reads)
+        self.step_unit = Unit("decode", lambda wait: self.step(), shared=self.step_costs)
+        self.paused_s = 0.0  # the last pass's pace wait
         self.reading: deque[tuple] = deque()  # (DecodeRequest, its copy's future or None), arrival order
         self.pace_s = 0.0  # seconds a token at least (the power policy's pace); 0: unpaced
         self.last_step_tokens = 1  # the most tokens one request got from the last step
@@ -57,7 +67,7 @@ class DecodeRole(Role):
 
     # ------------------------------------------------------------ the loop --
     def handle(self, msg: DecodeRequest) -> None:
-        self.read_handoff(msg)
+        self.read_handoff(own_part(msg, *self.rank))
 
     def has_work(self) -> bool:
         return bool(self.reading or self.engine.has_work)
@@ -69,6 +79,47 @@ class DecodeRole(Role):
     @property
     def waiting(self) -> int:
         return len(self.reading) + self.engine.waiting
+
+    def units(self, busy_elsewhere):
+        """The handoffs whose copies are done (waiting for them when nothing
+        else has work), then a decode step unless the pace holds it back."""
+        self.paused_s = 0.0
+        if self.reading:
+            yield self.read_unit.waiting(not (self.engine.has_work or busy_elsewhere()))
+        if self.engine.has_work:
+            delay = self.pace_delay()
+            if delay > 0:
+                self.paused_s = delay
+            else:
+                yield self.step_unit
+
+    def unit_kinds(self) -> list[Unit]:
+        return [self.read_unit, self.step_unit]
+
+    def pause_s(self) -> float:
+        return self.paused_s
+
+    def step_costs(self):
+        """What a step may speculate by (workers/decode/speculation.py
+        StepCosts, timed on this rank), or None."""
+        spec = self.engine.speculation
+        return spec.costs if spec is not None else None
+
+    def limit(self, limits) -> str:
+        """A smaller batch lets the rows beyond it finish; none join until below."""
+        pace = limits.pace_tokens_per_s
+        self.engine.max_batch = max(1, min(limits.max_batch, self.max_batch))
+        self.pace_s = 1.0 / pace if 0.0 < pace < 1e6 else 0.0
+        return f"decode batch {self.engine.max_batch}, pace {f'{pace:g} tok/s' if self.pace_s else 'off'}"
+
+    def report(self, hello) -> None:
+        hello.kv_bytes, hello.max_batch = self.engine.kv_bytes, self.engine.max_batch
+        spec = self.engine.speculation
+        if spec is not None:
+            hello.spec_method, hello.spec_proposed, hello.spec_accepted = spec.method, spec.proposed, spec.accepted
+
+    def set_clock(self, clock) -> None:
+        self.clock = self.engine.clock = clock
 
     def cancel(self, request_id: str, save: bool = True) -> None:
         """A decoding request's KV goes to the prefix cache (unless `save` is

@@ -8,8 +8,8 @@ another host, deploy/group_plan.py); a record is a list of ops:
 
 - ("m", n): a message rank 0 handled, in its n protos/codec.py frames
   (after the op list, in order);
-- ("u", unit, wait[, costs]): a unit of MLX work (workers/worker.py
-  `run_unit`), a decode step with rank 0's speculative step costs;
+- ("u", name, wait[, costs]): a unit of MLX work (workers/role.py `Unit`,
+  by its name), a decode step with rank 0's speculative step costs;
 - ("ready",): rank 0 has loaded; ("stop",): rank 0 stops.
 
 Messages wait in the recorder until the next unit (or beat) sends them

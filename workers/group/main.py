@@ -1,27 +1,30 @@
 """A tensor-parallel group's rank process main (the supervisor's `spawn`
 target for every rank of a group): join the group, then rank 0 runs as a
-worker (workers/main.py) and the others follow it (workers/group/members.py)."""
+worker (workers/main.py) leading the others, which follow it
+(workers/group/members.py)."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import queue
 import signal
 from dataclasses import replace
-from types import SimpleNamespace
 
 import zmq
 
 from environment.logs import setup_logging
 from environment.settings import Settings
-from protos.messages import WorkerHello
-from workers.group.lockstep import GroupBroken
-from workers.group.members import FollowerWorker, LeaderWorker
+from protos import transport
 from protos.group_plan import RankSpec
-from workers.group.ranks import join_group
+from protos.messages import WorkerHello
+from workers.group.lockstep import GroupBroken, RecordStream
+from workers.group.members import DiscardOutbox, Follower, Leader
+from workers.group.ranks import join_group, lockstep_address
 from workers.models.loading import set_cuda_graphs
+from workers.parts import WorkerParts
+from workers.power_limits import PowerLimits
+from workers.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +41,8 @@ def run(settings: Settings, roles: list[str], spec: RankSpec) -> None:
         from workers.main import run as run_worker
 
         try:
-            run_worker(settings, roles, spec.name, make_worker=functools.partial(LeaderWorker, group=group, spec=spec))
+            run_worker(settings, roles, spec.name,
+                       make_runner=lambda ctx, hello: Leader(settings, ctx, hello, group=group, spec=spec))
         except GroupBroken as exc:  # told the router it stops; the supervisor restarts the group
             log.error("worker %s stops: %s", spec.name, exc)
             raise SystemExit(1) from None
@@ -53,25 +57,40 @@ def follow(settings: Settings, roles: list[str], spec: RankSpec, group) -> None:
     ctx = zmq.Context()
     hello = WorkerHello(worker_id=spec.name, roles=list(roles), pid=os.getpid(), state="loading",
                         model_id=settings.model_id)
-    loop = SimpleNamespace(hello=hello, inbox=queue.Queue())  # no router socket: rank 0 has it
+    address = lockstep_address(spec, settings.run_dir, spec.rank)
+    # A rank on another host (tcp) has no cache service there (deploy/remote_rank.py).
+    other_host = address.startswith("tcp://")
+    stream = RecordStream(ctx, address, transport.worker_keys(settings.rank_keys) if other_host else None)
     # Its roles take rank 0's id: what they decide by it (a colocated prompt's
     # KV kept for its decode) must come out as on rank 0. Its logs say which rank.
-    worker = FollowerWorker(settings, roles, spec.group, ctx, loop, group=group, spec=spec)
+    power = PowerLimits(settings, may_defer=False)
+    parts = WorkerParts(settings, roles, spec.group, hello, DiscardOutbox(), power, group=group,
+                        prefix_here=not other_host)
+    follower = None
 
     def on_signal(signum, _frame):
-        worker.stopping = True
+        if follower is not None:
+            follower.worker.stopping = True
+        else:
+            stopped.append(signum)
 
+    stopped: list = []
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     broken = None
     try:
-        worker.load()
-        worker.serve()
+        parts.load()
+        worker = Worker(parts.roles, parts.takes, worker_id=spec.group, inbox=queue.Queue(), outbox=parts.outbox,
+                        hello=hello, power=power, after_pass=parts.after_pass)
+        worker.stopping = bool(stopped)
+        follower = Follower(worker, stream, settings, relieve=parts.relieve)
+        follower.serve()
     except GroupBroken as exc:
         broken = exc
         log.error("worker %s stops: %s", spec.name, exc)
     finally:
-        worker.close()
+        stream.close()
+        parts.close()
         log.info("worker %s stopped", spec.name)
     if broken is not None:
         raise SystemExit(1)

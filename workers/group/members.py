@@ -1,12 +1,14 @@
-"""The two kinds of rank in a tensor-parallel worker group, as Workers.
+"""The two kinds of rank in a tensor-parallel worker group, as wrappers
+around the one Worker loop (workers/worker.py), which knows nothing of groups.
 
-`LeaderWorker` (rank 0) is an ordinary Worker (workers/worker.py) that
-talks to the router, with a Recorder (workers/group/lockstep.py) that
-sends each follower what its loop did, before doing it. `FollowerWorker`
-(ranks 1..N-1) builds the same roles over its own shard, sends nothing
-anywhere (its outbox discards: rank 0 answers the router), and replays
-rank 0's records through the same Worker methods, so every rank issues
-the same collectives in the same order.
+`Leader` (rank 0) is how a worker's loop takes messages and runs units
+when it leads a group: the loop talks to the router as a worker alone
+does, and a Recorder (workers/group/lockstep.py) sends each follower every
+message and unit first. `Follower` (ranks 1..N-1) drives a loop built over
+the same roles on its own shard, which sends nothing anywhere (its outbox
+discards: rank 0 answers the router): it hands the loop rank 0's messages
+and runs the units of rank 0's names, so every rank issues the same
+collectives in the same order.
 
 A collective that fails because another rank died must not fail requests
 (the router would answer the client with an error): it takes the group
@@ -22,14 +24,14 @@ import time
 
 import zmq
 
-from protos.messages import RequestFailed
-from workers.group.lockstep import GroupBroken, Recorder, RecordStream, pin_seed
 from protos import transport
 from protos.group_plan import RankSpec
+from protos.messages import RequestFailed
+from workers.group.lockstep import GroupBroken, Recorder, RecordStream, pin_seed
 from workers.group.ranks import lockstep_address, unit_deadline
-from workers.memory_relief import relieve_memory
+from workers.role import Unit
 from workers.socket_loop import Outbox
-from workers.worker import Worker
+from workers.worker import Alone, Worker
 
 log = logging.getLogger(__name__)
 
@@ -68,37 +70,45 @@ class DiscardOutbox:
         pass
 
 
-class LeaderWorker(Worker):
-    """Rank 0: the router's worker, recording its loop for the followers."""
+class Leader(Alone):
+    """Rank 0: each message the loop takes and each unit it runs recorded
+    for the followers first, and its outbox holding RequestFailed while a
+    unit runs."""
 
-    def __init__(self, settings, roles: list[str], worker_id: str, ctx: zmq.Context, loop, *, group,
-                 spec: RankSpec):
-        super().__init__(settings, roles, worker_id, ctx, loop, group=group)
+    def __init__(self, settings, ctx: zmq.Context, hello, *, group, spec: RankSpec):
+        self.settings = settings
+        self.group = group
         addresses = [lockstep_address(spec, settings.run_dir, r) for r in range(1, spec.size)]
         # Followers on other hosts (tcp): CURVE, with this host's pair and their public keys.
         keys = transport.router_keys(settings.group_keys) if settings.group_keys else None
         self.recorder = Recorder(ctx, addresses, beat_s=settings.heartbeat_interval_s, keys=keys)
+        self.outbox: HoldingOutbox | None = None
+        self.worker_id = spec.name
         # Its handoffs go only to a decode group of the same split (router/routing/handoff_route.py).
-        self.hello.kv_shard = f"{'pipeline' if settings.pipeline_parallel > 1 else 'tensor'} {spec.size}"
+        hello.kv_shard = f"{'pipeline' if settings.pipeline_parallel > 1 else 'tensor'} {spec.size}"
 
-    def make_outbox(self):
-        return HoldingOutbox(Outbox(self.ctx))
+    def wrap_outbox(self, outbox) -> "HoldingOutbox":
+        self.outbox = HoldingOutbox(outbox)
+        return self.outbox
 
-    def load(self) -> None:
-        super().load()
+    def loaded(self) -> None:
         self.recorder.send_op("ready")
 
-    def handle(self, msg) -> None:
+    def take(self, msg):
         msg = pin_seed(msg)
         self.recorder.message(msg)
-        super().handle(msg)
+        return msg
 
-    def run_unit(self, unit: str, wait: bool = False) -> None:
-        self.recorder.unit(unit, wait, self.step_costs(unit))
+    def run(self, unit: Unit) -> None:
+        """Recorded (with rank 0's speculative step costs, for a decode
+        step: every rank must draft alike), then run within the unit
+        deadline; the requests it failed are sent only if no follower died."""
+        shared = unit.shared() if unit.shared is not None else None
+        self.recorder.unit(unit.name, unit.wait, shared.state() if shared is not None else None)
         self.outbox.held = []
         try:
             with unit_deadline(self.settings.group_unit_timeout_s):
-                super().run_unit(unit, wait)
+                unit()
         finally:
             held, self.outbox.held = self.outbox.held, None
         if held and self.recorder.follower_lost(LOST_CHECK_S):
@@ -106,15 +116,7 @@ class LeaderWorker(Worker):
         for msg in held:
             self.outbox.send(msg)
 
-    def step_costs(self, unit: str) -> list | None:
-        """What rank 0's steps cost, for a decode step that may speculate: how
-        many tokens a row drafts follows it (workers/decode/speculation.py
-        StepCosts, timed per rank), and every rank must draft alike."""
-        spec = self.decode.engine.speculation if unit == "decode" and self.decode is not None else None
-        return spec.costs.state() if spec is not None else None
-
-    def drain_inbox(self, block: bool, timeout: float = 0.25) -> None:
-        super().drain_inbox(block, timeout)
+    def idle(self) -> None:
         self.recorder.beat()
 
     def close(self) -> None:
@@ -122,66 +124,52 @@ class LeaderWorker(Worker):
             self.recorder.send_op("stop", wait=False)
         finally:
             self.recorder.close()
-            super().close()
 
 
-class FollowerWorker(Worker):
-    """Ranks 1..N-1: the same roles over their shard, replaying rank 0's records."""
+class Follower:
+    """Ranks 1..N-1: rank 0's records replayed on `worker`, a loop over the
+    same roles on this rank's shard (built with a DiscardOutbox).
+    `relieve()`: the parts' memory relief, after every record."""
 
-    def __init__(self, settings, roles: list[str], worker_id: str, ctx: zmq.Context, loop, *, group,
-                 spec: RankSpec):
-        super().__init__(settings, roles, worker_id, ctx, loop, group=group)
-        address = lockstep_address(spec, settings.run_dir, spec.rank)
-        # A rank on another host (tcp) has no cache service there (deploy/remote_rank.py).
-        self.other_host = address.startswith("tcp://")
-        self.stream = RecordStream(ctx, address, transport.worker_keys(settings.rank_keys) if self.other_host else None)
+    def __init__(self, worker: Worker, stream: RecordStream, settings, relieve=lambda: None):
+        self.worker = worker
+        self.stream = stream
+        self.settings = settings
+        self.relieve = relieve
+        self.units = worker.unit_kinds()
         # Rank 0 beats every heartbeat interval when idle; a few missed: it is gone.
         self.silence_s = max(settings.heartbeat_timeout_s, 6 * settings.heartbeat_interval_s)
 
-    def make_outbox(self):
-        return DiscardOutbox()
-
-    def make_prefix(self, model):
-        """Built as on every rank (its probe runs the model, the same
-        collectives as rank 0's), then dropped on another host, which has no
-        cache service: `group_prefix` then turns the group's cache off."""
-        prefix = super().make_prefix(model)
-        if prefix is not None and self.other_host:
-            log.info("prefix caching off on rank %d: no cache service on its host", self.group.rank())
-            return None
-        return prefix
-
     def serve(self) -> None:
-        self.start_clock()
+        worker = self.worker
+        worker.start_clock()
         wait_s, t0 = FIRST_RECORD_S, time.monotonic()
-        while not self.stopping:
-            ops = self.stream.next(wait_s, stopping=lambda: self.stopping)
+        while not worker.stopping:
+            ops = self.stream.next(wait_s, stopping=lambda: worker.stopping)
             if ops is None:
                 break
             if wait_s == FIRST_RECORD_S:
-                log.info("worker %s following rank 0 (first record after %.1f s)", self.worker_id,
+                log.info("worker %s following rank 0 (first record after %.1f s)", worker.worker_id,
                          time.monotonic() - t0)
                 wait_s = self.silence_s
             for op in ops:
                 self.replay(op)
-            relieve_memory(self.settings, self.prefix, self.hello)
-            self.clock.maybe_report()
+            self.relieve()
+            worker.clock.maybe_report()
 
     def replay(self, op: tuple) -> None:
         kind = op[0]
         if kind == "m":
-            self.handle(op[1])
+            self.worker.handle(op[1])
         elif kind == "u":
+            unit = self.units.get(op[1])
+            if unit is None:
+                raise GroupBroken(f"rank 0 ran a unit this rank has not: {op[1]!r}")
             if len(op) > 3:  # rank 0's step costs: this rank drafts as rank 0 does
-                self.decode.engine.speculation.costs.load(op[3])
+                unit.shared().load(op[3])
             with unit_deadline(self.settings.group_unit_timeout_s):
-                self.run_unit(op[1], wait=op[2])
+                unit.waiting(op[2])()
         elif kind == "stop":
-            self.stopping = True
+            self.worker.stopping = True
         elif kind != "ready":
             raise GroupBroken(f"unknown record op {kind!r}")
-
-    def close(self) -> None:
-        self.stream.close()
-        super().close()
-

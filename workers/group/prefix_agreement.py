@@ -84,20 +84,48 @@ def first_tokens_of(cache: Sequence, n: int) -> tuple:
 
 
 class GroupPrefixCache:
-    """A rank's prefix cache (a workers.kv.prefix_base.PrefixCacheBase,
-    its keys made this rank's shard's here): the same interface, with
-    `fetch`'s hit agreed by the group and `hold` leasing nothing."""
+    """A rank's prefix cache: `inner` (this rank's PrefixCache or
+    SnapshotCache, keyed by its shard: `group_prefix` makes it so) behind
+    the interface of workers.kv.prefix_base.PrefixCacheBase, with `fetch`'s
+    hit agreed by the group and `hold` leasing nothing. Every other call is
+    this rank's own, named here one by one: the interface's, and the block
+    writes a PrefixCache adds (a decode worker's commit, the store thread's
+    writes), which issue no collective."""
 
-    def __init__(self, inner, group, split: str = "tensor"):
+    def __init__(self, inner, group):
         self.inner = inner
         self.group = group
-        inner.hasher = inner.hasher.for_shard(group.rank(), group.size(), split)
 
-    def __getattr__(self, name):  # the rest of the interface, and its state (stats, hot, layout), the inner's
-        if name == "inner":  # not set yet (a copy being made): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    # What the cache is and counts: the inner's.
+    @property
+    def kind(self) -> str:
+        return self.inner.kind
 
+    @property
+    def reuses_blocks(self) -> bool:
+        return self.inner.reuses_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.inner.block_size
+
+    @property
+    def hasher(self):
+        return self.inner.hasher
+
+    @property
+    def stats(self):
+        return self.inner.stats
+
+    @property
+    def hot(self):
+        return self.inner.hot
+
+    @property
+    def layout(self):  # a PrefixCache's block layout
+        return self.inner.layout
+
+    # The lookup, agreed; a hold, none.
     def fetch(self, tokens: Sequence[int], max_blocks: int, owner: str, per_block=None,
               compute_s_per_token: Optional[float] = None, *, salt: str = "") -> tuple:
         inner = self.inner
@@ -120,15 +148,47 @@ class GroupPrefixCache:
     def hold(self, tokens, owner: str, lease_s: float, per_block=None, *, salt: str = "") -> HeldBlocks:
         return HeldBlocks()
 
+    # Everything else: this rank's own cache.
+    def store(self, tokens: Sequence[int], cache: Sequence, owner: str, per_block=None, host=None,
+              later: Optional[Callable] = None, snapshot=None, *, salt: str = "") -> int:
+        return self.inner.store(tokens, cache, owner, per_block, host, later, snapshot, salt=salt)
+
+    def snapshot_point(self, n_tokens: int) -> int:
+        return self.inner.snapshot_point(n_tokens)
+
+    def capture(self, cache: Sequence, tokens: int):
+        return self.inner.capture(cache, tokens)
+
+    def take(self, hashes, arena: str, offsets, lease: int) -> list:
+        return self.inner.take(hashes, arena, offsets, lease)
+
+    def release(self, lease: int) -> None:
+        self.inner.release(lease)
+
+    def prepare_store(self, tokens: Sequence[int], cache: Sequence, owner: str, per_block=None, host=None,
+                      tail: bool = False, *, salt: str = ""):
+        return self.inner.prepare_store(tokens, cache, owner, per_block, host, tail, salt=salt)
+
+    def finish_store(self, prepared) -> int:
+        return self.inner.finish_store(prepared)
+
+    def detach(self, prepared) -> None:
+        self.inner.detach(prepared)
+
+    def write_store(self, prepared, client=None) -> int:
+        return self.inner.write_store(prepared, client=client)
+
 
 def group_prefix(prefix, group, pipeline: bool = False):
     """The prefix cache of this rank of `group` over `prefix` (this rank's
-    PrefixCache or SnapshotCache, or None), or None unless every rank has
-    one (one collective, at load: every rank loads alike). `pipeline`: the
-    model is split by layers, not by heads."""
+    PrefixCache or SnapshotCache, just made, or None), or None unless every
+    rank has one (one collective, at load: every rank loads alike). Before
+    any use, `prefix` is keyed by this rank's shard (workers/kv/block_hash.py
+    `for_shard`). `pipeline`: the model is split by layers, not by heads."""
     have, _ = min_and_max(int(prefix is not None), group)
     if not have:
         if prefix is not None:
             log.info("prefix caching off: another rank of the group has none")
         return None
-    return GroupPrefixCache(prefix, group, "pipeline" if pipeline else "tensor")
+    prefix.hasher = prefix.hasher.for_shard(group.rank(), group.size(), "pipeline" if pipeline else "tensor")
+    return GroupPrefixCache(prefix, group)

@@ -28,7 +28,7 @@ from workers.loop_clock import part, tally_line
 from workers.prefill.batch import batchable, fits, run_batch
 from workers.prefill.engine import PrefillJob, first_token_finishes
 from workers.prefill.vlm import VLMPrefillJob
-from workers.role import Role
+from workers.role import Role, Unit
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class PrefillRole(Role):
         self.queue: deque[PrefillRequest] = deque()
         self.current = None  # (PrefillRequest, incremental prefill job)
         self.held: dict[str, Optional[HeldBlocks]] = {}  # request id -> its held blocks, before a batched pass
+        self.chunk_unit = Unit("prefill", self.timed_step)
 
     # ------------------------------------------------------------ the loop --
     def handle(self, msg: PrefillRequest) -> None:
@@ -76,6 +77,25 @@ class PrefillRole(Role):
     @property
     def waiting(self) -> int:
         return len(self.queue)
+
+    def units(self, busy_elsewhere):
+        if self.has_work():
+            yield self.chunk_unit
+
+    def unit_kinds(self) -> list[Unit]:
+        return [self.chunk_unit]
+
+    def limit(self, limits) -> str:
+        self.batch_limit = max(1, min(limits.prefill_batch, self.settings.prefill_batch))
+        self.engine.ane_all = bool(limits.prefill_on_ane)
+        return f"prefill batch {self.batch_limit}"
+
+    def set_clock(self, clock) -> None:
+        self.clock = self.engine.clock = clock
+
+    def timed_step(self, wait: bool = False) -> None:
+        with self.clock.phase("prefill"):
+            self.step()
 
     def step(self) -> None:
         """One chunk (or one batched pass); a failure fails its prompt."""

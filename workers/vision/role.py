@@ -16,7 +16,7 @@ from typing import Callable
 
 from protos.messages import VisionDone, VisionRequest
 from workers.kv.block_hash import model_fingerprint
-from workers.role import Role
+from workers.role import Role, Unit
 from workers.vision.embeddings import EmbeddingStore, preprocessing_settings
 from workers.vision.engine import VisionEngine
 
@@ -41,6 +41,7 @@ class VisionRole(Role):
         self.engine = engine
         self.embeddings = embeddings
         self.queue: deque[VisionRequest] = deque()
+        self.encode_unit = Unit("vision", self.timed_step)
 
     def handle(self, msg: VisionRequest) -> None:
         self.queue.append(msg)
@@ -51,6 +52,17 @@ class VisionRole(Role):
     @property
     def waiting(self) -> int:
         return len(self.queue)
+
+    def units(self, busy_elsewhere):
+        if self.has_work():
+            yield self.encode_unit
+
+    def unit_kinds(self) -> list[Unit]:
+        return [self.encode_unit]
+
+    def timed_step(self, wait: bool = False) -> None:
+        with self.clock.phase("vision"):
+            self.step()
 
     def step(self) -> None:
         """The next request's images; a failure fails that request."""
