@@ -18,19 +18,19 @@
         --tandem-speculative off,prompt-lookup,draft --draft-model DRAFT
 
 Workloads (--workload, comma-separated, or `all` for the text ones): sweep,
-interference, prefix, swarm (see benchmarks/bench/workloads.py), copy (edit a
+interference, prefix, swarm (see benchmarks/bench/workloads/core.py), copy (edit a
 text, extract fields to JSON, echo a tool call's arguments: copy-heavy answers,
-see benchmarks/bench/copy_workload.py), chat (short natural questions, see
-benchmarks/bench/chat_workload.py), vision (a
-VLM only, see benchmarks/bench/vision_workload.py), agents (tool calls, see
-benchmarks/bench/agents_workload.py), soak (many clients for minutes, every
-process's memory over time, see benchmarks/bench/soak_workload.py), chaos
-(greedy streams while workers are killed, see benchmarks/bench/chaos_workload.py;
+see benchmarks/bench/workloads/copy_heavy.py), chat (short natural questions, see
+benchmarks/bench/workloads/chat.py), vision (a
+VLM only, see benchmarks/bench/workloads/vision.py), agents (tool calls, see
+benchmarks/bench/workloads/agents.py), soak (many clients for minutes, every
+process's memory over time, see benchmarks/bench/workloads/soak.py), chaos
+(greedy streams while workers are killed, see benchmarks/bench/workloads/chaos.py;
 `--chaos`); copy, chat, soak and chaos are not in `all`. Output: a progress line
 on stderr while it runs, tables on stdout at the end, --json for machines
-(fields in benchmarks/bench/report.py), --plot for a PNG. Energy: where the
+(fields in benchmarks/bench/reporting/report.py), --plot for a PNG. Energy: where the
 machine exposes it (RAPL, nvidia-smi, powermetrics as root; see
-benchmarks/bench/energy.py), every system's joules per output token,
+benchmarks/bench/measures/energy.py), every system's joules per output token,
 machine-wide, with the machine's idle draw measured before each start.
 """
 
@@ -48,16 +48,21 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.bench import (agents_workload, bandwidth, chaos_workload, chat_workload, copy_workload, soak_workload,
-                              vision_workload)
-from benchmarks.bench import energy as energy_mod
-from benchmarks.bench import report as report_mod
-from benchmarks.bench import workloads as wl
-from benchmarks.bench.energy_run import EnergyRun
-from benchmarks.bench.memory import ProcessTreeMemory
-from benchmarks.bench.peer_weights import needs_float32_copy, peer_model_folder
-from benchmarks.bench.systems import (DRAFT_PEER, POWER_POLICIES, SPECULATIVE, SYSTEMS, ManagedServer, Options,
-                                      expand_rows, file_label, pick_port, server_spec, split_row)
+from benchmarks.bench.measures import bandwidth
+from benchmarks.bench.measures import energy as energy_mod
+from benchmarks.bench.measures.energy_run import EnergyRun
+from benchmarks.bench.measures.memory import ProcessTreeMemory
+from benchmarks.bench.reporting import report as report_mod
+from benchmarks.bench.servers.peer_weights import needs_float32_copy, peer_model_folder
+from benchmarks.bench.servers.systems import (DRAFT_PEER, POWER_POLICIES, SPECULATIVE, SYSTEMS, ManagedServer,
+                                              Options, expand_rows, file_label, pick_port, server_spec, split_row)
+from benchmarks.bench.workloads import agents as agents_workload
+from benchmarks.bench.workloads import chaos as chaos_workload
+from benchmarks.bench.workloads import chat as chat_workload
+from benchmarks.bench.workloads import copy_heavy as copy_workload
+from benchmarks.bench.workloads import core as wl
+from benchmarks.bench.workloads import soak as soak_workload
+from benchmarks.bench.workloads import vision as vision_workload
 from environment.model_folder import is_vlm
 from workers.models.store import models_dir, resolve_model
 

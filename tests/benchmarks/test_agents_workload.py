@@ -15,9 +15,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from benchmarks.bench import agents_workload as aw
-from benchmarks.bench import bench_cmd, report
-from benchmarks.bench.workloads import Target, WorkloadConfig
+from benchmarks.bench import bench_cmd
+from benchmarks.bench.reporting import report
+from benchmarks.bench.workloads import agents as aw
+from benchmarks.bench.workloads.core import Target, WorkloadConfig
 from environment.settings import Settings
 from tests.support.fake_engine import FakeEngine, build_tokenizer
 from tests.support.router_server import ServerThread, serve_app

@@ -26,11 +26,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from benchmarks.bench import bench_cmd, loadgen, report, systems, workloads
-from benchmarks.bench import vision_workload as vw
-from benchmarks.bench.loadgen import RequestResult, percentile, summarize
-from benchmarks.bench.memory import ProcessTreeMemory
-from benchmarks.bench.peer_weights import needs_float32_copy
+from benchmarks.bench import bench_cmd
+from benchmarks.bench.measures.memory import ProcessTreeMemory
+from benchmarks.bench.reporting import report
+from benchmarks.bench.servers import systems
+from benchmarks.bench.servers.peer_weights import needs_float32_copy
+from benchmarks.bench.workloads import core as workloads
+from benchmarks.bench.workloads import loadgen
+from benchmarks.bench.workloads import vision as vw
+from benchmarks.bench.workloads.loadgen import RequestResult, percentile, summarize
 from benchmarks.random_models import text as random_model
 from tests.support.server import free_port
 from tests.support.tiny_vlms import tiny_vlm
@@ -434,7 +438,8 @@ def test_bench_pictures_are_seeded_and_distinct():
 
 
 def test_bench_video_decodes_as_tandem_samples_it(tmp_path):
-    from router.media.decode import MediaLimits, decode_video_bytes
+    from router.media.decode import MediaLimits
+    from router.media.video import decode_video_bytes
 
     path = vw.write_video(tmp_path / "v.mp4", 6, 64, 0, "v")
     data = path.read_bytes()

@@ -16,11 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bench import bench_cmd, energy, report, systems, workloads
-from benchmarks.bench.energy import (EnergyRecorder, Meter, NvidiaSmiMeter, PowermetricsMeter, RaplMeter,
-                                     counter_delta, parse_gpu_csv, parse_powermetrics)
-from benchmarks.bench.energy_run import EnergyRun, output_tokens, per_token
-from benchmarks.bench.loadgen import RequestResult
+from benchmarks.bench import bench_cmd
+from benchmarks.bench.measures import energy
+from benchmarks.bench.measures.energy import (EnergyRecorder, Meter, NvidiaSmiMeter, PowermetricsMeter,
+                                              RaplMeter, counter_delta, parse_gpu_csv, parse_powermetrics)
+from benchmarks.bench.measures.energy_run import EnergyRun, output_tokens, per_token
+from benchmarks.bench.reporting import report
+from benchmarks.bench.servers import systems
+from benchmarks.bench.workloads import core as workloads
+from benchmarks.bench.workloads.loadgen import RequestResult
 from tests.support.bench_runs import run_bench_cmd
 
 

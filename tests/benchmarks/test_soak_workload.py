@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from benchmarks.bench import soak_workload as soak
-from benchmarks.bench.workloads import Target
+from benchmarks.bench.workloads import soak
+from benchmarks.bench.workloads.core import Target
 from tests.support.fake_engine import FakeEngine, build_tokenizer
 from tests.support.router_server import serve_app
 

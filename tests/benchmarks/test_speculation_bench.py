@@ -12,10 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bench import bench_cmd, chat_workload, copy_workload, report, systems, workloads
-from benchmarks.bench.energy_run import output_tokens
-from benchmarks.bench.loadgen import RequestResult, summarize
-from benchmarks.bench.workloads import Target, WorkloadConfig
+from benchmarks.bench import bench_cmd
+from benchmarks.bench.measures.energy_run import output_tokens
+from benchmarks.bench.reporting import report
+from benchmarks.bench.servers import systems
+from benchmarks.bench.workloads import chat as chat_workload
+from benchmarks.bench.workloads import copy_heavy as copy_workload
+from benchmarks.bench.workloads import core as workloads
+from benchmarks.bench.workloads.core import Target, WorkloadConfig
+from benchmarks.bench.workloads.loadgen import RequestResult, summarize
 from tests.support.bench_runs import run_bench_cmd
 from tests.support.fake_engine import FakeEngine, build_tokenizer
 from tests.support.router_server import serve_app

@@ -225,8 +225,8 @@ def test_chaos_streams_survive_killed_workers(server_factory):
     memory is left after."""
     import asyncio
 
-    from benchmarks.bench.chaos_workload import ChaosConfig, arena_segments, chaos
-    from benchmarks.bench.workloads import Target
+    from benchmarks.bench.workloads.chaos import ChaosConfig, arena_segments, chaos
+    from benchmarks.bench.workloads.core import Target
 
     srv = server_factory()
     # 36 tokens: the streams still decode at the kill (1 s in) on a fast box too.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 import re
 
-from benchmarks.bench.workloads import Target, WorkloadConfig, closed_loop_levels
+from benchmarks.bench.workloads.core import Target, WorkloadConfig, closed_loop_levels
 
 QUESTIONS = (
     "How does a {a} differ from a {b}?",

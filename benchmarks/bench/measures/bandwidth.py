@@ -12,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.bench.peer_weights import safetensors_bytes
+from benchmarks.bench.servers.peer_weights import safetensors_bytes
 from environment.backend import on_cpu
 from benchmarks.random_models.text import build_model, count_parameters
 

@@ -42,8 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench.loadgen import Progress, RequestResult, percentile
-from benchmarks.bench.workloads import Target, WorkloadConfig, _client, _point, scrape_counters, send, words
+from benchmarks.bench.workloads.core import Target, WorkloadConfig, _client, _point, scrape_counters, send, words
+from benchmarks.bench.workloads.loadgen import Progress, RequestResult, percentile
 
 VIDEO_FPS = 1.0  # the videos' frame rate: every system's default sampling (1-2 fps) keeps every frame
 

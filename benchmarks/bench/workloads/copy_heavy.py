@@ -25,7 +25,7 @@ import hashlib
 import json
 import random
 
-from benchmarks.bench.workloads import Target, WorkloadConfig, closed_loop_levels, words
+from benchmarks.bench.workloads.core import Target, WorkloadConfig, closed_loop_levels, words
 
 COPY_KINDS = ("edit", "extract", "tool")
 # Not among workloads.words' words, so the edit's new word is not in the passage already.

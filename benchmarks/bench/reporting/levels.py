@@ -4,7 +4,7 @@ where the server counted them (benchmarks/bench/workloads.closed_loop_levels).""
 
 from __future__ import annotations
 
-from benchmarks.bench.text_table import num, table, times
+from benchmarks.bench.reporting.text_table import num, table, times
 
 # (result key, the table's title)
 LEVEL_WORKLOADS = (("sweep", "Sweep (closed loop"),

@@ -3,17 +3,17 @@
 - sweep: closed-loop clients at each concurrency level (prompts that invite a long story).
 - copy: the same levels, copy-heavy requests in rotation: edit a given text, extract
   fields to JSON, echo a tool call's arguments; what speculative prompt lookup speeds
-  up (benchmarks/bench/copy_workload.py).
-- chat: the same levels, short natural-language questions (benchmarks/bench/chat_workload.py).
+  up (benchmarks/bench/workloads/copy_heavy.py).
+- chat: the same levels, short natural-language questions (benchmarks/bench/workloads/chat.py).
   Each level of these three also gets the draft tokens the server proposed and
   accepted, where its /metrics counts them (Tandem's speculative decoding).
 - interference: decode streams' inter-token latency, quiet vs while long prompts arrive.
 - prefix: one long system prompt, cold then warm time to first token.
 - swarm: agents sharing a system prompt, each with its own growing history.
 - agents: tool loops over one shared system prompt and tool set
-  (benchmarks/bench/agents_workload.py).
+  (benchmarks/bench/workloads/agents.py).
 - vision: a conversation about one picture, and videos cold vs cached
-  (benchmarks/bench/vision_workload.py; needs a VLM).
+  (benchmarks/bench/workloads/vision.py; needs a VLM).
 
 Every prompt is a pure function of (seed, salt): the same for every system in a
 run and across runs, and distinct per client, request, level and workload, so
@@ -30,7 +30,8 @@ from typing import Callable
 
 import httpx
 
-from benchmarks.bench.loadgen import Progress, RequestResult, chat_body, closed_loop, percentile, stream_chat, summarize
+from benchmarks.bench.workloads.loadgen import (Progress, RequestResult, chat_body, closed_loop, percentile,
+                                                stream_chat, summarize)
 
 # Common English words: most are one token in BPE vocabularies, so N words ~ N tokens.
 _WORDS = """time year people way day man thing woman life child world school state family student group country
@@ -77,7 +78,7 @@ class WorkloadConfig:
     # swarm
     agents: int = 32
     turns: int = 6
-    # vision (benchmarks/bench/vision_workload.py)
+    # vision (benchmarks/bench/workloads/vision.py)
     image_size: int = 1024
     video_frames: tuple[int, ...] = (4, 8, 16, 32)
     video_size: int = 448

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from benchmarks.bench.loadgen import Progress, RequestResult, percentile
-from benchmarks.bench.workloads import (Target, WorkloadConfig, prompt_token_counts, scrape_prompt_counters,
-                                        system_prompt, words)
+from benchmarks.bench.workloads.core import (Target, WorkloadConfig, prompt_token_counts, scrape_prompt_counters,
+                                             system_prompt, words)
+from benchmarks.bench.workloads.loadgen import Progress, RequestResult, percentile
 
 # A call must fit: the longest the schemas below allow is about 150 tokens
 # (each string at its maxLength, one token a character), typical ones 30-60.

@@ -8,7 +8,7 @@ memory flat once warm. Not part of `all`.
 other one streamed, every third one sampled (temperature 0.8) rather than
 greedy, prompts of 10-60 words, answers of 8-48 tokens. Every `sample_s` each
 process of the server's tree has its memory read (Linux: /proc/PID/status
-VmRSS and RssAnon; elsewhere `ps` RSS, benchmarks/bench/memory.py). Per
+VmRSS and RssAnon; elsewhere `ps` RSS, benchmarks/bench/measures/memory.py). Per
 process, over the samples after warm-up (the first `warmup_fraction` of the
 run left out): the RSS at the start and end of that span, its least-squares
 slope in MB/min and its total change. VmRSS counts the shared-memory arena's
@@ -27,10 +27,10 @@ from typing import Callable
 
 import httpx
 
-from benchmarks.bench.agents_workload import post_chat
-from benchmarks.bench.loadgen import Progress, RequestResult, chat_body, closed_loop, stream_chat, summarize
-from benchmarks.bench.memory import process_name, rss_bytes, tree_pids
-from benchmarks.bench.workloads import Target, user_prompt
+from benchmarks.bench.measures.memory import process_name, rss_bytes, tree_pids
+from benchmarks.bench.workloads.agents import post_chat
+from benchmarks.bench.workloads.core import Target, user_prompt
+from benchmarks.bench.workloads.loadgen import Progress, RequestResult, chat_body, closed_loop, stream_chat, summarize
 
 MB = 1 << 20
 

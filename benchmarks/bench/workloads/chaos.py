@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from benchmarks.bench.loadgen import RequestResult, chat_body, stream_chat
-from benchmarks.bench.workloads import Target, metric_sum, user_prompt
+from benchmarks.bench.workloads.core import Target, metric_sum, user_prompt
+from benchmarks.bench.workloads.loadgen import RequestResult, chat_body, stream_chat
 
 ROLES = ("decode", "prefill")  # killed in turn; "prefill+decode" with --colocate
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.bench.memory import ProcessTreeMemory
+from benchmarks.bench.measures.memory import ProcessTreeMemory
 from deploy.blas import openblas_path
 from environment.power.policy import POLICIES
 from environment.settings import default_cache_dir

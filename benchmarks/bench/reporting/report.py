@@ -24,7 +24,7 @@ JSON (--json PATH), schema "tandem-bench/1":
                      "output_tokens", "joules_per_output_token", "joules_per_output_token_above_idle"
                      (the workloads that count output tokens), "workloads": {name: {"joules", "seconds", "watts",
                      "by_domain", "output_tokens", "joules_per_output_token", "..._above_idle"}}}
-                    (benchmarks/bench/energy_run.py),
+                    (benchmarks/bench/measures/energy_run.py),
           "results": {
             "sweep": [{"concurrency", "requests", "ok", "errors": {status: n}, "error_count",
                        "rejected_429", "rejected_latency_p99_s", "wall_s", "output_tokens", "output_tok_s",
@@ -35,7 +35,7 @@ JSON (--json PATH), schema "tandem-bench/1":
                        "output_tokens", "joules_per_output_token", "joules_per_output_token_above_idle"},
                        "spec" (where /metrics counts speculative tokens): {"proposed_tokens",
                        "accepted_tokens", "acceptance_rate"}}],
-            "copy", "chat": levels as the sweep's (benchmarks/bench/copy_workload.py, chat_workload.py),
+            "copy", "chat": levels as the sweep's (benchmarks/bench/workloads/copy_heavy.py, chat_workload.py),
             "interference": {"streams", "stream_tokens", "quiet": {...},
                              "loud": {... "itl_p99_during_long_s", "gaps_during_long", "long_prompts_sent",
                                       "long_prompts_ok", "long_prompt_tokens"},
@@ -91,10 +91,10 @@ import platform
 import sys
 from pathlib import Path
 
-from benchmarks.bench.energy_run import energy_table
-from benchmarks.bench.level_report import level_ratio_rows, level_ratios, level_tables, ratio
-from benchmarks.bench.systems import spec_baseline
-from benchmarks.bench.text_table import mib, num, table, times
+from benchmarks.bench.measures.energy_run import energy_table
+from benchmarks.bench.reporting.levels import level_ratio_rows, level_ratios, level_tables, ratio
+from benchmarks.bench.reporting.text_table import mib, num, table, times
+from benchmarks.bench.servers.systems import spec_baseline
 
 SCHEMA = "tandem-bench/1"
 
@@ -446,6 +446,6 @@ def plot(report: dict, path: str | os.PathLike) -> str | None:
     return None
 
 
-if __name__ == "__main__":  # re-render a saved JSON: python -m benchmarks.bench.report result.json
+if __name__ == "__main__":  # re-render a saved JSON: python -m benchmarks.bench.reporting.report result.json
     with open(sys.argv[1]) as f:
         print(render(json.load(f)))

@@ -1,7 +1,7 @@
 """Energy meters: the joules a machine used between two points of a run.
 
 Every meter is machine-wide, never per process: what it reads covers every
-process on the machine, and the machine's idle draw (benchmarks/bench/energy_run.py
+process on the machine, and the machine's idle draw (benchmarks/bench/measures/energy_run.py
 measures that draw before each system starts, so a reader can subtract it).
 
 - RaplMeter (Linux, Intel and AMD): the kernel's RAPL counters under

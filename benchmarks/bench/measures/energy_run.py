@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import time
 
-from benchmarks.bench.energy import SCOPE, EnergyRecorder, Mark
-from benchmarks.bench.text_table import num, table
+from benchmarks.bench.measures.energy import SCOPE, EnergyRecorder, Mark
+from benchmarks.bench.reporting.text_table import num, table
 
 
 def output_tokens(workload: str, result) -> int | None:
@@ -76,7 +76,7 @@ class EnergyRun:
         self.workloads[name] = per_token(window, output_tokens(name, result), self.idle_watts)
 
     def report(self) -> dict:
-        """The system's `energy` entry (schema in benchmarks/bench/report.py)."""
+        """The system's `energy` entry (schema in benchmarks/bench/reporting/report.py)."""
         ws = list(self.workloads.values())
         counted = [w for w in ws if w["output_tokens"]]
         joules = sum(w["joules"] for w in ws)

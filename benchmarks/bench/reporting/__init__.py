@@ -1,0 +1,1 @@
+"""The results of a `tandem bench` run: text tables, ratios, JSON and a plot."""
