@@ -26,7 +26,7 @@ import json
 from typing import Any
 
 from router.api.errors import ApiError, invalid, only
-from router.api.openai_request import MAX_STOP_STRINGS
+from router.parsed_request import MAX_STOP_STRINGS
 from router.api.tools import check_function
 
 MESSAGES_FIELDS = frozenset(("model", "max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences",

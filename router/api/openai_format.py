@@ -9,7 +9,7 @@ import time
 from router.api.errors import ApiError
 from router.api.generation import Generation, Piece
 from router.api.http_stream import sse
-from router.api.openai_request import ParsedRequest
+from router.parsed_request import ParsedRequest
 from router.api.text_stream import TokenBytes
 
 

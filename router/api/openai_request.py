@@ -1,4 +1,7 @@
-"""Parse and validate OpenAI request bodies into one normalized `ParsedRequest`.
+"""OpenAI chat and completion bodies read into the one `ParsedRequest`
+(router/parsed_request.py, with the checks every endpoint shares): the
+body's bytes and JSON, the fields each endpoint honours, the messages and
+their parts, the chat template and the prompt's tokens.
 
 Status codes, so clients can tell their mistakes apart:
 - 400: malformed JSON, a value out of range, an unsupported feature, prompt too long
@@ -12,38 +15,20 @@ from __future__ import annotations
 
 import json
 import re
-import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
 from starlette.requests import Request
 
-from protos.messages import SamplingParams
-from router.guards.cache_salt import check_cache_salt
 from router.api.chat_output import OutputShape
 from router.api.errors import ApiError, invalid, only
 from router.api.structured import build_grammar, response_schema
 from router.api.tools import ToolFormat, ToolRequest, message_tool_calls, parse_tools, template_tools, with_tools
+from router.parsed_request import (MAX_TOP_LOGPROBS, ParsedRequest, allowed_tokens, body_cache_salt, expect_type,
+                                   in_range, read_field, require_tokens, sampling_fields, stop_strings, stream_options)
 
 MODEL_ALIAS = "default"  # always accepted as the served model's name
-DEFAULT_MAX_TOKENS = 4096  # when the client sets no limit: the remaining context, at most this
-MAX_STOP_STRINGS = 4
-MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-@dataclass
-class ParsedRequest:
-    kind: str  # "chat" | "completion"
-    prompt_tokens: list[int]
-    sampling: SamplingParams  # max_tokens resolved, EOS ids in stop_token_ids
-    stop: list[str] = field(default_factory=list)
-    stream: bool = False
-    include_usage: bool = False
-    images: list = field(default_factory=list)  # protos.messages.ImageInput, prompt order
-    output: OutputShape | None = None  # a chat answer's reasoning and tool calls, when it may have them
-    cache_salt: str = ""  # the body's `cache_salt` ("": none); router/guards/cache_salt.py adds the tenant
 
 
 # --------------------------------------------------------------------------- #
@@ -109,64 +94,7 @@ def _reject_constant(name: str) -> Any:
 
 
 # --------------------------------------------------------------------------- #
-# Field helpers: 422 for a missing field or wrong type, 400 for a bad value
-# --------------------------------------------------------------------------- #
-
-_JSON_TYPES = {
-    "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "a boolean": lambda v: isinstance(v, bool),
-    "a string": lambda v: isinstance(v, str),
-    "an object": lambda v: isinstance(v, dict),
-    "an array": lambda v: isinstance(v, list),
-    "a string or an array": lambda v: isinstance(v, (str, list)),
-}
-
-
-def _json_type_name(value: Any) -> str:
-    for name, check in _JSON_TYPES.items():
-        if check(value):
-            return name.split()[-1]
-    return "null" if value is None else type(value).__name__
-
-
-def _field(body: dict, name: str, expected: str, default: Any = None, required: bool = False, path: str = "") -> Any:
-    param = path + name
-    value = body.get(name)
-    if value is None:
-        if required:
-            raise ApiError(422, f"Missing required parameter: '{param}'", param=param, code="missing_required_parameter")
-        return default
-    return _expect(value, expected, param)
-
-
-def _expect(value: Any, expected: str, param: str) -> Any:
-    if not _JSON_TYPES[expected](value):
-        raise ApiError(
-            422,
-            f"Invalid type for '{param}': expected {expected}, but got {_json_type_name(value)}",
-            param=param,
-            code="invalid_type",
-        )
-    return value
-
-
-def _in_range(value: Any, param: str, low: float, high: float, low_open: bool = False) -> Any:
-    if value is None:
-        return None
-    below = value <= low if low_open else value < low
-    if below or value > high or (isinstance(value, float) and math.isnan(value)):
-        bracket = "(" if low_open else "["
-        raise invalid(param, f"expected a value in {bracket}{low:g}, {high:g}], but got {value}")
-    return value
-
-
-def _number_in(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
-    return float(_in_range(_field(body, name, "a number", default), name, low, high, low_open))
-
-
-# --------------------------------------------------------------------------- #
-# Shared fields
+# The fields each endpoint honours
 # --------------------------------------------------------------------------- #
 
 
@@ -181,7 +109,6 @@ CHAT_FIELDS = frozenset(_SAMPLING_FIELDS + ("messages", "max_completion_tokens",
                                              "tool_choice", "parallel_tool_calls", "response_format"))
 COMPLETION_FIELDS = frozenset(_SAMPLING_FIELDS + ("prompt", "logprobs", "echo", "suffix", "best_of"))
 MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"))
-STREAM_OPTION_FIELDS = frozenset(("include_usage",))
 
 
 def check_chat_fields(body: dict) -> tuple[ToolRequest | None, dict | None]:
@@ -198,7 +125,7 @@ def check_chat_fields(body: dict) -> tuple[ToolRequest | None, dict | None]:
 
 
 def check_model(body: dict, model_id: str) -> None:
-    model = _field(body, "model", "a string", required=True)
+    model = read_field(body, "model", "a string", required=True)
     if model not in (model_id, MODEL_ALIAS):
         raise ApiError(
             404,
@@ -206,101 +133,6 @@ def check_model(body: dict, model_id: str) -> None:
             param="model",
             code="model_not_found",
         )
-
-
-def _sampling(body: dict, tokenizer) -> SamplingParams:
-    """Everything but max_tokens and logprobs, which differ between chat and completions."""
-    n = _field(body, "n", "an integer", 1)
-    if n > 1:
-        raise ApiError(400, "n > 1 is not supported", param="n", code="unsupported_value")
-    if n < 1:
-        raise invalid("n", f"expected a value >= 1, but got {n}")
-    top_k = _field(body, "top_k", "an integer", 0)
-    if top_k < -1:
-        raise invalid("top_k", f"expected a value >= 0 (or -1 for off), but got {top_k}")
-    repetition_penalty = _field(body, "repetition_penalty", "a number", 1.0)
-    if not repetition_penalty > 0:
-        raise invalid("repetition_penalty", f"expected a value > 0, but got {repetition_penalty}")
-    seed = _field(body, "seed", "an integer")
-    if seed is not None and not -(2**63) <= seed < 2**64:
-        raise invalid("seed", "expected a 64-bit integer")
-    _field(body, "user", "a string")  # accepted, ignored
-    return SamplingParams(
-        temperature=_number_in(body, "temperature", 1.0, 0, 2),
-        top_p=_number_in(body, "top_p", 1.0, 0, 1, low_open=True),
-        top_k=max(top_k, 0),  # -1 and 0 both mean off
-        min_p=_number_in(body, "min_p", 0.0, 0, 1),
-        seed=seed,
-        repetition_penalty=float(repetition_penalty),
-        presence_penalty=_number_in(body, "presence_penalty", 0.0, -2, 2),
-        frequency_penalty=_number_in(body, "frequency_penalty", 0.0, -2, 2),
-        logit_bias=_logit_bias(body, len(tokenizer)),
-        stop_token_ids=sorted(tokenizer.eos_token_ids),
-    )
-
-
-def _logit_bias(body: dict, vocab_size: int) -> dict:
-    raw = _field(body, "logit_bias", "an object", {})
-    bias = {}
-    for key, value in raw.items():
-        param = f"logit_bias.{key}"
-        if not (key.isdigit() and int(key) < vocab_size):
-            raise invalid("logit_bias", f"'{key}' is not a token id of this model (0 to {vocab_size - 1})")
-        bias[str(int(key))] = float(_in_range(_expect(value, "a number", param), param, -100, 100))
-    return bias
-
-
-def _stop(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(_expect(stop, "a string or an array", "stop"), str) else stop
-    if len(stops) > MAX_STOP_STRINGS:
-        raise invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings, but got {len(stops)}")
-    for i, s in enumerate(stops):
-        if not _expect(s, "a string", f"stop[{i}]"):
-            raise invalid(f"stop[{i}]", "stop strings must not be empty")
-    return list(stops)
-
-
-def _cache_salt(body: dict) -> str:
-    return check_cache_salt(_field(body, "cache_salt", "a string", ""))
-
-
-def _stream_options(body: dict) -> tuple[bool, bool]:
-    stream = _field(body, "stream", "a boolean", False)
-    options = _field(body, "stream_options", "an object", {})
-    only(options, STREAM_OPTION_FIELDS, "stream_options.")
-    include_usage = _field(options, "include_usage", "a boolean", False, path="stream_options.")
-    return stream, stream and include_usage
-
-
-def _resolve_max_tokens(body: dict, names: tuple[str, ...], prompt_param: str, prompt_len: int, max_context: int) -> int:
-    """The completion budget from the first of `names` given; 400 context_length_exceeded
-    when prompt + budget does not fit. With no limit given: the remaining context, capped."""
-    param = next((n for n in names if body.get(n) is not None), names[0])
-    requested = _field(body, param, "an integer")
-    if requested is not None and requested < 1:
-        raise invalid(param, f"expected a value >= 1, but got {requested}")
-    if requested is None and prompt_len < max_context:
-        return min(DEFAULT_MAX_TOKENS, max_context - prompt_len)
-    budget = requested or 1  # no limit given: the prompt must still leave room for one token
-    if prompt_len + budget > max_context:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_context} tokens. However, you requested "
-            f"{prompt_len + budget} tokens ({prompt_len} in the prompt, {budget} for the completion). "
-            "Please reduce the length of the prompt or of the completion.",
-            param=prompt_param if requested is None else param,
-            code="context_length_exceeded",
-        )
-    return budget
-
-
-def _require_tokens(tokens: list[int], param: str) -> list[int]:
-    if not tokens:
-        raise invalid(param, "the prompt is empty after tokenization")
-    return tokens
 
 
 # --------------------------------------------------------------------------- #
@@ -314,14 +146,14 @@ def parse_chat(body: dict, tokenizer, model_id: str, max_context: int, vision=No
     image parts. `answers` (router.api.answer_tokens.AnswerTokens): earlier
     answers repeated in the messages go in as the tokens they were generated as."""
     tools, schema = check_chat_fields(body)
-    sampling = _sampling(body, tokenizer)
-    logprobs = _field(body, "logprobs", "a boolean", False)
-    top_logprobs = _in_range(_field(body, "top_logprobs", "an integer", 0), "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    sampling = sampling_fields(body, tokenizer)
+    logprobs = read_field(body, "logprobs", "a boolean", False)
+    top_logprobs = in_range(read_field(body, "top_logprobs", "an integer", 0), "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top_logprobs and not logprobs:
         raise invalid("top_logprobs", "requires 'logprobs' to be true")
-    stop = _stop(body)
-    stream, include_usage = _stream_options(body)
-    cache_salt = _cache_salt(body)
+    stop = stop_strings(body)
+    stream, include_usage = stream_options(body)
+    cache_salt = body_cache_salt(body)
     messages = _messages(body, media=vision is not None)
     check_model(body, model_id)
 
@@ -342,8 +174,8 @@ def parse_chat(body: dict, tokenizer, model_id: str, max_context: int, vision=No
                                                             **template_kwargs))
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:  # templates raise on e.g. misordered roles
         raise invalid("messages", f"the model's chat template rejected them: {exc}")
-    _require_tokens(tokens, "messages")
-    sampling.max_tokens = _resolve_max_tokens(
+    require_tokens(tokens, "messages")
+    sampling.max_tokens = allowed_tokens(
         body, ("max_completion_tokens", "max_tokens"), "messages", len(tokens), max_context
     )
     sampling.logprobs, sampling.top_logprobs = logprobs, top_logprobs
@@ -356,22 +188,22 @@ def _messages(body: dict, media: bool = False) -> list[dict]:
     """Messages as the chat template wants them: role and plain-string content
     (with `media`, a message with image or video parts keeps a list of
     {"type": "text"}, {"type": "image"} and {"type": "video"} parts: see _text_parts)."""
-    raw = _field(body, "messages", "an array", required=True)
+    raw = read_field(body, "messages", "an array", required=True)
     if not raw:
         raise invalid("messages", "must contain at least one message")
     messages = []
     for i, message in enumerate(raw):
         path = f"messages[{i}]."
-        _expect(message, "an object", path[:-1])
-        role = _field(message, "role", "a string", required=True, path=path)
+        expect_type(message, "an object", path[:-1])
+        role = read_field(message, "role", "a string", required=True, path=path)
         if role not in CHAT_ROLES:
             raise invalid(path + "role", f"'{role}' is not one of {', '.join(CHAT_ROLES)}")
         # An assistant turn that only called tools has no content.
-        content = _field(message, "content", "a string or an array", "", required=role != "assistant", path=path)
+        content = read_field(message, "content", "a string or an array", "", required=role != "assistant", path=path)
         if isinstance(content, list):
             content = _text_parts(content, path + "content", media)
         normalized = {"role": role, "content": content}
-        name = _field(message, "name", "a string", path=path)
+        name = read_field(message, "name", "a string", path=path)
         if name is not None:
             normalized["name"] = name
         _tool_fields(message, role, path, normalized)
@@ -389,8 +221,8 @@ def _tool_fields(message: dict, role: str, path: str, normalized: dict) -> None:
     if message.get("tool_calls") is not None:
         normalized["tool_calls"] = message_tool_calls(message, path)
     if role == "tool":
-        normalized["tool_call_id"] = _field(message, "tool_call_id", "a string", required=True, path=path)
-    reasoning = _field(message, "reasoning_content", "a string", path=path)
+        normalized["tool_call_id"] = read_field(message, "tool_call_id", "a string", required=True, path=path)
+    reasoning = read_field(message, "reasoning_content", "a string", path=path)
     if reasoning is not None:
         normalized["reasoning_content"] = reasoning
 
@@ -404,8 +236,8 @@ def _text_parts(parts: list, param: str, media=False):
     texts, out = [], []
     for j, part in enumerate(parts):
         path = f"{param}[{j}]."
-        _expect(part, "an object", path[:-1])
-        kind = _field(part, "type", "a string", required=True, path=path)
+        expect_type(part, "an object", path[:-1])
+        kind = read_field(part, "type", "a string", required=True, path=path)
         if kind in ("image_url", "video_url") and not media:
             raise ApiError(400, f"Unsupported content part type '{kind}' in '{path[:-1]}': "
                            "this model does not take images or video",
@@ -420,7 +252,7 @@ def _text_parts(parts: list, param: str, media=False):
                 param=path + "type",
                 code="unsupported_value",
             )
-        text = _field(part, "text", "a string", required=True, path=path)
+        text = read_field(part, "text", "a string", required=True, path=path)
         texts.append(text)
         out.append({"type": "text", "text": text})
     if len(out) > len(texts):
@@ -435,22 +267,22 @@ def _text_parts(parts: list, param: str, media=False):
 
 def parse_completion(body: dict, tokenizer, model_id: str, max_context: int) -> ParsedRequest:
     only(body, COMPLETION_FIELDS)
-    sampling = _sampling(body, tokenizer)
-    logprobs = _in_range(_field(body, "logprobs", "an integer"), "logprobs", 0, MAX_TOP_LOGPROBS)
-    if _field(body, "echo", "a boolean", False):
+    sampling = sampling_fields(body, tokenizer)
+    logprobs = in_range(read_field(body, "logprobs", "an integer"), "logprobs", 0, MAX_TOP_LOGPROBS)
+    if read_field(body, "echo", "a boolean", False):
         raise ApiError(400, "echo is not supported", param="echo", code="unsupported_value")
-    if _field(body, "suffix", "a string"):
+    if read_field(body, "suffix", "a string"):
         raise ApiError(400, "suffix is not supported", param="suffix", code="unsupported_value")
-    if _field(body, "best_of", "an integer", 1) > 1:
+    if read_field(body, "best_of", "an integer", 1) > 1:
         raise ApiError(400, "best_of > 1 is not supported", param="best_of", code="unsupported_value")
-    stop = _stop(body)
-    stream, include_usage = _stream_options(body)
-    cache_salt = _cache_salt(body)
-    prompt = _field(body, "prompt", "a string or an array", required=True)
+    stop = stop_strings(body)
+    stream, include_usage = stream_options(body)
+    cache_salt = body_cache_salt(body)
+    prompt = read_field(body, "prompt", "a string or an array", required=True)
     check_model(body, model_id)
 
-    tokens = _require_tokens(_prompt_tokens(prompt, tokenizer), "prompt")
-    sampling.max_tokens = _resolve_max_tokens(body, ("max_tokens",), "prompt", len(tokens), max_context)
+    tokens = require_tokens(_prompt_tokens(prompt, tokenizer), "prompt")
+    sampling.max_tokens = allowed_tokens(body, ("max_tokens",), "prompt", len(tokens), max_context)
     # Legacy logprobs: an int, the number of alternatives; 0 still returns the chosen token's.
     sampling.logprobs, sampling.top_logprobs = logprobs is not None, logprobs or 0
     return ParsedRequest("completion", tokens, sampling, stop, stream, include_usage, cache_salt=cache_salt)
@@ -467,7 +299,7 @@ def _prompt_tokens(prompt: str | list, tokenizer) -> list[int]:
                        param="prompt", code="unsupported_value")
     vocab_size = len(tokenizer)
     for i, token in enumerate(prompt):
-        _expect(token, "an integer", f"prompt[{i}]")
+        expect_type(token, "an integer", f"prompt[{i}]")
         if not 0 <= token < vocab_size:
             raise invalid(f"prompt[{i}]", f"{token} is not a token id of this model (0 to {vocab_size - 1})")
     return list(prompt)
