@@ -30,6 +30,10 @@ MAY_IMPORT = {
     "benchmarks": set(PACKAGES) - {"benchmarks"},
 }
 MAX_MODULES_FLAT = 15
+# mlx-lm's private names that Tandem relies on (its caches' write index, its
+# batch's token counters and pending tokens): read and written under
+# workers/kernels/ alone, the one place to look when mlx-lm changes.
+MLX_LM_PRIVATE = {"_idx", "_num_tokens", "_next_tokens", "_next_logprobs", "_token_context", "_current_tokens"}
 # A folder of probes, each a script run by hand (`python benchmarks/probes/NAME.py`), not a package of parts.
 FLAT_SCRIPTS = ("benchmarks/probes",)
 MAX_MODULE_LINES = 500
@@ -134,6 +138,19 @@ def test_no_folder_imports_one_above_it():
     upward = {f"{m} -> {t}" for m, targets in GRAPH.items() for t, _ in targets
               if t.split(".")[0] != m.split(".")[0] and t.split(".")[0] not in MAY_IMPORT[m.split(".")[0]]}
     assert upward == set()
+
+
+def test_mlx_lm_private_state_is_touched_only_under_kernels():
+    touched = set()
+    for name, tree in TREES.items():
+        if name.startswith("workers.kernels") or name.startswith("benchmarks"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in MLX_LM_PRIVATE:
+                touched.add(f"{name}: .{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mlx_lm"):
+                touched |= {f"{name}: {a.name}" for a in node.names if a.name.startswith("_")}
+    assert touched == set()
 
 
 def test_no_folder_holds_more_than_15_modules_flat():

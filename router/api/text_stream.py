@@ -12,9 +12,8 @@ Two things make this more than `tokenizer.decode`:
 from __future__ import annotations
 
 import codecs
+import functools
 from typing import Sequence
-
-from mlx_lm.tokenizer_utils import _byte_decoder
 
 
 class TextStream:
@@ -106,8 +105,20 @@ class TokenBytes:
         if isinstance(piece, bytes):
             return piece.replace("\u2581".encode(), b" ")
         if isinstance(piece, str):
-            byte_of = _byte_decoder()
+            byte_of = byte_level_bytes()
             return b"".join(
                 bytes([byte_of[c]]) if c in byte_of else c.encode("utf-8") for c in piece
             )
         return self._tokenizer.decode([token]).encode("utf-8")
+
+
+@functools.cache
+def byte_level_bytes() -> dict[str, int]:
+    """The byte each character of a byte-level BPE vocabulary stands for
+    (GPT-2's table: printable Latin-1 bytes as themselves, every other byte
+    as chr(256 + n) in byte order). Ours, not mlx-lm's private one."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in table.values()]
+    table.update({chr(256 + n): b for n, b in enumerate(others)})
+    return table
