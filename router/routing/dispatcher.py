@@ -188,7 +188,7 @@ class Dispatcher(RequestMoves):
         images = self._stored_images.for_prefill(st.req.images, pixels)
         if not await self._send(st.prefill_worker, PrefillRequest(
                 st.wire_id, st.prompt(), st.req.sampling, st.prefill_worker if local else "", images,
-                generated=st.resumed, cache_salt=st.req.cache_salt, kv_by_value=self.kv.by_value(w))):
+                generated=st.budget().produced, cache_salt=st.req.cache_salt, kv_by_value=self.kv.by_value(w))):
             self._relocate(st, "prefill worker unreachable", strike=False)
         return any(a is not b for a, b in zip(images, st.req.images))
 
@@ -357,7 +357,8 @@ class Dispatcher(RequestMoves):
         self.table.unassign(st.wire_id, st.prefill_worker)
         decode.assigned.add(st.wire_id)
         ok = await self._send(st.decode_worker, DecodeRequest(
-            st.wire_id, st.prompt(), st.first_token, h, st.req.sampling, generated=st.resumed + 1,
+            st.wire_id, st.prompt(), st.first_token, h, st.req.sampling,
+            generated=st.budget().after(1).produced,  # prefill's first token is produced
             media=[im.content_hash for im in st.req.images], cache_salt=st.req.cache_salt))
         if not ok:
             self.kv.free(h)

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from protos.budget import TokenBudget
 from router.routing.engine_api import GenerationRequest
 
 VISION_LOST = object()  # event: the vision worker died; prefill encodes the images
@@ -41,3 +42,8 @@ class RequestState:
     def prompt(self) -> list:
         """The prompt its current prefill runs: a moved request's ends with its answer so far."""
         return list(self.req.prompt_tokens) + self.answer[:self.resumed]
+
+    def budget(self) -> TokenBudget:
+        """Its token budget as its current prefill starts: the answer its
+        prompt ends with is produced already."""
+        return TokenBudget(self.req.sampling.max_tokens, self.resumed)
