@@ -30,7 +30,8 @@ from workers.decode.engine import DecodeEngine
 from workers.decode.role import DecodeRole
 from workers.decode.speculation import speculation_for
 from workers.grammar import Grammars, logits_width
-from workers.group.prefix_agreement import group_prefix, min_and_max
+from workers.group.prefix_agreement import group_prefix, min_and_max, rank_shard
+from workers.kv.block_hash import Shard
 from workers.kv.prefix_cache import make_prefix_cache
 from workers.kv.store_thread import StoreThread
 from workers.loop_clock import LoopClock
@@ -122,12 +123,12 @@ class WorkerParts:
         if group is not None:
             shard_model(model, group, pipeline=pipeline)
         self.model = model
-        prefix = self.make_prefix(model)
+        prefix = self.make_prefix(model, None if group is None else rank_shard(group, pipeline))
         if group is not None and prefix is not None and not self.prefix_here:
             log.info("prefix caching off on rank %d: no cache service on its host", group.rank())
             prefix = None
         # A group's ranks each keep their own shard of every block and agree on each hit.
-        self.prefix = prefix if group is None else group_prefix(prefix, group, pipeline=pipeline)
+        self.prefix = prefix if group is None else group_prefix(prefix, group)
         # Requests with a grammar (workers/grammar.py); llguidance's view of
         # the tokenizer is built beside the warm-up (no MLX in it).
         grammars = Grammars(tokenizer, logits_width(model))
@@ -150,12 +151,12 @@ class WorkerParts:
         log.info("worker %s warmed up in %.2fs", self.worker_id, warm_up(self.model, decode, batch,
                                                                           fatal=self.group is not None))
 
-    def make_prefix(self, model):
+    def make_prefix(self, model, shard: Shard | None):
         hot = self.settings.hot_kv_bytes
         if hot is None:
             hot = hot_kv_bytes(on_cpu(), mx.device_info(), len(self.settings.worker_plan()))
         return make_prefix_cache(model, self.settings.model_dir, self.settings.block_size, self.prefix_client,
-                                 self.arena_buf, hot_bytes=hot)
+                                 self.arena_buf, hot_bytes=hot, shard=shard)
 
     def start_stores(self, prefill: PrefillEngine | None, decode: DecodeEngine | None) -> None:
         """The store thread, where it pays. A prefill's stores need the hot

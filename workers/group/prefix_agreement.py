@@ -46,6 +46,7 @@ from typing import Callable, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from protos.messages import HeldBlocks
+from workers.kv.block_hash import Shard
 from workers.kv.hot_blocks import first_tokens
 
 log = logging.getLogger(__name__)
@@ -179,16 +180,20 @@ class GroupPrefixCache:
         return self.inner.write_store(prepared, client=client)
 
 
-def group_prefix(prefix, group, pipeline: bool = False):
+def group_prefix(prefix, group):
     """The prefix cache of this rank of `group` over `prefix` (this rank's
-    PrefixCache or SnapshotCache, just made, or None), or None unless every
-    rank has one (one collective, at load: every rank loads alike). Before
-    any use, `prefix` is keyed by this rank's shard (workers/kv/block_hash.py
-    `for_shard`). `pipeline`: the model is split by layers, not by heads."""
+    PrefixCache or SnapshotCache, made keyed by its shard: `rank_shard`; or
+    None), or None unless every rank has one (one collective, at load: every
+    rank loads alike)."""
     have, _ = min_and_max(int(prefix is not None), group)
     if not have:
         if prefix is not None:
             log.info("prefix caching off: another rank of the group has none")
         return None
-    prefix.hasher = prefix.hasher.for_shard(group.rank(), group.size(), "pipeline" if pipeline else "tensor")
     return GroupPrefixCache(prefix, group)
+
+
+def rank_shard(group, pipeline: bool = False) -> Shard:
+    """The share of every block this rank keeps (its heads, or with
+    `pipeline` its layers), which keys its prefix cache's blocks."""
+    return Shard(group.rank(), group.size(), "pipeline" if pipeline else "tensor")

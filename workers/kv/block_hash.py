@@ -49,7 +49,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -121,6 +121,15 @@ def block_extra(fingerprint: bytes, kv_dtype: str, block_size: int, adapter: str
         LAYOUT_VERSION, fingerprint, kv_dtype.encode(), str(int(block_size)).encode(), adapter.encode()))
 
 
+class Shard(NamedTuple):
+    """Which share of every block a group's rank keeps: its KV heads
+    ("tensor") or its layers ("pipeline"), as rank `rank` of `size`."""
+
+    rank: int
+    size: int
+    split: str = "tensor"
+
+
 def shard_extra(extra: bytes, rank: int, size: int, split: str = "tensor") -> bytes:
     """`extra` for rank `rank` of a group of `size` ranks, whose KV is that
     rank's share alone: its KV heads (`split` "tensor") or its layers
@@ -158,9 +167,12 @@ class BlockHasher:
         # keys of a common leading run are reused, not recomputed.
         self._last: tuple = (b"", None, "", [])
 
-    def for_shard(self, rank: int, size: int, split: str = "tensor") -> "BlockHasher":
-        """The hasher of rank `rank`'s shard in a group of `size` (shard_extra)."""
-        return BlockHasher(shard_extra(self.extra, rank, size, split), self.block_size)
+    def for_shard(self, shard: "Shard | None") -> "BlockHasher":
+        """The hasher of one rank's shard of the KV (shard_extra); None: a
+        worker alone's, this one."""
+        if shard is None:
+            return self
+        return BlockHasher(shard_extra(self.extra, shard.rank, shard.size, shard.split), self.block_size)
 
     def full_blocks(self, n_tokens: int) -> int:
         return n_tokens // self.block_size

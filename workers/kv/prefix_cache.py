@@ -22,7 +22,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from cache_service.client import CacheUnavailable
 from protos.messages import HeldBlocks
-from workers.kv.block_hash import BlockHasher, block_extra, model_fingerprint
+from workers.kv.block_hash import BlockHasher, Shard, block_extra, model_fingerprint
 from workers.kv.blocks import KVLayout, probe_kv_layout, read_blocks, read_blocks_stacked, unblockable_reason
 from workers.kv.hot_blocks import HotBlocks, block_of, caches_of, concat_blocks, first_tokens
 from workers.kv.prefix_base import PrefixCacheBase, RecentMin
@@ -288,11 +288,12 @@ class PrefixCache(PrefixWrites, PrefixCacheBase):
 
 
 def make_prefix_cache(model, model_dir: str, block_size: int, client,
-                      arena_buf: Callable[[str], object], hot_bytes: int = 0, **kw):
+                      arena_buf: Callable[[str], object], hot_bytes: int = 0, shard: Shard | None = None, **kw):
     """The prefix cache for this model: a PrefixCache (KV blocks) when its
     cache is plain attention KV, a SnapshotCache when it is not (sliding
     window, recurrent), or None (logged once, with the reason) when caching
-    is off or the model's cache cannot be transferred at all."""
+    is off or the model's cache cannot be transferred at all. `shard`: a
+    group's rank keys its blocks by the share of the KV it keeps."""
     if block_size < 1:
         log.info("prefix caching off: block size %d", block_size)
         return None
@@ -302,8 +303,8 @@ def make_prefix_cache(model, model_dir: str, block_size: int, client,
     reason = unblockable_reason(make_prompt_cache(model))
     if reason is not None:
         return make_snapshot_cache(model, model_dir, max(block_size, SNAPSHOT_MIN_BLOCK), client, arena_buf,
-                                    reason, **kw)
+                                    reason, shard=shard, **kw)
     layout = probe_kv_layout(model, block_size)
-    hasher = BlockHasher(block_extra(model_fingerprint(model_dir), layout.dtype, block_size), block_size)
+    hasher = BlockHasher(block_extra(model_fingerprint(model_dir), layout.dtype, block_size), block_size).for_shard(shard)
     log.info("prefix cache: %d-token blocks of %d bytes (%s KV)", block_size, layout.block_nbytes, layout.dtype)
     return PrefixCache(client, arena_buf, hasher, layout, hot_bytes=hot_bytes, **kw)

@@ -15,7 +15,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from cache_service.client import CacheUnavailable
-from workers.kv.block_hash import BlockHasher, block_extra, model_fingerprint
+from workers.kv.block_hash import BlockHasher, Shard, block_extra, model_fingerprint
 from workers.kv.cache_state import cache_dtype_name
 from workers.kv.prefix_base import PrefixCacheBase
 from workers.kv.snapshot import Snapshot, capture_snapshot, read_snapshot, write_snapshot
@@ -195,7 +195,7 @@ class SnapshotCache(PrefixCacheBase):
         return done
 
 
-def make_snapshot_cache(model, model_dir, block_size, client, arena_buf, reason, **kw):
+def make_snapshot_cache(model, model_dir, block_size, client, arena_buf, reason, shard: Shard | None = None, **kw):
     """Probe the model with one token (its state dtype keys the hashes; a
     cache that cannot be snapshotted shows here, not in a request)."""
     log.info("prefix cache: no block reuse for this model (%s); snapshots at %d-token boundaries instead",
@@ -209,4 +209,5 @@ def make_snapshot_cache(model, model_dir, block_size, client, arena_buf, reason,
         log.info("prefix caching off for this model: %s (%s: %s)", reason, type(exc).__name__, exc)
         return None
     hasher = BlockHasher(block_extra(model_fingerprint(model_dir), f"snapshot-{dtype}", block_size), block_size)
+    hasher = hasher.for_shard(shard)
     return SnapshotCache(client, arena_buf, hasher, [type(c).__name__ for c in cache], **kw)

@@ -87,7 +87,7 @@ RANK = textwrap.dedent("""
     import json, sys
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
-    from workers.group.prefix_agreement import group_prefix
+    from workers.group.prefix_agreement import group_prefix, rank_shard
     from protos.group_plan import RankSpec
     from workers.group.ranks import join_group
     from workers.kv.block_hash import BlockHasher, block_extra
@@ -100,8 +100,8 @@ RANK = textwrap.dedent("""
         "A PrefixCache as the agreement sees it: this rank's hits, as per-layer KV."
         kind, block_size, stats = "blocks", 4, "this rank's counters"
 
-        def __init__(self):
-            self.hasher = BlockHasher(block_extra(b"f" * 32, "float32", 4), 4)
+        def __init__(self, shard=None):  # made as make_prefix_cache makes a rank's: keyed by its shard
+            self.hasher = BlockHasher(block_extra(b"f" * 32, "float32", 4), 4).for_shard(shard)
 
         def fetch(self, tokens, max_blocks, owner, per_block=None, compute_s_per_token=None, *, salt=""):
             hit = HITS[owner]
@@ -112,7 +112,7 @@ RANK = textwrap.dedent("""
             return [c, c], hit
 
     group = join_group(RankSpec("g", rank, 2, hostfile), deadline_s=60)
-    prefix = group_prefix(Blocks(), group)
+    prefix = group_prefix(Blocks(rank_shard(group)), group)
     out = {"key": prefix.hasher.hashes(list(range(8)))[0].hex(), "stats": prefix.stats,
            "held": prefix.hold(list(range(8)), "x", 1.0).hashes}
     for owner, n in (("tail", 20), ("same", 20), ("lost", 20), ("short", 3)):
