@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.server import pid_alive
+from tests.support.server import module_server, pid_alive
 
 QUESTION = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 
@@ -51,9 +51,9 @@ def test_kill_decoding_worker_mid_stream_and_the_stream_goes_on(server_factory):
     decode worker dies in test_chaos_streams_survive_killed_workers."""
     role = "prefill+decode"
     srv = server_factory("--colocate")
-    expected = "".join(greedy_stream(srv, QUESTION, 32))
+    expected = "".join(greedy_stream(srv, QUESTION, 24))
     pid = srv.worker_pid(role)
-    pieces = greedy_stream(srv, QUESTION, 32)
+    pieces = greedy_stream(srv, QUESTION, 24)
     got = [next(pieces) for _ in range(4)]
     os.kill(pid, signal.SIGKILL)
     got += list(pieces)
@@ -66,7 +66,7 @@ def test_kill_decoding_worker_mid_stream_and_the_stream_goes_on(server_factory):
 def test_kill_prefill_worker_during_prefill_and_the_prompt_is_prefilled_again(server_factory):
     srv = server_factory("--prefill-chunk", "16")
     pid = srv.worker_pid("prefill")
-    long_prompt = [{"role": "user", "content": "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 100}]
+    long_prompt = [{"role": "user", "content": "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 48}]
     result = {}
 
     def ask():
@@ -78,8 +78,9 @@ def test_kill_prefill_worker_during_prefill_and_the_prompt_is_prefilled_again(se
 
     t = threading.Thread(target=ask)
     t.start()
-    # Killed while it prefills (~1k tokens in 16-token chunks: seconds here), as
-    # its heartbeat says (every 0.5 s), not after a guess at how long that takes.
+    # Killed while it prefills (~530 tokens in 16-token chunks: seconds here, and
+    # prefilled twice), as its heartbeat says (every 0.5 s), not after a guess at
+    # how long that takes.
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not any(
             w["pid"] == pid and w["running"] for w in srv.health()[1]["workers"]):
@@ -90,27 +91,6 @@ def test_kill_prefill_worker_during_prefill_and_the_prompt_is_prefilled_again(se
     assert "error" not in result, result
     assert result["text"] == "".join(greedy_stream(srv, long_prompt, 5))
     assert 'tandem_request_moves_total{role="prefill"} 1.0' in httpx.get(srv.base_url + "/metrics", timeout=5).text
-
-
-def test_kill_cache_service(server_factory):
-    srv = server_factory()
-    body = srv.health()[1]
-    cache_pid = body["cache_service"]["pid"]
-    os.kill(cache_pid, signal.SIGKILL)
-    # The supervisor restarts it within a second, usually before the router's next
-    # stats call notices the gap, so wait for the new pid rather than a 503.
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        code, body = srv.health()
-        if code == 200 and body["cache_service"]["pid"] != cache_pid:
-            break
-        time.sleep(0.1)
-    assert code == 200 and body["cache_service"]["pid"] != cache_pid, body
-    resp = client_for(srv).chat.completions.create(model="default", messages=QUESTION, max_tokens=5, temperature=0)
-    assert resp.usage.completion_tokens == 5
-    if sys.platform.startswith("linux"):
-        # Only the new arena exists: the dead service's segment was unlinked.
-        assert len([p for p in glob.glob("/dev/shm/tandem-*") if str(srv.proc.pid) in p]) == 1
 
 
 def _holders_of_the_port(srv) -> list[int]:
@@ -217,7 +197,38 @@ def test_a_killed_router_keeps_the_port_then_a_killed_supervisor_leaves_no_child
         assert [p for p in glob.glob("/dev/shm/tandem-*") if str(srv.proc.pid) in p] == []
 
 
-def test_chaos_streams_survive_killed_workers(server_factory):
+@pytest.fixture(scope="module")
+def server(request, tmp_path_factory):
+    """A server of the default flags for the tests whose faults it recovers
+    from (the cache service killed, then the chaos test's worker, which ends
+    it): one start instead of two."""
+    return module_server(request, tmp_path_factory)
+
+
+def test_kill_cache_service(server):
+    """The cache service killed: the supervisor restarts it and serving goes
+    on. The server lives on for the chaos test after it (which ends it)."""
+    srv = server
+    body = srv.health()[1]
+    cache_pid = body["cache_service"]["pid"]
+    os.kill(cache_pid, signal.SIGKILL)
+    # The supervisor restarts it within a second, usually before the router's next
+    # stats call notices the gap, so wait for the new pid rather than a 503.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        code, body = srv.health()
+        if code == 200 and body["cache_service"]["pid"] != cache_pid:
+            break
+        time.sleep(0.1)
+    assert code == 200 and body["cache_service"]["pid"] != cache_pid, body
+    resp = client_for(srv).chat.completions.create(model="default", messages=QUESTION, max_tokens=5, temperature=0)
+    assert resp.usage.completion_tokens == 5
+    if sys.platform.startswith("linux"):
+        # Only the new arena exists: the dead service's segment was unlinked.
+        assert len([p for p in glob.glob("/dev/shm/tandem-*") if str(srv.proc.pid) in p]) == 1
+
+
+def test_chaos_streams_survive_killed_workers(server):
     """The chaos workload, small: greedy streams while the split layout's
     decode worker is killed with SIGKILL (the prefill worker's death:
     test_kill_prefill_worker_during_prefill_...; many kills: the bench); no
@@ -228,7 +239,7 @@ def test_chaos_streams_survive_killed_workers(server_factory):
     from benchmarks.bench.workloads.chaos import ChaosConfig, arena_segments, chaos
     from benchmarks.bench.workloads.core import Target
 
-    srv = server_factory()
+    srv = server  # after test_kill_cache_service's fault, recovered from
     # 36 tokens: the streams still decode at the kill (1 s in) on a fast box too.
     cfg = ChaosConfig(streams=4, max_tokens=36, interval_s=1.0, kills=1, timeout_s=120)
     result = asyncio.run(chaos(Target("tandem", srv.base_url, "default"), cfg, srv.proc.pid))
