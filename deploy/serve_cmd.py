@@ -150,7 +150,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="disk-tier blocks unused this long are deleted, e.g. 7d, 12h")
     p.add_argument("--hot-kv-memory", type=_bytes, default=None,
                    help="KV blocks each model worker keeps in its own (GPU) memory, e.g. 2G; 0 for none "
-                        "(default: an eighth of the GPU's memory per worker, 64M on a CPU)")
+                        "(default: an eighth of a GPU's memory, a 32nd of a Mac's, shared among all model processes; 64M each on a CPU)")
     p.add_argument("--block-size", type=_positive, default=d.block_size,
                    help="tokens per KV block (default: 4 where MLX runs on the CPU, 8 on a GPU)")
     p.add_argument("--max-batch", type=_positive, default=d.max_batch, help="decode batch size per decode worker")
@@ -195,7 +195,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="VLMs: frames sampled per video at most")
     p.add_argument("--power-policy", default=d.power_policy, choices=["auto", "performance", "balanced", "saver"],
                    help="auto: performance on AC power, balanced on battery, saver in Low Power Mode, under 20%% "
-                        "or when hot; the others pin one (docs: README 'On battery')")
+                        "or when hot; the others pin one (docs/power.md)")
     p.add_argument("--power-poll", type=_seconds, default=d.power_poll_s, help="seconds between power readings")
     p.add_argument("--power-state-file", default=None, metavar="FILE",
                    help="read the power state from this JSON file instead of the machine (testing a policy)")

