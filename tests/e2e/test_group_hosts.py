@@ -26,9 +26,8 @@ import sys
 
 import pytest
 
-from benchmarks.random_models.text import write_random_model
 from deploy import keys_cmd
-from tests.e2e.test_tensor_parallel import PROMPTS, ask, ask_all_at_once, one_process, stream
+from tests.support.groups import PROMPTS, ask, ask_all_at_once, one_process, random_model, stream
 from tests.support.server import module_server, pid_alive
 
 # ssh HOST COMMAND, run on this machine (no second host here), the host logged. Not
@@ -41,9 +40,8 @@ shift
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, embedded_model_dir):
+def setup(tmp_path_factory):
     base = tmp_path_factory.mktemp("hosts")
-    write_random_model("tiny-qwen3", base / "qwen3", dtype="float32", seed=3, tokenizer_dir=embedded_model_dir)
     assert keys_cmd.run(argparse.Namespace(out=str(base / "keys"), name=["mac2"], force=False)) == 0
     (base / "hosts.json").write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]},
                                                  {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}]))
@@ -54,8 +52,14 @@ def setup(tmp_path_factory, embedded_model_dir):
 
 
 @pytest.fixture(scope="module")
-def group(request, tmp_path_factory, setup):
-    return module_server(request, tmp_path_factory, "--model", str(setup / "qwen3"), "--colocate",
+def qwen3(tmp_path_factory, embedded_model_dir):
+    """The session's float32 random tiny-qwen3 (tests/e2e/test_tensor_parallel.py serves it too)."""
+    return random_model(tmp_path_factory, "tiny-qwen3", embedded_model_dir)
+
+
+@pytest.fixture(scope="module")
+def group(request, tmp_path_factory, setup, qwen3):
+    return module_server(request, tmp_path_factory, "--model", str(qwen3), "--colocate",
                          "--no-disk-cache", "--tensor-parallel", "2", "--tensor-parallel-timeout", "6",
                          "--hosts", str(setup / "hosts.json"), "--ssh-command", str(setup / "ssh-shim"),
                          "--group-keys", str(setup / "keys" / "router"), "--rank-keys", str(setup / "keys" / "mac2"))
@@ -66,8 +70,8 @@ def remote_pids(srv) -> list[int]:
     return [int(p) for p in re.findall(r"tandem rank worker-0\.r1 \(pid (\d+)\)", srv.log_path.read_text())]
 
 
-def test_a_rank_on_another_host_gives_one_process_greedy_tokens(group, setup):
-    expected = one_process(str(setup / "qwen3"))
+def test_a_rank_on_another_host_gives_one_process_greedy_tokens(group, setup, qwen3):
+    expected = one_process(str(qwen3))
     assert ask_all_at_once(group) == expected
     log = group.log_path.read_text()
     assert (setup / "ssh-calls").read_text().split() == ["127.0.0.1"]  # rank 1 alone went over "ssh"
@@ -94,7 +98,7 @@ def test_killing_the_remote_rank_restarts_the_group_and_the_stream_goes_on(group
     assert ask(group, PROMPTS[1], 9)[1] == 9
 
 
-def test_hostfiles_that_cannot_run_are_refused_before_anything_starts(setup, tmp_path):
+def test_hostfiles_that_cannot_run_are_refused_before_anything_starts(qwen3, tmp_path):
     this, other = {"ssh": "localhost", "ips": ["127.0.0.1"]}, {"ssh": "mac2", "ips": ["10.0.0.2"]}
     cases = {"three.json": ([this, other, other], "lists 3 hosts for a group of 2 ranks"),
              "first.json": ([other, this], "entry 0 (mac2) must be this host")}
@@ -102,7 +106,7 @@ def test_hostfiles_that_cannot_run_are_refused_before_anything_starts(setup, tmp
     for name, (data, _) in cases.items():
         (tmp_path / name).write_text(json.dumps(data))
         procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", "serve", "--port", "1", "--model", str(setup / "qwen3"),
+            [sys.executable, "-m", "deploy.cli", "serve", "--port", "1", "--model", str(qwen3),
              "--colocate", "--tensor-parallel", "2", "--hosts", str(tmp_path / name)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for name, proc in procs.items():

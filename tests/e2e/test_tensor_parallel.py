@@ -11,60 +11,26 @@ so greedy tokens must be the same."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from benchmarks.random_models.text import write_random_model
+from tests.support.groups import MAX_TOKENS, PROMPTS, ask, ask_all_at_once, one_process, random_model, stream
 from tests.support.server import metric, module_server, pid_alive
 
-# Different lengths, asked at once: prefill chunks and a decode batch whose
-# rows join and end at different steps, all replayed by the follower.
-PROMPTS = ["Tell me a story about a cat.", "What is two plus two?",
-           "Write a poem about the sea, the wind and the lighthouse keeper who watched them.", "List colors."]
-MAX_TOKENS = [24, 9, 17, 30]
 UNIT_TIMEOUT_S = 6  # the llama group's: a unit of a tiny model takes milliseconds
 
 
 @pytest.fixture(scope="module")
 def random_models(tmp_path_factory, embedded_model_dir):
-    out = tmp_path_factory.mktemp("tp-models")
-    for like in ("tiny-qwen3", "tiny-llama", "tiny-qwen2"):
-        write_random_model(like, out / like, dtype="float32", seed=3, tokenizer_dir=embedded_model_dir)
-    return out
-
-
-def ask(srv, prompt: str, max_tokens: int, timeout: float = 60) -> tuple[str, int]:
-    r = httpx.post(srv.base_url + "/v1/completions", timeout=timeout,
-                   json={"model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
-    assert r.status_code == 200, r.text
-    body = r.json()
-    return body["choices"][0]["text"], body["usage"]["completion_tokens"]
-
-
-def ask_all_at_once(srv) -> list:
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        return list(pool.map(lambda pm: ask(srv, *pm), zip(PROMPTS, MAX_TOKENS)))
-
-
-def stream(srv, prompt: str, max_tokens: int, timeout: float = 90):
-    """A greedy completion's text pieces as the client gets them (iterator)."""
-    body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=timeout) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                text = json.loads(line[6:])["choices"][0]["text"]
-                if text:
-                    yield text
+    """like -> the session's float32 random model folder (tests/support/groups.py)."""
+    return lambda like: random_model(tmp_path_factory, like, embedded_model_dir)
 
 
 def follower_pids(srv) -> list[int]:
@@ -82,25 +48,9 @@ def llama_group(request, tmp_path_factory, random_models):
     """A group serving tiny-llama, shared by the llama comparison and the kill test (which ends it).
     It drafts with the model itself (--draft-model: whole on each rank), so every draft is right
     and every step that drafts is a speculative step of several tokens, on both ranks alike."""
-    model = str(random_models / "tiny-llama")
+    model = str(random_models("tiny-llama"))
     return module_server(request, tmp_path_factory, "--model", model, "--colocate", "--draft-model", model,
                          "--no-disk-cache", "--tensor-parallel", "2", "--tensor-parallel-timeout", str(UNIT_TIMEOUT_S))
-
-
-def one_process(folder: str) -> list:
-    """What mlx-lm's own greedy generation gives for each prompt on the whole
-    model, in this process (a one-process Tandem server gives the same:
-    tests/e2e/test_e2e_pipeline.py)."""
-    from mlx_lm.generate import stream_generate
-
-    from workers.models.loading import load_model
-
-    model, tokenizer = load_model(folder)
-    out = []
-    for prompt, n in zip(PROMPTS, MAX_TOKENS):
-        tokens = [r.token for r in stream_generate(model, tokenizer, prompt=tokenizer.encode(prompt), max_tokens=n)]
-        out.append((tokenizer.decode(tokens), len(tokens)))
-    return out
 
 
 def spec_tokens(srv) -> tuple[float, float]:
@@ -121,7 +71,7 @@ def test_two_ranks_give_one_process_greedy_tokens(llama_group, random_models):
     decode step carries rank 0's step costs, so both ranks draft as many
     tokens per row and run the same verify passes; had they drafted apart,
     their collectives would have hung until the unit deadline restarted the group."""
-    expected = one_process(str(random_models / "tiny-llama"))
+    expected = one_process(str(random_models("tiny-llama")))
     two = llama_group
     assert len(follower_pids(two)) == 1 and pid_alive(follower_pids(two)[0])
     assert len(two.health()[1]["workers"]) == 1  # the router sees rank 0 only
@@ -141,7 +91,7 @@ def test_a_pipeline_of_two_ranks_gives_one_process_greedy_tokens(server_factory,
     handoff bytes alike). Warm-up on: every rank's first passes in step, as
     a real start has them. (Colocated, a pipeline group keeps its KV in its
     process, as the tensor-parallel llama group above does.)"""
-    model = str(random_models / "tiny-qwen2")
+    model = str(random_models("tiny-qwen2"))
     expected = one_process(model)
     two = server_factory("--model", model, "--no-disk-cache", "--pipeline-parallel", "2", warm_up=True)
     assert all(len(follower_pids_of(two, g)) == 1 for g in ("prefill-0", "decode-0"))
@@ -165,7 +115,7 @@ def test_a_group_finds_its_shards_of_a_repeated_prompt_in_the_prefix_cache(llama
 
     from workers.models.loading import load_model
 
-    model, tokenizer = load_model(str(random_models / "tiny-llama"))
+    model, tokenizer = load_model(str(random_models("tiny-llama")))
     tokens = [r.token for r in stream_generate(model, tokenizer, prompt=tokenizer.encode(LONG_PROMPT), max_tokens=12)]
     expected = tokenizer.decode(tokens)
 
@@ -249,7 +199,7 @@ def split_groups(request, tmp_path_factory, random_models):
     """tiny-qwen3 in the split layout: a prefill group and a decode group of
     two ranks each. Warm-up on: every rank of both groups in step, as a real
     start has them."""
-    return module_server(request, tmp_path_factory, "--model", str(random_models / "tiny-qwen3"), "--no-disk-cache",
+    return module_server(request, tmp_path_factory, "--model", str(random_models("tiny-qwen3")), "--no-disk-cache",
                          "--tensor-parallel", "2", "--tensor-parallel-timeout", str(UNIT_TIMEOUT_S), warm_up=True)
 
 
@@ -259,7 +209,7 @@ def test_split_groups_hand_kv_off_rank_by_rank_with_one_process_greedy_tokens(sp
     that read another's shard would attend over the wrong heads, and its
     tokens would differ from one process's."""
     srv = split_groups
-    expected = one_process(str(random_models / "tiny-qwen3"))
+    expected = one_process(str(random_models("tiny-qwen3")))
     workers = srv.health()[1]["workers"]
     assert sorted((w["id"], w["kv_shard"]) for w in workers) == [("decode-0", "tensor 2"), ("prefill-0", "tensor 2")]
     assert all(len(follower_pids_of(srv, g)) == 1 for g in ("prefill-0", "decode-0"))

@@ -35,7 +35,7 @@ from mlx_lm.models.cache import make_prompt_cache
 # elsewhere (macOS 15) Core AI does not exist and its checks cannot run.
 pytest.importorskip("coreai", reason="coreai-core has no wheel for this platform (Linux x86-64, macOS 26+ only)")
 
-from tests.workers.prefill.ane.test_reference import fp16_weights, tiny
+from tests.support.ane import fp16_weights, tiny
 from workers.prefill.ane.bridge import AneBody
 from workers.prefill.ane.contract import Bucket
 from workers.prefill.ane.coreai_mlx import (chunked_prefill, greedy_decode, head_logits, mlx_prefill,
