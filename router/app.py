@@ -52,8 +52,10 @@ from router.media.vision_prompt import VisionPrompter
 
 log = logging.getLogger("tandem.router")
 
-# The engine enforces settings.request_timeout_s itself (its 504 says where it waited);
-# the HTTP layer's own deadline is a backstop a little later, so no response ever hangs.
+# settings.request_timeout_s is a deadline on progress: the engine fails a request
+# whose next token has not come within it (its 504 says where it waited); the HTTP
+# layer's own, a little later, is a backstop, so no response ever hangs. Either way an
+# answer with tokens already ends with them, "length" (router/api/generation.py).
 DEADLINE_BACKSTOP_S = 5.0
 COUNT_ANY_LENGTH = 2**31  # the context count_tokens parses under
 

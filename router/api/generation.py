@@ -81,18 +81,26 @@ class Generation:
                 return
 
     async def _texts_of_events(self) -> AsyncIterator[tuple[str, list, str | None]]:
-        deadline = asyncio.get_running_loop().time() + self.timeout_s
         events = self.engine.generate(self.request)
         pending: list[TokenLogprob] = []  # logprobs of tokens whose text is still held back
         try:
             while True:
                 try:
-                    async with asyncio.timeout_at(deadline):
+                    # A deadline on progress, not on the whole answer: a long
+                    # generation that keeps producing tokens is never cut.
+                    async with asyncio.timeout(self.timeout_s):
                         event = await anext(events)
                 except StopAsyncIteration:
                     raise EngineError(502, "The engine ended the request without a finish reason")
-                except TimeoutError:
-                    raise EngineError(504, f"Request timed out after {self.timeout_s:g} s", code="timeout")
+                except (TimeoutError, EngineError) as exc:
+                    stalled = isinstance(exc, TimeoutError) or exc.status == 504
+                    if stalled and self.completion_tokens:
+                        # What it has is the client's: ended by the server's limit, as by max_tokens.
+                        yield self.text.flush(), pending, "length"
+                        return
+                    if isinstance(exc, EngineError):
+                        raise
+                    raise EngineError(504, f"Request made no progress for {self.timeout_s:g} s", code="timeout")
                 self.completion_tokens += 1  # EOS included, as it was generated
                 self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
                 if event.token in self.eos:  # ends the text; not part of it

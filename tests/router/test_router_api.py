@@ -132,6 +132,45 @@ def test_generation_deadline_gives_504_and_cancels(tokenizer, engine):
     assert engine.cancelled == ["req-timeout"]
 
 
+def test_the_deadline_is_on_progress_a_long_answer_is_never_cut(tokenizer, engine):
+    """Tokens keep coming for 3x the deadline: the answer is whole. Then a
+    stall after some tokens: what was generated comes back, ended "length"
+    as by a limit (the dispatcher cancels it on the workers as for any failure)."""
+    text = "the quick brown fox jumps over the lazy dog; a cat sat on the mat."
+    engine.say(text)
+    engine.token_delay_s = 0.1
+    timeout_s = 0.5
+    assert len(engine.script) * engine.token_delay_s > 3 * timeout_s
+
+    async def run(request_id):
+        request = GenerationRequest(request_id, [1, 2, 3], build_sampling(tokenizer))
+        request.sampling.max_tokens = 100
+        generation = Generation(engine, request, TextStream(tokenizer), timeout_s=timeout_s)
+        return [piece async for piece in generation.pieces()]
+
+    pieces = asyncio.run(run("long"))
+    assert "".join(p.text for p in pieces) == text
+    assert pieces[-1].finish_reason == "stop" and engine.finished == ["long"]
+
+    engine.token_delay_s = 0.0
+    engine.error_after = (3, EngineError(504, "request made no progress for 600s", code="timeout"))
+    pieces = asyncio.run(run("stalled"))
+    assert "".join(p.text for p in pieces) == tokenizer.decode(engine.script[:3])
+    assert pieces[-1].finish_reason == "length"
+
+
+def test_a_stalled_non_streamed_answer_returns_what_it_has(client, engine):
+    engine.say("Paris is the capital of France")
+    engine.error_after = (2, EngineError(504, "request made no progress for 600s", code="timeout"))
+    answer = chat(client)
+    assert answer.choices[0].message.content == tokenizer_text(engine, 2)
+    assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 2
+
+
+def tokenizer_text(engine, n: int) -> str:
+    return engine.tokenizer.decode(engine.script[:n]).lstrip(" ")
+
+
 def build_sampling(tokenizer):
     return SamplingParams(max_tokens=10, stop_token_ids=sorted(tokenizer.eos_token_ids))
 
