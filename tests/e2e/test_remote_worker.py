@@ -2,7 +2,7 @@
 tcp://... --worker-keys DIR` and `tandem worker --connect ... --role colocated`,
 real processes over ZeroMQ tcp with CURVE. The remote worker serves streamed
 chats (the router's own worker stopped, so nobody else can) with the same
-greedy tokens as the local one, a request moves when it is killed, and its
+greedy tokens as the local one (mlx-lm's), a request moves when it is killed, and its
 restart comes back under its old id; workers with a key the router does not
 know, or the wrong router key, never join. A remote `--role prefill` worker
 serves a split router whose own prefill worker is stopped: the prompt's KV
@@ -141,10 +141,12 @@ def test_workers_with_unknown_keys_or_the_wrong_router_key_never_join(srv, keys,
     assert mine[0].decode() not in log  # the wrong-router worker never got as far as the key check
 
 
-def test_a_remote_worker_serves_and_its_requests_survive_its_death(srv, keys, listen, tmp_path):
-    local_text = "".join(greedy_stream(srv))  # the router's own worker: the only one yet
-    remote = RemoteWorker(listen, keys / "ours" / "mac2", tmp_path / "worker.log").start()
+def test_a_remote_worker_serves_and_its_requests_survive_its_death(srv, keys, listen, tmp_path, embedded_model):
     local_pid = next(w["pid"] for w in workers(srv).values() if "kv_host" not in w)
+    remote = RemoteWorker(listen, keys / "ours" / "mac2", tmp_path / "worker.log").start()
+    # What the router's own worker answers (mlx-lm's greedy answer: tests/e2e/test_e2e_pipeline.py),
+    # computed once a session (the by-value test below compares with it too), while the remote one loads.
+    _, local_text, _ = reference(embedded_model, QUESTION, TOKENS)
     try:
         ws = wait_workers(srv, lambda ws: any(w.get("kv_host") and w["state"] == "ready" for w in ws.values()),
                           "a ready remote worker")
