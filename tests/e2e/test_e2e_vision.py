@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import http.server
 import threading
-import time
 
 import numpy as np
 import openai
@@ -21,6 +20,7 @@ from tests.support.vision_chat import (ask, client_for, counters, data_url, imag
 
 class _Files(http.server.SimpleHTTPRequestHandler):
     requested: list = []  # every path asked for, in order
+    hang_up = threading.Event()  # set when the module ends: a /slow... request waits no longer
 
     def log_message(self, *args):
         pass
@@ -28,7 +28,7 @@ class _Files(http.server.SimpleHTTPRequestHandler):
     def do_GET(self):
         self.requested.append(self.path)
         if self.path.startswith("/slow"):
-            time.sleep(3)  # past the server's 1 s limit; then hang up
+            self.hang_up.wait(timeout=3)  # past the server's 1 s limit; then hang up
             self.close_connection = True
             return None
         return super().do_GET()
@@ -41,12 +41,14 @@ def media_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http_base(media_dir):
-    """A local web server over media_dir; /slow... answers after 3 s."""
+    """A local web server over media_dir; /slow... hangs up after 3 s (or when the module ends)."""
+    _Files.hang_up.clear()
     handler = lambda *a, **kw: _Files(*a, directory=str(media_dir), **kw)  # noqa: E731
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
+    _Files.hang_up.set()
     server.shutdown()
 
 
