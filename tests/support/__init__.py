@@ -14,4 +14,7 @@
 - dispatcher.py: the router's dispatcher with scripted workers.
 - fake_engine.py: a scripted engine and tokenizer for the HTTP layer.
 - gguf_fixtures.py, media.py: GGUF files and videos written for tests.
+- groups.py: the worker-group tests' random models, prompts, asks and
+  one-process references; ane.py: the Neural Engine tests' tiny models and
+  float16-rounded weights.
 """
