@@ -37,6 +37,9 @@ def worker_metric(srv, name: str, role: str, at_least: float = 1, wait_s: float 
 
 
 ANSWER = 16  # tokens an answer here takes (each costs ~0.1 s on a CPU, in mlx-lm's reference and the server)
+# turn1's answer of 16 fills the block after its prompt's last full one, so turn2 reuses a block decode committed
+# (99 prompt tokens + 16 = 115); answers nothing builds on are shorter: their length asserts nothing.
+SHORT = 6
 
 
 def ask(client, messages, max_tokens=ANSWER):
@@ -66,8 +69,8 @@ def test_reuse_across_requests_turns_and_restart(server_factory, embedded_model,
 
     # Partial hit: same system prompt, another question.
     other = [system, {"role": "user", "content": "Name a mountain in Italy."}]
-    _, ref_other, n_other = reference(embedded_model, other, ANSWER)
-    text, usage = ask(client, other)
+    _, ref_other, n_other = reference(embedded_model, other, SHORT)
+    text, usage = ask(client, other, SHORT)
     assert text == ref_other
     usages.append(usage)
     shared = len(embedded_model[1].apply_chat_template([system], add_generation_prompt=False)) // BLOCK * BLOCK
@@ -77,11 +80,11 @@ def test_reuse_across_requests_turns_and_restart(server_factory, embedded_model,
     # reused too, to its very last token (the tail block after its last full
     # one): only the new message is computed, as in mlx_lm.server.
     turn2 = turn1 + [{"role": "assistant", "content": ref1}, {"role": "user", "content": "And one in Spain?"}]
-    _, ref2, n2 = reference(embedded_model, turn2, ANSWER)
+    _, ref2, n2 = reference(embedded_model, turn2, SHORT)
     ids1 = embedded_model[1].apply_chat_template(turn1, add_generation_prompt=True) + gen1
     ids2 = embedded_model[1].apply_chat_template(turn2, add_generation_prompt=True)
     assert ids2[:len(ids1)] == ids1 and len(ids1) % BLOCK  # the template repeats turn one's tokens exactly
-    text, usage = ask(client, turn2)
+    text, usage = ask(client, turn2, SHORT)
     assert text == ref2
     usages.append(usage)
     assert usage.prompt_tokens_details.cached_tokens == len(ids1)
@@ -130,11 +133,11 @@ def test_tiny_cache_evicts_without_failing_or_changing_output(server_factory, em
     convs = [[{"role": "system", "content": f"Persona {i}: {LONG_SYSTEM}"},
               {"role": "user", "content": f"Give me fact number {i} about rivers."}] for i in range(8)]
     with cf.ThreadPoolExecutor(6) as pool:
-        first = list(pool.map(lambda c: ask(client, c, 12)[0], convs))
-        again = list(pool.map(lambda c: ask(client, c, 12)[0], convs))
+        first = list(pool.map(lambda c: ask(client, c, SHORT)[0], convs))
+        again = list(pool.map(lambda c: ask(client, c, SHORT)[0], convs))
     # mlx-lm's own answers for three of them (each costs seconds on a CPU); the
     # second round, after the evictions, must give every first answer again.
-    assert [first[i] for i in (0, 3, 7)] == [reference(embedded_model, convs[i], 12)[1] for i in (0, 3, 7)]
+    assert [first[i] for i in (0, 3, 7)] == [reference(embedded_model, convs[i], SHORT)[1] for i in (0, 3, 7)]
     assert again == first
     assert metric(srv, "tandem_cache_evictions_total", '{tier="memory"}') > 0
     assert metric(srv, "tandem_requests_total", '{status="ok"}') == 16
@@ -153,9 +156,9 @@ def test_a_burst_of_agents_is_prefilled_in_batches_with_mlx_lm_output(server_fac
     system = {"role": "system", "content": LONG_SYSTEM}
     ask(client, [system, {"role": "user", "content": "Hello."}], 4)  # the system prompt, cached
     convs = [[system, {"role": "user", "content": f"Agent {i}: name {i + 2} rivers in Europe."}] for i in range(8)]
-    refs = [reference(embedded_model, c, 12) for c in convs]
+    refs = [reference(embedded_model, c, SHORT) for c in convs]
     with cf.ThreadPoolExecutor(len(convs)) as pool:
-        answers = list(pool.map(lambda c: ask(client, c, 12), convs))
+        answers = list(pool.map(lambda c: ask(client, c, SHORT), convs))
     assert [text for text, _ in answers] == [text for _, text, _ in refs]
     for (_, usage), (_, _, n_prompt) in zip(answers, refs):
         assert usage.prompt_tokens == n_prompt
