@@ -144,7 +144,7 @@ def test_api_key_and_queue_limit(server_factory):
     good = client_for(srv, api_key="sekrit")
     assert [m.id for m in good.models.list().data] == ["SmolLM2-135M-Instruct"]
 
-    long_prompt = [{"role": "user", "content": "Summarize: " + "lorem ipsum dolor sit amet. " * 40}]
+    long_prompt = [{"role": "user", "content": "Summarize: " + "lorem ipsum dolor sit amet. " * 24}]
     statuses = []
     lock = threading.Lock()
 
