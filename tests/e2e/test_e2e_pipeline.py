@@ -81,9 +81,9 @@ def _spec_tokens(server) -> tuple:
 def test_prompt_lookup_speculation_is_exact_and_counted(server, client, embedded_model):
     """The server speculates by default (prompt lookup): an answer that
     copies its prompt is drafted from it, token-identical to mlx-lm's."""
-    ref_tokens, ref_text, _ = reference(embedded_model, _COPY, 48)
+    ref_tokens, ref_text, _ = reference(embedded_model, _COPY, 32)  # copying from the first tokens on
     before = _spec_tokens(server)
-    resp = client.chat.completions.create(model="default", messages=_COPY, max_tokens=48, temperature=0)
+    resp = client.chat.completions.create(model="default", messages=_COPY, max_tokens=32, temperature=0)
     assert resp.choices[0].message.content == ref_text
     assert resp.usage.completion_tokens == len(ref_tokens)
     # The counts reach /metrics with the decode worker's next heartbeat (0.5 s).
@@ -97,7 +97,7 @@ def test_prompt_lookup_speculation_is_exact_and_counted(server, client, embedded
     # server learns as it runs (StepCosts: 15-24 kept on a quiet box, 8 with
     # another test run beside it), so no count above one is asserted here;
     # tests/workers/decode/test_speculation.py counts with fixed costs.
-    assert accepted >= 1 and drafted >= accepted
+    assert accepted >= 1 and drafted >= accepted, (drafted, accepted)
 
 
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
