@@ -84,13 +84,19 @@ def generation_defaults(folder: str | Path) -> GenerationDefaults:
     return GenerationDefaults(**found)
 
 
-def write_generation_defaults(folder: str | Path, values: dict) -> None:
+def write_generation_defaults(folder: str | Path, values: dict, replace: bool = False) -> None:
     """Give a folder we made (a converted GGUF) the sampling its authors
-    recommend, unless it has a generation_config.json already. Atomic: a
-    reader sees the whole file or none."""
+    recommend, unless it has a generation_config.json already (`replace`:
+    unless it has exactly these values, for a folder that is Tandem's own).
+    Atomic: a reader sees the whole file or none."""
     path = Path(folder) / FILE
     if path.exists():
-        return
+        try:
+            same = json.loads(path.read_text()) == values
+        except (OSError, ValueError):
+            same = False
+        if same or not replace:
+            return
     tmp = path.with_name(f".{FILE}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(values, indent=2) + "\n")
     tmp.replace(path)

@@ -49,8 +49,10 @@ def test_written_defaults_never_replace_a_folders_own(tmp_path):
     assert generation_defaults(tmp_path) == GenerationDefaults(temperature=0.2, top_p=0.9)
     write_generation_defaults(tmp_path, {"temperature": 1.0})
     assert generation_defaults(tmp_path).temperature == 0.2
+    write_generation_defaults(tmp_path, {"temperature": 0.5}, replace=True)  # a folder that is Tandem's own
+    assert generation_defaults(tmp_path) == GenerationDefaults(temperature=0.5)
     assert [p.name for p in tmp_path.iterdir()] == ["generation_config.json"]  # no temporary left
 
 
 def test_the_embedded_model_answers_with_its_authors_sampling(embedded_model_dir):
-    assert generation_defaults(embedded_model_dir) == GenerationDefaults(temperature=0.2, top_p=0.9)
+    assert generation_defaults(embedded_model_dir) == GenerationDefaults(temperature=0.2, top_p=0.9, max_tokens=256)
