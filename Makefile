@@ -29,8 +29,10 @@ serve: setup
 
 # Two pytest-xdist workers: the end-to-end tests one after another on one, the rest on the
 # other (tests/conftest.py pytest_xdist_make_scheduler); `make test ARGS="-n 0 ..."` runs serially.
+# OPENBLAS_THREAD_TIMEOUT=4: the test processes' idle BLAS threads sleep at once, as the
+# servers' do (deploy/blas.py), instead of spinning beside them on a small machine.
 test: setup
-	LD_PRELOAD=$(OPENBLAS) $(BIN)/python -m pytest -n 2 $(ARGS)
+	LD_PRELOAD=$(OPENBLAS) OPENBLAS_THREAD_TIMEOUT=4 $(BIN)/python -m pytest -n 2 $(ARGS)
 
 clean:
 	rm -rf $(VENV)
