@@ -5,12 +5,18 @@ message_stop), errors (router/api/http_stream.py sends them).
 Content blocks, in the order the answer has them: `thinking` (a reasoning
 model's reasoning), `text`, `tool_use` (one per call, its input streamed as
 `input_json_delta` fragments as the model writes them).
+
+A call cut short (max_tokens, a stop sequence) is still a `tool_use` block:
+streamed, its fragments as they came, then its block's stop; whole, its
+`input` is the largest prefix of the arguments that closes into an object
+(router/api/chat_output.py `closed_prefix`), {} before its first member.
 """
 
 from __future__ import annotations
 
 import json
 
+from router.api.chat_output import closed_prefix
 from router.api.errors import ApiError
 from router.api.generation import Generation, Piece
 from router.api.http_stream import sse
@@ -64,7 +70,8 @@ class MessagesFormat:
         text = "".join(p.text for p in pieces) + (generation.output.unparsed if generation.output is not None else "")
         if text:
             content.append({"type": "text", "text": text})
-        content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)}
+        content += [{"type": "tool_use", "id": c.id, "name": c.name,
+                     "input": json.loads(c.arguments) if c.complete else closed_prefix(c.arguments)}
                     for c in generation.calls]
         return self._message(content, *stop(generation, pieces[-1].finish_reason if pieces else None))
 

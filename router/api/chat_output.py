@@ -9,6 +9,12 @@ out: no marker ever leaks into `content`. A call in the JSON convention
 deltas do: its id and name once the name is read, then its arguments'
 text as it is generated. Other conventions are parsed whole when the call
 ends, by mlx-lm's parser for the model.
+
+Whatever ends the answer inside a call (max_tokens, a stop string, the
+context, an end of sequence), its markup never becomes content: a call whose
+name was read is kept as cut short (`ToolCall.complete` False: its id, name
+and the arguments' text so far), one cut before its name is dropped (logged).
+A call that ended but does not parse is the model's text (`unparsed`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ log = logging.getLogger(__name__)
 
 # The head of a JSON-convention call, up to the start of its arguments.
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+# A call cut short after its name but before its arguments began.
+_NAME_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 # A body this long that is not yet a head never becomes one: parse it whole.
 _HEAD_PATIENCE = 256
 
@@ -43,7 +51,8 @@ class ToolCallDelta:
 class ToolCall:
     id: str
     name: str
-    arguments: str  # JSON text
+    arguments: str  # JSON text; of a call cut short, the text so far (not JSON)
+    complete: bool = True  # False: the answer ended inside it
 
 
 @dataclass
@@ -189,17 +198,23 @@ class ChatOutput:
 
     def finish(self) -> Split:
         out = Split()
+        if self.held and self.mode == "content" and self.shape.tools is not None:
+            # The answer ended inside a call's start marker: markup, not content.
+            if len(self.held) > 1 and self.shape.tools.start.startswith(self.held):
+                log.info("an answer ended inside a tool call's start marker (%r): dropped", self.held)
+                self.held = self._whitespace = ""  # and the layout before it
         while self.held and self._step(out, final=True):
             pass
         if self._call is not None:
-            self._end_call(out)
+            self._end_call(out, cut=True)
         if not self.calls and self._whitespace and self._content_started:
             out.content += self._whitespace
         return out
 
     @property
     def made_calls(self) -> bool:
-        return bool(self.calls)
+        """The answer made calls, all of them whole (none cut short)."""
+        return bool(self.calls) and all(c.complete for c in self.calls)
 
     # ----------------------------------------------------------- internal
     def _markers(self) -> list[tuple[str, str]]:
@@ -264,7 +279,9 @@ class ChatOutput:
         out.content += self._whitespace + body
         self._whitespace = text[len(body):]
 
-    def _end_call(self, out: Split) -> None:
+    def _end_call(self, out: Split, cut: bool = False) -> None:
+        """The call read so far, ended by its end marker or (`cut`) by the
+        end of the answer."""
         call, self._call = self._call, None
         fmt = self.shape.tools
         if call.name is not None and call.scan.done:  # streamed whole: the end marker may be missing
@@ -278,6 +295,9 @@ class ChatOutput:
         try:
             parsed = fmt.parse(call.body, self.shape.functions)
         except Exception as exc:  # the parsers raise anything on a malformed call
+            if cut:
+                self._cut_call(out, call)
+                return
             log.warning("a tool call did not parse (%s: %s); returned as text", type(exc).__name__, exc)
             self.unparsed += fmt.start + call.body
             return
@@ -291,6 +311,71 @@ class ChatOutput:
             out.calls.append(ToolCallDelta(index, call_id, name))
             out.calls.append(ToolCallDelta(index, arguments=arguments))
             self.calls.append(ToolCall(call_id, name, arguments))
+
+    def _cut_call(self, out: Split, call: _Call) -> None:
+        """A call the answer ended inside: kept as far as it got once its
+        name is read, else dropped. Never text."""
+        if call.name is None:
+            head = _NAME_HEAD.match(call.body) if self.shape.tools.json else None
+            if head is None:
+                log.warning("the answer ended inside a tool call before its name (%d characters): dropped",
+                            len(call.body))
+                self._whitespace = ""  # the layout before it
+                return
+            call.name = json.loads(f'"{head.group(1)}"')
+            out.calls.append(ToolCallDelta(call.index, call.id, call.name))
+        arguments = call.body[call.args_from:][:call.sent] if call.args_from >= 0 else ""
+        self.calls.append(ToolCall(call.id, call.name, arguments, complete=False))
+
+
+def closed_prefix(text: str) -> dict:
+    """The arguments of a call cut short as an object: the largest prefix of
+    `text` that closes into valid JSON, its open strings, arrays and objects
+    closed after the last value written whole (a member cut inside its key
+    or value is left out, as the anthropic SDK's partial parser leaves it);
+    {} when no member is whole. `{"city": "Paris", "days":` -> {"city": "Paris"}."""
+    ends = [(0, "")]  # (prefix length, what closes it)
+    stack: list[list] = []  # per open container: [closer, expecting a key]
+    in_string = escape = False
+    for i, c in enumerate(text):
+        if in_string:
+            if escape:
+                escape = False
+            elif c == "\\":
+                escape = True
+            elif c == '"':
+                in_string = False
+                if stack and not stack[-1][1]:  # a value ended (not a key)
+                    ends.append((i + 1, _closers(stack)))
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            stack.append(["}" if c == "{" else "]", c == "{"])
+            ends.append((i + 1, _closers(stack)))
+        elif c in "}]":
+            if stack:
+                stack.pop()
+            ends.append((i + 1, _closers(stack)))
+            if not stack:
+                break
+        elif c == ":" and stack:
+            stack[-1][1] = False
+        elif c == "," and stack:
+            stack[-1][1] = stack[-1][0] == "}"
+        elif not c.isspace() and stack and not stack[-1][1] and (i + 1 == len(text) or text[i + 1] in ",}] \n"):
+            ends.append((i + 1, _closers(stack)))  # a number or literal may end here
+    for end, closers in reversed(ends):
+        try:
+            value = json.loads(text[:end].rstrip().rstrip(",") + closers)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return {}
+
+
+def _closers(stack: list[list]) -> str:
+    return "".join(closer for closer, _ in reversed(stack))
 
 
 def _partial_len(text: str, marker: str) -> int:

@@ -73,8 +73,10 @@ class Generation:
                         if finish == "stop":
                             finish = "tool_calls"
                         if self.answers is not None and not self.text.stopped:
+                            # Whole calls only (made_calls: none was cut short), never partial JSON.
                             self.answers.remember_calls([(c.id, c.name, json.loads(c.arguments))
-                                                         for c in self.output.calls], "".join(self._texts))
+                                                         for c in self.output.calls if c.complete],
+                                                        "".join(self._texts))
             if split or finish or logprobs:
                 yield Piece(split.content, logprobs, finish, split.reasoning, split.calls)
             if finish:

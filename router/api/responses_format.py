@@ -110,7 +110,7 @@ class _StreamedItems:
         then the open item closed (cut short when max tokens ended it)."""
         out = self._text("message", _unparsed(generation)) if _unparsed(generation) else []
         if self.open is not None and self.open["type"] == "function_call":
-            parsed = {c.id for c in generation.calls}
+            parsed = {c.id for c in generation.calls if c.complete}
             return out + self._close("completed" if self.open["call_id"] in parsed else "incomplete")
         return out + self._close("incomplete" if self.finish_reason == "length" else "completed")
 
@@ -185,11 +185,13 @@ class ResponsesFormat:
         if text or not generation.calls:
             output.append(_text_item("message"))
             output[-1]["content"][0]["text"] = text
-        output += [_call_item(c.id, c.name, c.arguments) for c in generation.calls]
         for item in output:
             item["status"] = "completed"
-        if finish == "length" and output[-1]["type"] != "function_call":
+        if finish == "length" and output and not generation.calls:
             output[-1]["status"] = "incomplete"
+        for c in generation.calls:  # one cut short: its arguments so far, incomplete
+            output.append({**_call_item(c.id, c.name, c.arguments),
+                           "status": "completed" if c.complete else "incomplete"})
         return self._finish(output, finish, generation)
 
     def stream_piece(self, piece: Piece, first: bool) -> list[bytes]:

@@ -47,8 +47,40 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 
 
 def laid_out(schema: dict) -> dict:
-    """`schema` with Tandem's JSON layout for llguidance."""
-    return {**schema, "x-guidance": {**JSON_LAYOUT, **(schema.get("x-guidance") or {})}}
+    """`schema` with Tandem's JSON layout for llguidance, its objects closed
+    (`closed_objects`)."""
+    return {**closed_objects(schema), "x-guidance": {**JSON_LAYOUT, **(schema.get("x-guidance") or {})}}
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
+               "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")  # allOf's members are left open: they add up
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf")
+
+
+def closed_objects(schema):
+    """`schema` with every object that lists `properties` and says nothing
+    of others (no additionalProperties, patternProperties,
+    unevaluatedProperties or allOf) closed to them, as xgrammar's strict
+    mode (vLLM's default) reads a schema: a grammar that lets a model add
+    keys of its own lets a small one add them until max_tokens (pydantic's
+    schemas, which instructor and LangChain send, never close their
+    objects). What it allows is still valid under the schema as sent."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            value = {name: closed_objects(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_ONE:
+            value = [closed_objects(sub) for sub in value] if isinstance(value, list) else closed_objects(value)
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            value = [closed_objects(sub) for sub in value]
+        out[key] = value
+    if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS):
+        out["additionalProperties"] = False
+    return out
 
 
 @dataclass(frozen=True)
@@ -248,9 +280,12 @@ def with_tools(messages: list[dict], tools: ToolRequest | None, fmt: ToolFormat,
 
 def call_grammar_lark(tools: ToolRequest, fmt: ToolFormat) -> str:
     """Lark rules (start symbol `calls`) for what the model may write when
-    it must call: one call (or several with parallel_tool_calls) of the
-    chosen function, or of any with "required", each call's arguments valid
-    under that function's schema."""
+    it must call: exactly one call of a named function (whatever
+    parallel_tool_calls says: a client that names one wants one answer);
+    with "required", a call of any of them, or several with
+    parallel_tool_calls, each call's arguments valid under its function's
+    schema. The grammar accepts after every whole call, so the model may end
+    (EOS) after any of them; one call alone leaves only EOS."""
     if not fmt.json:
         raise ApiError(400, "Forcing a tool call (tool_choice 'required' or a named function) is not supported "
                        "for this model's tool-call format; use tool_choice 'auto'",
@@ -264,7 +299,8 @@ def call_grammar_lark(tools: ToolRequest, fmt: ToolFormat) -> str:
                       f"{json.dumps(chr(10) + fmt.end)}")
     one = " | ".join(f"call_{i}" for i in range(len(names)))
     rules = [f"call: {one}"] + bodies
-    rules.insert(0, 'calls: call ("\\n" call)*' if tools.parallel else "calls: call")
+    several = tools.parallel and tools.choice == "required"
+    rules.insert(0, 'calls: call ("\\n" call)*' if several else "calls: call")
     return "\n".join(rules)
 
 

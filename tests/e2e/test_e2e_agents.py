@@ -2,19 +2,25 @@
 and decode workers, cache service): forced tool calls and JSON answers decoded
 under their grammars in the continuous batch, schema-valid however the small
 model would have answered; free requests untouched beside them; and a tool
-loop run by an agent framework (the OpenAI Agents SDK, from the package index)."""
+loop run by an agent framework (the OpenAI Agents SDK, from the package index);
+structured-output clients (instructor, LangChain's `with_structured_output`)
+at the max_tokens they send."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
 import json
+from typing import Literal
 
 import agents
 import anthropic
+import instructor
 import jsonschema
 import openai
 import pytest
+from langchain_openai import ChatOpenAI
+from pydantic import BaseModel, Field
 
 from tests.support.server import module_server
 
@@ -211,3 +217,45 @@ def test_responses_sdk_calls_and_previous_response_id_reuses_the_cached_conversa
     computed = second.usage.input_tokens - second.usage.input_tokens_details.cached_tokens
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     assert computed < 64, second.usage
+
+
+class Forecast(BaseModel):
+    """What the structured-output clients ask for."""
+
+    city: str = Field(min_length=1, max_length=40)
+    unit: Literal["celsius", "fahrenheit"]
+    days: int = Field(ge=1, le=7)
+
+
+FORECAST_ASK = [{"role": "user", "content": "Give the forecast for Paris for the next 3 days, in celsius."}]
+
+
+@pytest.mark.parametrize("mode, max_tokens", [(instructor.Mode.TOOLS, None), (instructor.Mode.TOOLS, 64),
+                                              (instructor.Mode.JSON_SCHEMA, None)])
+def test_instructor_gets_a_schema_valid_object(server, mode, max_tokens):
+    """instructor forces one named function (TOOLS: tool_choice names it,
+    parallel_tool_calls left at its default, on) or sends a json_schema
+    response_format; it sends no max_tokens of its own (the model's default
+    applies) and fails on finish_reason "length" or more than one call. 64:
+    the issue's case, where the grammar let a named function be called twice
+    (this case fails with that grammar back). Sampled at the model's default
+    temperature, seeded."""
+    client = instructor.from_openai(openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=180,
+                                                  max_retries=0), mode=mode)
+    extra = {} if max_tokens is None else {"max_tokens": max_tokens}
+    forecast = client.chat.completions.create(model="default", response_model=Forecast, messages=FORECAST_ASK,
+                                              max_retries=0, seed=3, **extra)
+    assert isinstance(forecast, Forecast)
+    Forecast.model_validate(forecast.model_dump())
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_with_structured_output_gets_a_schema_valid_object(server, method):
+    """LangChain's ChatOpenAI at its defaults (no max_tokens, no temperature
+    sent): `json_schema` (its default method) and `function_calling` (a named
+    tool forced)."""
+    llm = ChatOpenAI(model="default", base_url=server.base_url + "/v1", api_key="unused", timeout=180, max_retries=0,
+                     seed=3)
+    forecast = llm.with_structured_output(Forecast, method=method).invoke(FORECAST_ASK)
+    assert isinstance(forecast, Forecast)
+    Forecast.model_validate(forecast.model_dump())

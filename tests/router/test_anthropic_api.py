@@ -228,7 +228,7 @@ def test_history_with_tool_use_and_tool_result_renders_into_the_prompt(client, e
     assert prompt.endswith("<|im_start|>user\nAnd tomorrow?<|im_end|>\n<|im_start|>assistant\n")
 
 
-@pytest.mark.parametrize("choice, parallel", [({"type": "any"}, True), ({"type": "tool", "name": "get_weather"}, True),
+@pytest.mark.parametrize("choice, parallel", [({"type": "any"}, True), ({"type": "tool", "name": "get_weather"}, False),
                                               ({"type": "any", "disable_parallel_tool_use": True}, False)])
 def test_forced_tool_choice_sets_a_grammar(client, engine, choice, parallel):
     engine.say(CALL)

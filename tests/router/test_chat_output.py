@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from router.api.chat_output import ChatOutput, OutputShape
+from router.api.chat_output import ChatOutput, OutputShape, closed_prefix
 from router.api.tools import ToolFormat
 
 
@@ -50,8 +50,36 @@ def test_a_call_cut_off_by_the_end_of_sequence_still_counts_when_its_arguments_a
     shape = OutputShape(tools=ToolFormat.of(object()), functions=[])
     out, _, _, _ = run(shape, '<tool_call>\n{"name": "f", "arguments": {"a": 1}}')
     assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [("f", {"a": 1})]
-    out, content, _, _ = run(shape, '<tool_call>\n{"name": "f", "argu')
-    assert not out.calls and out.unparsed.startswith("<tool_call>")
+
+
+
+def test_a_call_cut_short_is_kept_from_its_name_on_and_never_becomes_text():
+    """Whatever ended the answer inside a call: with its name read, the call so
+    far (not whole: no "tool_calls" finish); before it, nothing; no markup in content."""
+    shape = OutputShape(tools=ToolFormat.of(object()), functions=[])
+    for step in (1, 4):
+        out, content, _, deltas = run(shape, 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"a": 1, "b": [2, ', step)
+        [call] = out.calls
+        assert (call.name, call.arguments, call.complete) == ("f", '{"a": 1, "b": [2, ', False)
+        assert content == "Sure." and not out.unparsed and not out.made_calls
+        assert "".join(d.arguments for d in deltas) == call.arguments and deltas[0].id == call.id
+    out, content, _, deltas = run(shape, '<tool_call>\n{"name": "f", "argu')
+    assert [(c.name, c.arguments, c.complete) for c in out.calls] == [("f", "", False)] and deltas[0].name == "f"
+    for cut in ('Sure.\n<tool_call>\n{"na', "Sure.\n<tool_c", "Sure.\n<tool_call>"):
+        out, content, _, deltas = run(shape, cut)
+        assert (content, out.calls, deltas, out.unparsed) == ("Sure.", [], [], "")
+    whole = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+    out, _, _, _ = run(shape, whole + '<tool_call>\n{"name": "g", "arguments": {"q": "x')
+    assert [(c.name, c.complete) for c in out.calls] == [("f", True), ("g", False)] and not out.made_calls
+
+
+def test_the_input_of_a_call_cut_short_is_its_largest_closed_prefix():
+    for text, value in [("", {}), ("{", {}), ('{"city": "Paris", "days":', {"city": "Paris"}),
+                        ('{"city": "Par', {}), ('{"city": "Paris", "da', {"city": "Paris"}),
+                        ('{"a": [1, {"b": "x"', {"a": [1, {"b": "x"}]}), ('{"n": 12', {"n": 12}),
+                        ('{"n": 1.', {}), ('{"n": tr', {}), ('{"a": {"b": 1}, "c": [', {"a": {"b": 1}, "c": []}),
+                        ('{"s": "a\\"b', {}), ('{"s": "}\\"", "t": 1', {"s": '}"', "t": 1}), ('{"a": 1, ', {"a": 1})]:
+        assert closed_prefix(text) == value, text
 
 
 def test_a_call_that_does_not_parse_keeps_its_index_and_the_next_gets_its_own():

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import anthropic
 import llguidance
 import openai
 import pytest
 
 from protos.grammar import ll_tokenizer
+from router.api.tools import ToolFormat, ToolRequest, call_grammar_lark
 from tests.support.fake_engine import FakeEngine, build_tokenizer
 from tests.support.router_server import serve_app
 
@@ -23,6 +25,7 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city"], "additionalProperties": False}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+TWO = CALL + "\n" + CALL.replace("Paris", "Lyon")  # the second is cut short below
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +37,14 @@ def engine(tokenizer):
 def client(engine, tokenizer):
     with serve_app(engine, tokenizer, request_timeout_s=30) as server:
         yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=10)
+
+
+@pytest.fixture(scope="module")
+def servers(engine, tokenizer):
+    """The same router for the three APIs' clients: (openai, anthropic)."""
+    with serve_app(engine, tokenizer, request_timeout_s=30) as server:
+        yield (openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=10),
+               anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=10))
 
 
 @pytest.fixture(autouse=True)
@@ -246,3 +257,182 @@ def test_a_reasoning_models_thinking_is_reasoning_content(thinking):
         content += delta.content or ""
         calls += delta.tool_calls or []
     assert reasoning == "Paris it is." and content == "" and calls[0].function.name == "get_weather"
+
+
+# --------------------------------------------------------------------------- #
+# Forced calls: how many, and calls cut short on every API
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("choice, parallel, several", [
+    ("get_weather", True, False), ("get_weather", False, False), ("required", True, True), ("required", False, False)])
+def test_a_named_choice_gives_one_call_and_required_may_end_after_any(tokenizer, choice, parallel, several):
+    """llguidance itself: a named function's grammar refuses a second call
+    whatever parallel_tool_calls says; every forced grammar takes EOS once
+    one call is whole, and "required" with parallel calls takes another."""
+    lark = call_grammar_lark(ToolRequest([WEATHER["function"], TIME["function"]], choice, parallel),
+                             ToolFormat.of(tokenizer))
+    assert lark.splitlines()[0] == ('calls: call ("\\n" call)*' if several else "calls: call")
+    m = llguidance.LLMatcher(ll_tokenizer(tokenizer), llguidance.LLMatcher.grammar_from_lark("start: calls\n" + lark))
+    assert accepts(m, tokenizer, CALL) and m.is_accepting()
+    eos = m.deep_copy()
+    assert eos.consume_token(min(tokenizer.eos_token_ids)) and not eos.is_error()
+    assert accepts(m.deep_copy(), tokenizer, "\n" + CALL.replace("Paris", "Lyon")) == several
+
+
+def test_a_named_choice_with_parallel_calls_on_is_one_call(client, engine, tokenizer):
+    engine.say(CALL)
+    reply = ask(client, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                parallel_tool_calls=True)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    m = matcher(engine, tokenizer)
+    assert accepts(m, tokenizer, CALL) and not accepts(m, tokenizer, "\n<tool_call>")
+    ask(client, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=True)
+    m = matcher(engine, tokenizer)
+    assert accepts(m, tokenizer, CALL + "\n" + CALL)
+
+
+def test_objects_that_list_their_properties_are_decoded_closed(client, engine, tokenizer):
+    """pydantic's schemas (instructor's, LangChain's) leave additionalProperties
+    out: under the grammar an object has only the properties it lists, else a
+    small model adds keys until max_tokens. An object that says otherwise keeps its way."""
+    open_call = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"]}}}
+    engine.say(CALL)
+    ask(client, tools=[open_call], tool_choice="required")
+    assert accepts(matcher(engine, tokenizer), tokenizer, CALL)
+    assert not accepts(matcher(engine, tokenizer), tokenizer, CALL.replace('"days": 2', '"days": 2, "note": "x"'))
+    nested = {"type": "object", "properties": {"at": {"$ref": "#/$defs/place"}, "extra": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True}},
+        "$defs": {"place": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    ask(client, response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": nested}})
+    assert accepts(matcher(engine, tokenizer), tokenizer, '{"at": {"city": "Paris"}, "extra": {"a": 1, "b": 2}}')
+    assert not accepts(matcher(engine, tokenizer), tokenizer, '{"at": {"city": "Paris", "zip": 1}}')
+    assert not accepts(matcher(engine, tokenizer), tokenizer, '{"other": 1}')
+
+
+def cut_at(tokenizer, text: str, mark: str) -> int:
+    """The max_tokens that ends `text` (as the fake engine says it) just past `mark`'s last place."""
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    end = text.rindex(mark) + len(mark)
+    return next(k for k in range(1, len(tokens) + 1) if len(tokenizer.decode(tokens[:k])) >= end)
+
+
+def openai_stream(stream) -> tuple[str, dict, str]:
+    """(content, {index: [id, name, arguments]}, finish_reason) of a streamed chat."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for d in delta.tool_calls or []:
+            if d.id is not None:
+                calls[d.index] = [d.id, d.function.name, ""]
+            calls[d.index][2] += d.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return content, calls, finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_a_call_cut_by_max_tokens_is_the_call_so_far(client, engine, tokenizer, stream):
+    engine.say(TWO)
+    kwargs = dict(tools=[WEATHER], max_tokens=cut_at(tokenizer, TWO, '"Lyon", "da'))
+    if stream:
+        content, calls, finish = openai_stream(ask(client, stream=True, **kwargs))
+        calls = [calls[i] for i in sorted(calls)]
+    else:
+        choice = ask(client, **kwargs).choices[0]
+        content, finish = choice.message.content, choice.finish_reason
+        calls = [[c.id, c.function.name, c.function.arguments] for c in choice.message.tool_calls]
+    assert finish == "length" and not content
+    (first_id, first, whole), (second_id, second, so_far) = calls
+    assert (first, second) == ("get_weather", "get_weather") and first_id != second_id
+    assert json.loads(whole) == {"city": "Paris", "days": 2}
+    assert so_far.startswith('{"city": "Lyon", "da') and "<" not in so_far
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_a_call_cut_before_its_name_is_dropped_and_a_cut_marker_is_never_content(client, engine, tokenizer,
+                                                                                    stream):
+    for text, mark, whole in [(TWO, '<tool_call>\n{"na', 1), ("Let me look.\n" + CALL, "<tool", 0)]:
+        engine.say(text)
+        kwargs = dict(tools=[WEATHER], max_tokens=cut_at(tokenizer, text, mark))
+        if stream:
+            content, calls, finish = openai_stream(ask(client, stream=True, **kwargs))
+        else:
+            choice = ask(client, **kwargs).choices[0]
+            content, calls, finish = choice.message.content or "", choice.message.tool_calls or [], choice.finish_reason
+        assert finish == "length" and len(calls) == whole
+        assert content == ("" if whole else "Let me look.")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_a_call_cut_by_a_stop_string_is_the_call_so_far(client, engine, stream):
+    engine.say(CALL)
+    kwargs = dict(tools=[WEATHER], stop=['"days"'])
+    if stream:
+        content, calls, finish = openai_stream(ask(client, stream=True, **kwargs))
+        [(_, name, so_far)] = calls.values()
+    else:
+        choice = ask(client, **kwargs).choices[0]
+        content, finish = choice.message.content, choice.finish_reason
+        [call] = choice.message.tool_calls
+        name, so_far = call.function.name, call.function.arguments
+    assert finish == "stop" and not content and name == "get_weather"
+    assert so_far.rstrip() == '{"city": "Paris",'
+
+
+ANTHROPIC_WEATHER = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+
+
+def test_messages_a_call_cut_short_is_a_tool_use_with_the_input_so_far(servers, engine, tokenizer):
+    _, client = servers
+    engine.say(TWO)
+    kwargs = dict(model="tandem-test", messages=[{"role": "user", "content": "Weather?"}], tools=[ANTHROPIC_WEATHER],
+                  max_tokens=cut_at(tokenizer, TWO, '"Lyon", "da'))
+    message = client.messages.create(**kwargs)
+    assert message.stop_reason == "max_tokens"
+    assert [(b.type, b.input) for b in message.content] == [("tool_use", {"city": "Paris", "days": 2}),
+                                                            ("tool_use", {"city": "Lyon"})]
+    # Streamed: each block's input_json_delta fragments as they came, then max_tokens.
+    events = list(client.messages.create(stream=True, **kwargs))
+    blocks = [e.content_block.type for e in events if e.type == "content_block_start"]
+    fragments: dict[int, str] = {}
+    for e in events:
+        if e.type == "content_block_delta":
+            fragments[e.index] = fragments.get(e.index, "") + e.delta.partial_json
+    stop_reason = [e.delta.stop_reason for e in events if e.type == "message_delta"]
+    assert blocks == ["tool_use", "tool_use"] and stop_reason == ["max_tokens"]
+    assert json.loads(fragments[0]) == {"city": "Paris", "days": 2}
+    assert fragments[1].startswith('{"city": "Lyon", "da')
+    # The SDK's own accumulation of the stream gives the input the whole answer has.
+    with client.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert [b.input for b in final.content] == [b.input for b in message.content]
+    # Cut by a stop sequence inside the call: the same, stop_sequence.
+    engine.say(CALL)
+    stopped = client.messages.create(**{**kwargs, "max_tokens": 100}, stop_sequences=['"days"'])
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", '"days"')
+    assert [(b.type, b.input) for b in stopped.content] == [("tool_use", {"city": "Paris"})]
+
+
+def test_responses_a_call_cut_short_is_an_incomplete_function_call(servers, engine, tokenizer):
+    client, _ = servers
+    engine.say(TWO)
+    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}]
+    kwargs = dict(model="tandem-test", input="Weather?", tools=tools,
+                  max_output_tokens=cut_at(tokenizer, TWO, '"Lyon", "da'))
+    whole = client.responses.create(**kwargs)
+    events = list(client.responses.create(stream=True, **kwargs))
+    assert events[-1].type == "response.incomplete"
+    for response in (whole, events[-1].response):
+        assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+        assert [(o.type, o.status) for o in response.output] == [("function_call", "completed"),
+                                                                 ("function_call", "incomplete")]
+        assert json.loads(response.output[0].arguments) == {"city": "Paris", "days": 2}
+        assert response.output[1].arguments.startswith('{"city": "Lyon", "da')
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert deltas == whole.output[0].arguments + events[-1].response.output[1].arguments
+    # The next turn goes on from whole calls only.
+    engine.say("ok")
+    client.responses.create(model="tandem-test", previous_response_id=whole.id, input="Go on.")
