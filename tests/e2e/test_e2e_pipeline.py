@@ -5,10 +5,14 @@ driven through the `openai` client and checked against `mlx_lm.generate`."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import io
 import json
 import os
 import re
+import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -188,6 +192,57 @@ def test_models_and_health(server, client):
     roles = sorted(w["role"] for w in body["workers"])
     assert roles in (["decode", "decode", "prefill"], ["prefill+decode"])
     assert all(w["state"] == "ready" and w["pid"] > 0 for w in body["workers"])
+
+
+# --- The README's examples, run as written (their address changed to this
+# server's): each ends by itself or at the model's default length, so none can
+# run for minutes, and each prints an answer. On the split server (the
+# README's `tandem serve` is split too; its flags here change no answer).
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+README_ADDRESS = "127.0.0.1:8000"
+EMBEDDED_MAX_TOKENS = 256  # workers/models/store.py EMBEDDED_SAMPLING
+
+
+def readme_blocks(language: str) -> list[str]:
+    """The README's fenced code blocks in `language` that talk to the server."""
+    found = re.findall(rf"^```{language}\n(.*?)^```", README.read_text(), re.M | re.S)
+    return [b for b in found if README_ADDRESS in b]
+
+
+def test_the_readme_has_its_commands_and_three_examples():
+    assert len(readme_blocks("sh")) == 1 and len(readme_blocks("python")) == 2
+    assert "make serve" in README.read_text() and "make test" in README.read_text()
+
+
+def test_the_readmes_curl_example_answers(server):
+    router_level(server)
+    command = readme_blocks("sh")[0].replace(README_ADDRESS, server.base_url.removeprefix("http://"))
+    out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    answer = json.loads(out.stdout)
+    choice = answer["choices"][0]
+    assert choice["message"]["content"].strip() and choice["finish_reason"] in ("stop", "length")
+    assert answer["usage"]["completion_tokens"] <= EMBEDDED_MAX_TOKENS  # the model's default, not 4,096
+
+
+@pytest.mark.parametrize("which", ["openai", "anthropic"])
+def test_the_readmes_python_examples_answer(server, which):
+    router_level(server)
+    code = next(b for b in readme_blocks("python") if f"import {which}" in b or f"from {which}" in b)
+    printed, scope = io.StringIO(), {}
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code.replace(README_ADDRESS, server.base_url.removeprefix("http://")), f"README ({which})", "exec"),
+             scope)
+    assert printed.getvalue().strip()
+    if which == "anthropic":
+        assert scope["reply"].stop_reason in ("end_turn", "max_tokens")
+        assert scope["reply"].usage.output_tokens <= EMBEDDED_MAX_TOKENS
+
+
+def test_the_models_sampling_defaults_are_shown(server):
+    card = httpx.get(server.base_url + "/v1/models", timeout=10).json()["data"][0]
+    assert card["generation_defaults"] == {"temperature": 0.2, "top_p": 0.9, "max_tokens": EMBEDDED_MAX_TOKENS}
 
 
 def test_unknown_model_and_too_long_prompt(server, client):
