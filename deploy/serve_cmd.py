@@ -122,6 +122,20 @@ def add_remote_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="the router's key pair and the public keys of the workers allowed to join (`tandem keys`)")
 
 
+def add_client_bound_arguments(p: argparse.ArgumentParser, d: Settings) -> None:
+    """How long a client may take, and the router's byte budgets on what it keeps for clients
+    (router/guards/slow_clients.py, router/guards/admission.py, router/api/response_store.py)."""
+    p.add_argument("--client-timeout", type=_seconds, default=d.client_timeout_s,
+                   help="seconds a client has to send its request headers and body, and to take its answer "
+                        "(a full write buffer not drained in time closes the connection and cancels the request)")
+    p.add_argument("--request-bodies-memory", type=_bytes, default=d.admitted_body_bytes, metavar="SIZE",
+                   help="bytes of request bodies admitted at once; past them 429 with Retry-After")
+    p.add_argument("--stored-responses-memory", type=_bytes, default=d.stored_responses_bytes, metavar="SIZE",
+                   help="bytes of stored Responses (previous_response_id) kept in all")
+    p.add_argument("--stored-responses-memory-per-key", type=_bytes, default=d.stored_responses_key_bytes,
+                   metavar="SIZE", help="bytes of stored Responses kept per API key (its own oldest dropped first)")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = Settings()
     p.add_argument("--model", default=None, help="MLX folder, .gguf file or Hugging Face repo id (default: the embedded SmolLM2-135M-Instruct)")
@@ -138,8 +152,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated browser Origins allowed to call the API ('*': any); none by default")
     p.add_argument("--allowed-hosts", type=_names, default=d.allowed_hosts, metavar="HOSTS",
                    help="comma-separated Host names the server answers to besides localhost and --host ('*': any)")
-    p.add_argument("--client-timeout", type=_seconds, default=d.client_timeout_s,
-                   help="seconds a client has to send its request headers and body")
     p.add_argument("--cache-memory", type=_bytes, default=None,
                    help="shared-memory KV arena, e.g. 2G (default: a tenth of RAM, 256M-8G, at most a quarter of "
                         f"what the model workers' weights leave; here at most {d.cache_memory_bytes / 2**30:.1f}G)")
@@ -177,6 +189,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="workers say ready without first running a short prompt (faster start, slower first request)")
     p.add_argument("--max-queue", type=_positive, default=d.max_queue,
                    help="requests admitted beyond what the decode batches hold (--max-batch x decode workers); past them 429 with Retry-After")
+    add_client_bound_arguments(p, d)
     p.add_argument("--migrate-timeout", type=_seconds, default=d.migrate_timeout_s,
                    help="seconds a request whose worker died waits for another before it fails")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s, help="seconds in-flight streams get on shutdown")
@@ -239,7 +252,9 @@ def run(args: argparse.Namespace) -> int:
         prefill_workers=args.prefill_workers, decode_workers=args.decode_workers, colocate=args.colocate,
         cache_memory_bytes=args.cache_memory or 0, cache_dir=None if args.no_disk_cache else args.cache_dir,
         cache_disk_bytes=args.cache_disk_bytes, hot_kv_bytes=args.hot_kv_memory, block_size=args.block_size, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch, warm_up=args.warm_up,
-        max_queue=args.max_queue, drain_timeout_s=args.drain_timeout, keep_alive_s=args.keep_alive, log_level=args.log_level,
+        max_queue=args.max_queue, admitted_body_bytes=args.request_bodies_memory,
+        stored_responses_bytes=args.stored_responses_memory,
+        stored_responses_key_bytes=args.stored_responses_memory_per_key, drain_timeout_s=args.drain_timeout, keep_alive_s=args.keep_alive, log_level=args.log_level,
         allow_local_media=args.allow_local_media, max_images=args.max_images,
         max_image_pixels=args.max_image_pixels, media_fetch_timeout_s=args.media_fetch_timeout,
         max_video_frames=args.max_video_frames,

@@ -96,7 +96,9 @@ class Settings:
     # Host names the server also answers to besides localhost and --host
     # (a name a proxy forwards, a LAN name); ["*"]: any (router/guards/http_guard.py).
     allowed_hosts: tuple = ()
-    # A client must send its request headers and body within this (slow clients).
+    # A client must send its request headers and body within this, and take
+    # its answer's bytes: a full write buffer not drained within it closes the
+    # connection and cancels the request (router/guards/slow_clients.py).
     client_timeout_s: float = 30.0
     # Process layout
     prefill_workers: int = 1
@@ -179,6 +181,13 @@ class Settings:
     # Requests admitted beyond what the decode batches hold (waiting for a
     # template, media, prefill or a decode slot), beyond which 429 (router/guards/admission.py).
     max_queue: int = 256
+    # Bytes of request bodies admitted at once (router/guards/admission.py): past
+    # it 429, a body larger than all of it 413.
+    admitted_body_bytes: int = 256 << 20
+    # Stored Responses (router/api/response_store.py), in bytes of their JSON: in
+    # all, and per API key (its oldest evicted first; another key's never for it).
+    stored_responses_bytes: int = 512 << 20
+    stored_responses_key_bytes: int = 256 << 20
     # Speculative decoding in the decode batch (workers/decode/speculation.py):
     # "auto" (the draft model when one is given, else prompt lookup), "off",
     # "prompt-lookup" (drafts from the request's own text) or "draft".

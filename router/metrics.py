@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from environment.power.policy import POLICIES
+from router.guards.slow_clients import WriteTimeouts
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -122,6 +123,9 @@ class AdmissionMetrics:
                                 value=a.capacity)
         yield CounterMetricFamily("tandem_requests_refused", "Requests refused with 429 by admission",
                                   value=a.refused)
+        yield CounterMetricFamily("tandem_client_write_timeouts",
+                                  "Connections closed (their requests cancelled) because the client took none "
+                                  "of its answer within --client-timeout", value=WriteTimeouts.total)
         if self.power is not None:
             yield from _power_families(self.power)
 

@@ -1,5 +1,6 @@
 """Deadlines for slow clients: a client has `--client-timeout` seconds to send
-its request headers, and as long again for its body.
+its request headers, as long again for its body, and as long to take each
+part of its answer.
 
 uvicorn bounds only the idle time between requests (keep-alive, which any
 byte cancels): a client sending one header byte a second, or its headers and
@@ -17,8 +18,21 @@ then a trickle of body, would hold a connection and a task for ever
   shape (router/api/errors.py) and the connection closes, and the app reads a
   disconnect.
 
-Neither times a response: once the request is in, only the request's own
-deadline (settings.request_timeout_s) applies to a stream.
+Neither times a response as a whole (a stream may run as long as tokens
+come), but the protocol times the client's reading of it: uvicorn waits on
+the connection's flow control before every write with no deadline, so a
+client that stops reading held its admission place, its decode row and its
+KV for as long as it kept the socket open. When the write buffer passes its
+high-water mark (uvicorn pauses the app's writes) the client has the
+deadline to drain it below the low-water mark; if it does not, the
+connection is aborted (its buffered bytes dropped). uvicorn then tells the
+app the client is gone, and router/api/http_stream.py `run_until_disconnect`
+cancels the request as for any disconnect. Counted in `WriteTimeouts.total`
+(/metrics: tandem_client_write_timeouts_total). This bounds every write:
+streamed events, whole JSON answers, errors, and bytes left buffered on a
+kept-alive connection after its answer ended. A reader needs ~48 KiB per
+deadline (64 KiB high, 16 KiB low water: asyncio's defaults), far below any
+real network.
 """
 
 from __future__ import annotations
@@ -40,6 +54,13 @@ REQUEST_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; c
                    b"content-length: %d\r\n\r\n%s" % (len(_HEADERS_LATE), _HEADERS_LATE))
 
 
+class WriteTimeouts:
+    """Connections aborted because their client stopped taking the answer, since
+    the process started (one router per process; read by router/metrics.py)."""
+
+    total = 0
+
+
 def client_deadline_protocol(timeout_s: float) -> type[H11Protocol]:
     """The protocol class uvicorn's Config takes as `http`, for this deadline."""
     return type("ClientDeadlineProtocol", (ClientDeadlineProtocol,), {"timeout_s": float(timeout_s)})
@@ -51,6 +72,7 @@ class ClientDeadlineProtocol(H11Protocol):
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self._phase: str | None = None  # "headers", "body" or None (nothing owed)
         self._timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None  # armed while writes are paused
         super().connection_made(transport)
         self._set_phase("headers")
 
@@ -61,7 +83,30 @@ class ClientDeadlineProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._set_phase(None)
+        self._stop_write_timer()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        # The client stopped taking bytes: it has the deadline to take them.
+        super().pause_writing()
+        if self._write_timer is None:  # also when closing: close() would wait for the buffer to drain
+            self._write_timer = self.loop.call_later(self.timeout_s, self._write_expired)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_write_timer()
+
+    def _stop_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_expired(self) -> None:
+        self._write_timer = None
+        WriteTimeouts.total += 1
+        log.warning("closing a connection from %s: its client took none of its answer's last %d bytes within %.0fs",
+                    _peer(self.client), self.transport.get_write_buffer_size(), self.timeout_s)
+        self.transport.abort()  # connection_lost follows: the app reads a disconnect, the request is cancelled
 
     def _follow_request(self) -> None:
         state = self.conn.their_state
