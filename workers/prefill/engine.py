@@ -104,6 +104,12 @@ class PrefillJob:
     def done(self) -> bool:
         return self.result is not None
 
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens left to compute (before its first step: all of them,
+        its cached prefix not known yet)."""
+        return self.total - self.processed
+
     def step(self) -> Optional[PrefillResult]:
         """Process the next chunk; returns the result once the prompt is done.
 

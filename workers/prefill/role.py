@@ -1,9 +1,13 @@
 """The prefill role: prompts in, first tokens out, their KV handed off.
 
 Prompts queue (`handle`); the Worker loop calls `step()` between other
-units of MLX work, and each call runs one chunk of the current prompt
+units of MLX work, and each call runs one chunk of one prompt
 (workers/prefill/engine.py, or workers/prefill/vlm.py with images), or one
-pass over several short prompts together (workers/prefill/batch.py). A
+pass over several short prompts together (workers/prefill/batch.py). Which
+prompt is workers/prefill/turns.py's: several may be started at once, each
+with its own cache, and the one with the fewest tokens left runs its next
+chunk (an earlier prompt overtaken too often runs first), so a short prompt
+waits for about one chunk of a long one, not for all of it. A
 finished prompt's first token goes out at once (PrefillDone); then its KV
 is handed off through the arena (workers/kv/handoff.py write_handoff, after
 the blocks the prefix cache holds for it, which go by reference), or in
@@ -17,7 +21,6 @@ blocks are stored, by the store thread when there is one
 from __future__ import annotations
 
 import logging
-from collections import deque
 from typing import Callable, Optional
 
 from protos.messages import HeldBlocks, KVHandoff, PrefillDone, PrefillRequest, RequestFailed
@@ -27,6 +30,7 @@ from workers.kv.cache_state import is_plain_kv
 from workers.loop_clock import part, tally_line
 from workers.prefill.batch import batchable, fits, run_batch
 from workers.prefill.engine import PrefillJob, first_token_finishes
+from workers.prefill.turns import Turn, Turns
 from workers.prefill.vlm import VLMPrefillJob
 from workers.role import Role, Unit
 
@@ -58,25 +62,35 @@ class PrefillRole(Role):
         self.colocated = colocated
         self.stores = stores
         self.vision = vision
-        self.queue: deque[PrefillRequest] = deque()
-        self.current = None  # (PrefillRequest, incremental prefill job)
+        self.turns = Turns(engine.chunk_size if engine is not None else settings.prefill_chunk)
         self.held: dict[str, Optional[HeldBlocks]] = {}  # request id -> its held blocks, before a batched pass
         self.chunk_unit = Unit("prefill", self.timed_step)
 
     # ------------------------------------------------------------ the loop --
     def handle(self, msg: PrefillRequest) -> None:
-        self.queue.append(msg)
+        self.turns.add(msg)
+
+    @property
+    def queue(self):
+        """The prompts not started yet, in arrival order."""
+        return self.turns.queue
+
+    @property
+    def current(self) -> Optional[tuple]:
+        """(request, job) of the prompt started first and not finished, or None."""
+        turn = self.turns.first_started()
+        return (turn.req, turn.job) if turn is not None else None
 
     def has_work(self) -> bool:
-        return bool(self.current or self.queue)
+        return bool(self.turns)
 
     @property
     def running(self) -> int:
-        return 1 if self.current else 0
+        return len(self.turns.started)
 
     @property
     def waiting(self) -> int:
-        return len(self.queue)
+        return len(self.turns.queue)
 
     def units(self, busy_elsewhere):
         if self.has_work():
@@ -98,28 +112,33 @@ class PrefillRole(Role):
             self.step()
 
     def step(self) -> None:
-        """One chunk (or one batched pass); a failure fails its prompt."""
-        self.guarded(self.current[0].request_id if self.current else self.queue[0].request_id, self.prefill_chunk)
+        """One chunk of the prompt whose turn it is (or one batched pass); a
+        failure fails that prompt."""
+        turn = self.turns.pick()
+        self.turns.took(turn)
+        self.guarded(turn.request_id, self.prefill_chunk, turn)
 
     def cancel(self, request_id: str, save: bool = True) -> None:
-        self.queue = deque(r for r in self.queue if r.request_id != request_id)
-        if self.current and self.current[0].request_id == request_id:
-            self.current = None
+        self.turns.drop(request_id)  # its job, and the KV it holds so far, with it
         self.local_kv.pop(request_id, None)
         self.unhold(request_id)
 
     # ------------------------------------------------------------- prompts --
-    def prefill_chunk(self) -> None:
-        if self.current is None:
-            req = self.queue.popleft()
-            self.current = (req, self.start_prefill(req))
-        if self.queue and self.batch_limit > 1 and self.prefill_batch():
+    def prefill_chunk(self, turn=None) -> None:
+        """One chunk of `turn` (a Turn, or a queued request to start; None:
+        whose turn it is)."""
+        if turn is None:
+            turn = self.turns.pick()
+            self.turns.took(turn)
+        if not isinstance(turn, Turn):
+            turn = self.turns.start(turn, self.start_prefill(turn))
+        if self.batch_limit > 1 and self.prefill_batch(turn):
             return
-        req, job = self.current
+        req, job = turn.req, turn.job
         result = job.step()
         if result is None:
             return
-        self.current = None
+        self.turns.drop(req.request_id)
         self.finish_prefill(req, job, result)
 
     def start_prefill(self, req: PrefillRequest):
@@ -135,26 +154,37 @@ class PrefillRole(Role):
         job.clock = self.clock
         return job
 
-    def prefill_batch(self) -> bool:
-        """Prefill the current prompt together with the queued ones behind
-        it that fit one pass (workers/prefill/batch.py: a swarm's burst of
-        short suffixes); False when it cannot join a batch. The first queued
-        prompt that does not fit, its prefix loaded, becomes the current one."""
-        req, job = self.current
-        if type(job) is not PrefillJob:
+    def prefill_batch(self, turn: Turn) -> bool:
+        """Prefill `turn`'s prompt together with the others that fit one pass
+        (workers/prefill/batch.py: a swarm's burst of short suffixes): started
+        ones with nothing computed yet, then queued ones in arrival order;
+        False when it cannot lead a batch (or nothing else waits). The first
+        queued prompt that does not fit stays started, its prefix loaded."""
+        req, job = turn.req, turn.job
+        if type(job) is not PrefillJob or not self.queue and len(self.turns.started) < 2:
             return False
         job.load()
         if not batchable(job):
             return False
-        rows, spare = [(req, job)], None
+        rows = [(req, job)]
         # A batch's handoffs all sit in the arena until decode takes them (one
         # prompt's used to be gone before the next was made): together they
         # take at most an eighth of it.
         room = self.settings.cache_memory_bytes // 8 - self.handoff_bytes(req, job)
-        while self.queue and len(rows) < self.batch_limit and not self.queue[0].images:
-            nxt = self.queue.popleft()
+        for other in list(self.turns.started.values()):
+            if len(rows) >= self.batch_limit:
+                break
+            if other is turn or not batchable(other.job) or not fits([j for _, j in rows], other.job):
+                continue
+            nbytes = self.handoff_bytes(other.req, other.job)
+            if nbytes <= room:
+                room -= nbytes
+                rows.append((other.req, other.job))
+        while self.queue and len(rows) < self.batch_limit and not self.queue[0].images \
+                and self.turns.may_start(self.queue[0]):
+            nxt = self.queue[0]
             try:
-                other = self.start_prefill(nxt)
+                other = self.turns.start(nxt, self.start_prefill(nxt)).job
                 other.load()
                 joins = batchable(other) and fits([j for _, j in rows], other)
                 nbytes = self.handoff_bytes(nxt, other) if joins else 0
@@ -162,11 +192,11 @@ class PrefillRole(Role):
                 self.fail(nxt.request_id, exc)
                 continue
             if not joins or nbytes > room:
-                spare = (nxt, other)
-                break
+                break  # it waits, started, for its own turn
             room -= nbytes
             rows.append((nxt, other))
-        self.current = spare
+        for r, _ in rows:
+            self.turns.drop(r.request_id)
         if len(rows) == 1:  # alone after all: batchable, so one step
             self.guarded(req.request_id, lambda: self.finish_prefill(req, job, job.step()))
             return True

@@ -115,6 +115,11 @@ class VLMPrefillJob:
             self.result.prefill_ms = self._compute_s * 1000.0
         return self.result
 
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens left to compute (workers/prefill/turns.py's order)."""
+        return 0 if self.result is not None else len(self.tokens) - self._done
+
     def run(self) -> PrefillResult:
         """Step to the end (tests, simple callers)."""
         while (result := self.step()) is None:
