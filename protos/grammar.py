@@ -28,7 +28,25 @@ def ll_tokenizer(tokenizer, n_vocab: int | None = None):
 
 
 def grammar_error(grammar: str, ll_tok) -> str:
-    """What llguidance finds wrong with `grammar` ("" when it compiles)."""
+    """What llguidance finds wrong with `grammar` ("" when it compiles and
+    its first token has a mask): the router refuses such a grammar, so no
+    worker meets it."""
     import llguidance
 
-    return llguidance.LLMatcher.validate_grammar(grammar, ll_tok)
+    problem = llguidance.LLMatcher.validate_grammar(grammar, ll_tok)
+    if problem:
+        return problem
+    return first_mask_error(llguidance.LLMatcher(ll_tok, grammar, log_level=0))
+
+
+def first_mask_error(matcher) -> str:
+    """The error of a freshly compiled `matcher` once its first mask is
+    computed ("": none). Some grammars validate and compile, yet nothing can
+    follow them: a JSON schema whose `$ref` leads only back to itself fails
+    here, at the first token, which a worker would otherwise meet mid-batch."""
+    if not matcher.is_error():
+        matcher.compute_bitmask()
+    if not matcher.is_error():
+        return ""
+    error = (matcher.get_error() or "unknown grammar error").strip().splitlines()[0]
+    return f"nothing can be generated under it ({error})"

@@ -39,7 +39,7 @@ import mlx.core as mx
 import numpy as np
 
 from environment.backend import on_cpu
-from protos.grammar import ll_tokenizer
+from protos.grammar import first_mask_error, ll_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +119,9 @@ class Grammars:
 
             # log_level 0: its warnings would go to stderr; errors are ours to report.
             compiled = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
-            if compiled.is_error():
-                raise GrammarError(f"invalid grammar: {first_line(compiled.get_error())}")
+            problem = first_mask_error(compiled)  # the mask it computes stays with the compiled copy
+            if problem:
+                raise GrammarError(f"invalid grammar: {problem}")
             self._compiled[grammar] = compiled
             while len(self._compiled) > self.capacity:
                 self._compiled.popitem(last=False)
@@ -210,6 +211,14 @@ def consume(matcher, token: int) -> Optional[str]:
     return first_line(matcher.get_error())
 
 
+def _consumed(matcher, token: int):
+    """matcher.consume_token's answer, or the exception it raised."""
+    try:
+        return matcher.consume_token(token)
+    except Exception as exc:  # noqa: BLE001
+        return exc
+
+
 class ConstrainedRows:
     """The matchers of a decode batch's constrained rows, by row uid.
 
@@ -256,15 +265,32 @@ class ConstrainedRows:
         t0 = time.perf_counter()
         pairs = [(m, int(inputs[i])) for i, _, m in rows]
         par = getattr(executor(), "consume_token_par", None)  # llguidance >= 1.7
-        taken = par(pairs) if par is not None else [m.consume_token(t) for m, t in pairs]
+        try:
+            taken = par(pairs) if par is not None else [m.consume_token(t) for m, t in pairs]
+        except Exception:  # noqa: BLE001 - a matcher that raises fails its row alone
+            taken = [_consumed(m, t) for m, t in pairs]
         for (i, uid, m), ok in zip(rows, taken):
-            if not ok or m.is_error():  # see consume()
+            if isinstance(ok, Exception):
+                self.failed[uid] = f"its grammar failed: {type(ok).__name__}: {ok}"
+            elif not ok or m.is_error():  # see consume()
                 self.failed[uid] = (f"token {int(inputs[i])} does not follow the grammar: "
                                     f"{first_line(m.get_error())}")
-        rows = [(m, i) for i, u, m in rows if u not in self.failed]
-        bitmask = fill_masks(rows, len(uids), width)
+        bitmask = self._fill([(i, u, m) for i, u, m in rows if u not in self.failed], len(uids), width)
         self.fill_s = time.perf_counter() - t0
         return bitmask
+
+    def _fill(self, rows: List[Tuple[int, int, object]], batch: int, width: int) -> np.ndarray:
+        """The batch's masks; a matcher llguidance raises on fails its row
+        alone (each then tried apart, the rest filled again)."""
+        try:
+            return fill_masks([(m, i) for i, _, m in rows], batch, width)
+        except Exception:  # noqa: BLE001 - find the row
+            for i, uid, m in rows:
+                try:
+                    fill_masks([(m, 0)], 1, width)
+                except Exception as exc:  # noqa: BLE001
+                    self.failed[uid] = f"its grammar failed: {type(exc).__name__}: {exc}"
+            return fill_masks([(m, i) for i, u, m in rows if u not in self.failed], batch, width)
 
     def start_masks(self, uids: Sequence[int], inputs: Sequence[int], width: int) -> "Future":
         """masks() on the helper thread (nothing else may touch these rows

@@ -11,8 +11,9 @@ Runs on the worker's MLX thread only (like all MLX work).
 
 from __future__ import annotations
 
+import math
 import secrets
-from typing import Callable, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.sample_utils import (
@@ -45,6 +46,10 @@ class SeededSampler:
     returns shape (1,), like mlx-lm samplers.
     """
 
+    # Set by RowFaults.guard: a failure inside a batch's step is reported
+    # there (the row is failed alone) and a placeholder token returned.
+    on_fault: Optional[Callable[[Exception], None]] = None
+
     def __init__(self, params: SamplingParams, seed: int, skip: int = 0):
         self.seed = seed
         self.temperature = float(params.temperature)
@@ -68,7 +73,13 @@ class SeededSampler:
         return sub
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        return self.draw(self.distribution(logprobs))
+        try:
+            return self.draw(self.distribution(logprobs))
+        except Exception as exc:  # noqa: BLE001 - this row fails, not its batch
+            if self.on_fault is None:
+                raise
+            self.on_fault(exc)
+            return mx.zeros((logprobs.shape[0],), mx.uint32)
 
     def distribution(self, logprobs: mx.array) -> mx.array:
         """The unnormalised log-probabilities this sampler draws from (its
@@ -90,6 +101,36 @@ class SeededSampler:
 def random_seed() -> int:
     """A fresh 63-bit seed for requests that did not give one."""
     return secrets.randbits(63)
+
+
+SEED_LIMIT = 2**64  # mx.random.key takes seeds in [0, 2**64)
+
+
+def check_sampling(params: SamplingParams, vocab: Optional[int] = None) -> None:
+    """ValueError naming the first of `params` a sampler or processor here
+    cannot take (the router refuses these with a 400; a worker checks again
+    before a request shares a batch, so one bad request fails alone). `vocab`:
+    the width of the model's logits, which logit_bias ids must fall within."""
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if params.temperature < 0 or not 0 <= params.min_p <= 1 or params.repetition_penalty <= 0:
+        raise ValueError(f"temperature {params.temperature}, min_p {params.min_p} or repetition_penalty "
+                         f"{params.repetition_penalty} out of range")
+    if not isinstance(params.top_k, int) or params.top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0, got {params.top_k!r}")
+    if params.seed is not None and not (isinstance(params.seed, int) and 0 <= params.seed < SEED_LIMIT):
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {params.seed!r}")
+    for key, value in (params.logit_bias or {}).items():
+        token = key if isinstance(key, int) and not isinstance(key, bool) else -1  # in-process callers' ids
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10:  # the wire's
+            token = int(key)
+        if not 0 <= token < (vocab or 2**32):
+            raise ValueError(f"logit_bias key {key!r} is not a token id of this model"
+                             + (f" (0 to {vocab - 1})" if vocab else ""))
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"logit_bias value for {key!r} must be a finite number, got {value!r}")
 
 
 def make_sampler(params: SamplingParams, draws_done: int = 0) -> Sampler:
@@ -122,10 +163,46 @@ def make_processors(params: SamplingParams) -> List[LogitsProcessor]:
 
 
 def build_sampling(
-    params: SamplingParams, draws_done: int = 0
+    params: SamplingParams, draws_done: int = 0, vocab: Optional[int] = None
 ) -> Tuple[Sampler, List[LogitsProcessor]]:
-    """(sampler, logits_processors) for one request."""
+    """(sampler, logits_processors) for one request, its parameters checked
+    first (check_sampling: ValueError)."""
+    check_sampling(params, vocab)
     return make_sampler(params, draws_done), make_processors(params)
+
+
+class RowFaults:
+    """What one row's sampler or logits processors raised inside a batch's
+    step (a decode step samples every row in one call, mlx-lm's
+    GenerationBatch): kept by request id, the row given a placeholder, so
+    the step goes on and the engine fails that request alone."""
+
+    def __init__(self):
+        self.faults: Dict[str, Exception] = {}
+
+    def guard(self, request_id: str, sampler: Sampler,
+              processors: List[LogitsProcessor]) -> Tuple[Sampler, List[LogitsProcessor]]:
+        """`sampler` and `processors` reporting here. The greedy sampler,
+        shared by every greedy row and called once for a whole batch, takes
+        nothing of one request's and is left as it is."""
+        report = lambda exc: self.faults.setdefault(request_id, exc)  # noqa: E731
+        if isinstance(sampler, SeededSampler):
+            sampler.on_fault = report
+        return sampler, [self._guarded(p, report) for p in processors]
+
+    @staticmethod
+    def _guarded(processor: LogitsProcessor, report) -> LogitsProcessor:
+        def run(tokens: mx.array, logits: mx.array) -> mx.array:
+            try:
+                return processor(tokens, logits)
+            except Exception as exc:  # noqa: BLE001 - this row fails, not its batch
+                report(exc)
+                return logits
+        return run
+
+    def take(self) -> Dict[str, Exception]:
+        faults, self.faults = self.faults, {}
+        return faults
 
 
 def wants_logprobs(params: SamplingParams) -> bool:

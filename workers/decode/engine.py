@@ -45,7 +45,9 @@ logits (workers/kernels/generation_batch.py). The grammar's end-of-sequence
 ids end such a request (once the grammar is complete they are all it
 allows). A token a matcher refuses fails that request alone: it is dropped
 from the batch, its token unreported, and `take_failures` hands it to the
-role.
+role. So does a row's sampler or logits processor that raises inside a step
+(workers/sampling.py RowFaults); sampling a worker cannot take fails the
+request at `add`, before it joins.
 """
 
 from __future__ import annotations
@@ -64,12 +66,12 @@ from protos.messages import DecodeRequest, TokenUpdate
 from workers.decode.commits import EndedCommits
 from workers.decode.joining import Joining, joining_rows
 from workers.decode.prefix_sharing import PrefixSharing
-from workers.grammar import ConstrainedRows, GrammarError
+from workers.grammar import ConstrainedRows, GrammarError, logits_width
 from workers.kernels import mlx_hooks
 from workers.kernels.generation_batch import DecodeBatch
 from workers.loop_clock import part
 from workers.models.sharding import is_pipelined
-from workers.sampling import GREEDY_SAMPLER, token_logprob, wants_logprobs
+from workers.sampling import GREEDY_SAMPLER, RowFaults, token_logprob, wants_logprobs
 
 @dataclass
 class _Live:
@@ -116,6 +118,8 @@ class DecodeEngine:
         self._batch = DecodeBatch.empty(model, GREEDY_SAMPLER)
         self._batch.compute_ahead = not on_cpu()  # see DecodeBatch.compute_ahead
         self._batch.constrained = ConstrainedRows()
+        self._faults = RowFaults()  # a row's sampler or processors that raised in a step: that row fails alone
+        self.vocab = logits_width(model)  # the logits' width: a request's logit_bias ids within it
         self._commits = EndedCommits(self.prefix, self._batch)
         self._failures: List[Tuple[str, Exception]] = []  # (request id, why): dropped, for the role to fail
         self._next_uid = 0
@@ -176,7 +180,8 @@ class DecodeEngine:
         rid = request.request_id
         if rid in self:
             raise ValueError(f"request {rid!r} is already decoding")
-        self._queue.append(Joining.of(request, cache, self.grammars, self.eos_token_ids, self.ragged))
+        self._queue.append(Joining.of(request, cache, self.grammars, self.eos_token_ids, self.ragged, self.vocab,
+                                      self._faults))
 
     def cancel(self, request_id: str, save: bool = True) -> bool:
         """Drop a request now (queued or running); frees its KV. False if unknown.
@@ -283,9 +288,12 @@ class DecodeEngine:
             self.speculation.leave(uid, request_id)
 
     def _drop_failed(self) -> None:
-        """Drop the rows whose matcher refused their token (their responses
-        are then skipped: the token is not the grammar's)."""
-        for uid, why in self._batch.constrained.take_failed().items():
+        """Drop the rows whose matcher refused their token, or whose sampler
+        or processors raised (their responses are then skipped: the token is
+        not the grammar's, or not the row's own)."""
+        failed = [(uid, GrammarError(why)) for uid, why in self._batch.constrained.take_failed().items()]
+        failed += [(self._uid_of.get(rid), exc) for rid, exc in self._faults.take().items()]
+        for uid, exc in failed:
             live = self._live.get(uid)
             if live is None:
                 continue
@@ -295,7 +303,7 @@ class DecodeEngine:
                 del self._live[uid]
                 del self._uid_of[live.request_id]
                 self._left(uid, live.request_id)
-            self._failures.append((live.request_id, GrammarError(why)))
+            self._failures.append((live.request_id, exc))
 
     def take_failures(self) -> List[Tuple[str, Exception]]:
         """Requests dropped by the last steps, with why: the role fails them."""

@@ -12,7 +12,7 @@ rather than emit a token past the end.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import mlx.core as mx
 from mlx_lm.generate import StopSequences
@@ -23,7 +23,7 @@ from workers.decode import ragged_kv
 from workers.decode.shifted_rope import ShiftedKVCache
 from workers.grammar import matcher_after
 from workers.kernels.generation_batch import JoiningRows
-from workers.sampling import GREEDY_SAMPLER, build_sampling
+from workers.sampling import GREEDY_SAMPLER, RowFaults, build_sampling
 
 
 @dataclass
@@ -38,9 +38,12 @@ class Joining:
     matcher: object = None  # an llguidance matcher when the request follows a grammar
 
     @classmethod
-    def of(cls, request: DecodeRequest, cache: list, grammars, eos_token_ids: List[int], ragged: bool) -> "Joining":
+    def of(cls, request: DecodeRequest, cache: list, grammars, eos_token_ids: List[int], ragged: bool,
+           vocab: Optional[int] = None, faults: Optional[RowFaults] = None) -> "Joining":
         """The request checked; ValueError (GrammarError: its answer so far
-        breaks its grammar) when it cannot join."""
+        breaks its grammar; its sampling out of range for `vocab`, the
+        logits' width) when it cannot join. `faults`: where its sampler and
+        processors report a failure in a step (the engine's)."""
         rid, sp = request.request_id, request.sampling
         # A resumed request's grammar follows its answer so far first.
         matcher = matcher_after(grammars, sp, request.answer)
@@ -61,7 +64,9 @@ class Joining:
         cache = ragged_kv.rows_of(cache, shift) if ragged else ShiftedKVCache.of(cache, shift)
         # draws_done: the answer's tokens were drawn from a seeded stream;
         # continue it rather than replay it.
-        sampler, processors = build_sampling(sp, draws_done=request.budget.produced)
+        sampler, processors = build_sampling(sp, draws_done=request.budget.produced, vocab=vocab)
+        if faults is not None:
+            sampler, processors = faults.guard(rid, sampler, processors)
         return cls(request, cache, sorted(stop_ids), sampler, processors, matcher)
 
 

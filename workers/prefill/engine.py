@@ -52,11 +52,11 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from protos.budget import TokenBudget
 from protos.messages import SamplingParams, TokenLogprob
-from workers.grammar import GrammarError, apply_masks, consume, fill_masks, matcher_after
+from workers.grammar import GrammarError, apply_masks, consume, fill_masks, logits_width, matcher_after
 from workers.kernels import mlx_hooks
 from workers.loop_clock import part
 from workers.kv.prefix_base import RecentMin
-from workers.sampling import build_sampling, token_logprob, wants_logprobs
+from workers.sampling import build_sampling, check_sampling, token_logprob, wants_logprobs
 
 
 @dataclass
@@ -78,6 +78,8 @@ class PrefillJob:
         if len(prompt_tokens) == 0:
             raise ValueError("empty prompt")
         self.engine = engine
+        # Bad sampling fails the request here, before it can share a batched pass.
+        check_sampling(sampling, engine.vocab)
         self.sampling = sampling
         # A resumed request's (produced > 0) prompt ends with its answer so
         # far: its grammar follows that answer, its seeded stream drew for it.
@@ -212,10 +214,11 @@ def sample_first(logits: mx.array, prompt: mx.array, sampling: SamplingParams, c
     decode samples (under `matcher`'s mask when the request has a grammar,
     then the request's processors over the whole prompt, its sampler),
     evaluated with `cache`: (token id, TokenLogprob or None). Raises
-    GrammarError if the matcher refuses the token. `draws`: tokens a seeded
-    request already drew (a resumed one's answer so far)."""
+    GrammarError if the matcher refuses the token (or whatever its sampling
+    raised). `draws`: tokens a seeded request already drew (a resumed one's
+    answer so far)."""
     first = sample_firsts([(logits, prompt, sampling, matcher, draws)], cache)[0]
-    if isinstance(first, GrammarError):
+    if isinstance(first, Exception):
         raise first
     return first
 
@@ -224,32 +227,77 @@ def sample_firsts(rows, cache) -> list:
     """sample_first for several prompts, [(logits [1, vocab], prompt,
     sampling, matcher or None, draws), ...], evaluated together with `cache` (one
     wait, not one a row). A row's entry is (token id, TokenLogprob or None),
-    or the GrammarError that fails that row alone."""
+    or the exception that fails that row alone: a GrammarError (its first
+    token refused), or whatever its sampling raised."""
+    out: list = [None] * len(rows)
     constrained = [(r[3], i) for i, r in enumerate(rows) if r[3] is not None]
     bitmask = None
     if constrained:
         mx.async_eval([r[0] for r in rows])  # the final chunk computes while the masks fill
-        bitmask = fill_masks(constrained, len(rows), rows[0][0].shape[-1])
-    drawn = []
+        bitmask = _masks(constrained, len(rows), rows[0][0].shape[-1], out)
+    drawn = {}
     for i, (logits, prompt, sampling, matcher, draws) in enumerate(rows):
-        if matcher is not None:
-            logits = apply_masks(logits, bitmask[i:i + 1])
-        sampler, processors = build_sampling(sampling, draws_done=draws)
-        for proc in processors:
-            logits = proc(prompt, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        drawn.append((sampler(logprobs), logprobs))
-    mx.eval(drawn, [c.state for c in cache])
-    out = []
-    for (token, logprobs), (_, _, sampling, matcher, _) in zip(drawn, rows):
-        first = int(token.item())
-        refused = consume(matcher, first) if matcher is not None else None
-        if refused is not None:
-            out.append(GrammarError(f"first token {first} does not follow the grammar: {refused}"))
-            continue
-        lp = token_logprob(logprobs, first, sampling.top_logprobs) if wants_logprobs(sampling) else None
-        out.append((first, lp))
+        if out[i] is None:
+            drawn[i] = _row_or_error(_draw, logits, prompt, sampling, matcher, draws, bitmask, i)
+    _evaluate(drawn, cache)
+    for i, d in drawn.items():
+        out[i] = d if isinstance(d, Exception) else _row_or_error(_first_of, d, rows[i][2], rows[i][3])
     return out
+
+
+def _masks(constrained, batch: int, width: int, out: list):
+    """The batch's masks; a matcher llguidance raises on fails its row alone."""
+    try:
+        return fill_masks(constrained, batch, width)
+    except Exception:  # noqa: BLE001 - find the row: each alone
+        for matcher, i in constrained:
+            failed = _row_or_error(fill_masks, [(matcher, 0)], 1, width)
+            if isinstance(failed, Exception):
+                out[i] = failed
+        return fill_masks([(m, i) for m, i in constrained if out[i] is None], batch, width)
+
+
+def _row_or_error(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - one row's failure is that row's alone
+        return exc
+
+
+def _draw(logits, prompt, sampling, matcher, draws, bitmask, i):
+    """One row's token and log-probabilities, queued (not evaluated)."""
+    if matcher is not None:
+        logits = apply_masks(logits, bitmask[i:i + 1])
+    sampler, processors = build_sampling(sampling, draws_done=draws)
+    for proc in processors:
+        logits = proc(prompt, logits)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return sampler(logprobs), logprobs
+
+
+def _evaluate(drawn: dict, cache: list) -> None:
+    """The rows' draws (row -> arrays, or the exception that failed it) and
+    the prompts' KV in one wait; a row whose arrays fail to compute fails
+    alone (each then evaluated apart)."""
+    try:
+        mx.eval([d for d in drawn.values() if not isinstance(d, Exception)], [c.state for c in cache])
+    except Exception:  # noqa: BLE001 - find the row
+        for i, d in drawn.items():
+            failed = d if isinstance(d, Exception) else _row_or_error(mx.eval, d)
+            if isinstance(failed, Exception):
+                drawn[i] = failed
+        mx.eval([c.state for c in cache])
+
+
+def _first_of(drawn, sampling: SamplingParams, matcher):
+    """(token id, TokenLogprob or None) of an evaluated draw; a GrammarError
+    when its matcher refuses the token."""
+    token, logprobs = drawn
+    first = int(token.item())
+    refused = consume(matcher, first) if matcher is not None else None
+    if refused is not None:
+        return GrammarError(f"first token {first} does not follow the grammar: {refused}")
+    return first, token_logprob(logprobs, first, sampling.top_logprobs) if wants_logprobs(sampling) else None
 
 
 class PrefillEngine:
@@ -260,6 +308,7 @@ class PrefillEngine:
         if chunk_size < 1:
             raise ValueError("chunk_size must be >= 1")
         self.model = model
+        self.vocab = logits_width(model)  # the logits' width: logit_bias ids within it (None: unknown)
         self.grammars = grammars  # workers.grammar.Grammars, or None: no grammar can be followed
         self.chunk_size = chunk_size
         self.prefix = prefix
