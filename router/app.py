@@ -31,6 +31,7 @@ from router.api.anthropic_format import MessagesFormat
 from router.api.anthropic_request import chat_body as anthropic_chat_body
 from router.api.answer_tokens import AnswerTokens
 from router.guards.cache_salt import request_salt, tenant_of
+from router.guards.fair_lanes import caller_of
 from router.api.chat_output import ChatOutput
 from router.routing.engine_api import Engine, GenerationRequest
 from router.api.errors import ApiError, exception_handlers
@@ -90,7 +91,7 @@ class _Api:
         self.token_bytes = TokenBytes(tokenizer)  # shared: a cache over the vocabulary
         self.created = int(time.time())
         self.answers = AnswerTokens(self.token_bytes)  # recent answers' tokens, for the next turn's prompt
-        self.stored_responses = ResponseStore()  # for the Responses API's previous_response_id
+        self.stored_responses = ResponseStore.from_settings(settings)  # for the Responses API's previous_response_id
         self.vision = VisionPrompter(settings.model_dir) if settings.model_dir and is_vlm(settings.model_dir) else None
         # The model's recommended sampling, for every field a request leaves out.
         self.defaults = generation_defaults(settings.model_dir) if settings.model_dir else GenerationDefaults()
@@ -103,13 +104,13 @@ class _Api:
         table = getattr(engine, "table", None)  # the dispatcher's workers: remote ones add room
         if table is not None:
             self.admission.remote_rows = table.remote_rows
-        self.admission_metrics = AdmissionMetrics(self.admission, power)
+        self.admission_metrics = AdmissionMetrics(self.admission, power, self.stored_responses)
 
     async def _admit(self, request: Request) -> tuple[Ticket, dict]:
         """The request admitted (429 past capacity) as soon as its body is
         read, before any heavy work; then its JSON decoded off the loop."""
         raw = await read_body(request, self.settings.max_request_bytes)
-        ticket = self.admission.admit(len(raw))
+        ticket = self.admission.admit(len(raw), caller_of(request))  # its work in its caller's turns
         with ticket:
             return ticket, await ticket.off_loop(parse_json, raw)
 

@@ -109,9 +109,10 @@ class AdmissionMetrics:
     """The router's admission (router/guards/admission.py) and the power policy
     (router/power_watch.py), read at scrape time."""
 
-    def __init__(self, admission, power=None):
+    def __init__(self, admission, power=None, stored_responses=None):
         self.admission = admission
         self.power = power
+        self.stored_responses = stored_responses  # router/api/response_store.py
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
@@ -123,6 +124,15 @@ class AdmissionMetrics:
                                 value=a.capacity)
         yield CounterMetricFamily("tandem_requests_refused", "Requests refused with 429 by admission",
                                   value=a.refused)
+        yield GaugeMetricFamily("tandem_admitted_body_bytes", "Bytes of the admitted requests' bodies",
+                                value=a.body_bytes)
+        yield GaugeMetricFamily("tandem_admitted_body_bytes_limit", "Bytes admitted requests' bodies may hold at once",
+                                value=a.body_budget)
+        if self.stored_responses is not None:
+            yield GaugeMetricFamily("tandem_stored_responses", "Responses kept for previous_response_id",
+                                    value=len(self.stored_responses))
+            yield GaugeMetricFamily("tandem_stored_response_bytes", "Bytes (JSON) of the responses kept",
+                                    value=self.stored_responses.size)
         yield CounterMetricFamily("tandem_client_write_timeouts",
                                   "Connections closed (their requests cancelled) because the client took none "
                                   "of its answer within --client-timeout", value=WriteTimeouts.total)

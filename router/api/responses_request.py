@@ -50,7 +50,10 @@ PART_FIELDS = {
 TOOL_FIELDS = frozenset(("type", "name", "description", "parameters", "strict"))
 TEXT_FIELDS = frozenset(("format",))
 FORMAT_FIELDS = frozenset(("type", "name", "schema", "strict", "description"))
+# OpenAI's bounds on `metadata` (it is echoed and stored with the response).
 MAX_METADATA_KEYS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 
 
 def _wrong_type(param: str, expected: str) -> ApiError:
@@ -327,12 +330,21 @@ def _text(body: dict) -> dict | None:
 
 
 def _metadata(body: dict) -> dict:
-    """Kept with the response and sent back with it, as OpenAI does."""
+    """Kept with the response and sent back with it, as OpenAI does, within
+    OpenAI's bounds: 16 keys, keys of 64 characters, values of 512."""
     metadata = body.get("metadata")
     if metadata is None:
         return {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+    if not isinstance(metadata, dict):
         raise _wrong_type("metadata", "an object of strings")
     if len(metadata) > MAX_METADATA_KEYS:
         raise invalid("metadata", f"at most {MAX_METADATA_KEYS} keys, but got {len(metadata)}")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise invalid("metadata", f"keys of at most {MAX_METADATA_KEY_CHARS} characters, but "
+                          f"'{key[:MAX_METADATA_KEY_CHARS]}...' has {len(key)}")
+        if not isinstance(value, str):
+            raise _wrong_type(f"metadata.{key}", "a string")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise invalid(f"metadata.{key}", f"at most {MAX_METADATA_VALUE_CHARS} characters, but got {len(value)}")
     return metadata

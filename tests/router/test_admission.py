@@ -142,6 +142,38 @@ def test_count_tokens_holds_a_place_only_while_it_counts(server, engine):
         assert metric(server, "tandem_requests_admitted") == 1
 
 
+def test_admitted_bodies_are_bounded_in_bytes():
+    admission = Admission(10, timeout_s=5, body_budget=1000)
+    first = admission.admit(600)
+    with pytest.raises(ApiError) as busy:
+        admission.admit(600)  # places are left, bytes are not
+    assert busy.value.status == 429 and busy.value.headers["Retry-After"] == "1"
+    with pytest.raises(ApiError) as never:
+        admission.admit(1001)  # would not fit even alone
+    assert never.value.status == 413 and never.value.code == "request_too_large"
+    second = admission.admit(400)
+    assert admission.body_bytes == 1000 and admission.admitted == 2
+    first.release()
+    second.release()
+    assert admission.body_bytes == 0 and admission.admitted == 0 and admission.admit(1000)
+
+
+def test_past_the_body_budget_a_request_is_429_in_the_apis_shape(engine, tokenizer):
+    with serve_app(engine, tokenizer, **(SMALL | {"max_queue": 3, "admitted_body_bytes": 4000})) as server:
+        engine.first_token_delay_s = 30
+        big = CHAT | {"user": "u" * 3000}  # ~3 KB of body, few tokens
+        with send_raw(server, "/v1/chat/completions", big):
+            wait_for(lambda: len(engine.requests) == 1, 5, "the request was not admitted")
+            assert metric(server, "tandem_admitted_body_bytes") == len(json.dumps(big))
+            response = _post(server, "/v1/messages", ANTHROPIC | {"metadata": {"user_id": "u" * 1000}}, status=429)
+            assert response.json()["error"]["type"] == "rate_limit_error" and response.headers["retry-after"] == "1"
+            huge = CHAT | {"user": "u" * 5000}
+            assert _post(server, body=huge, status=413).json()["error"]["code"] == "request_too_large"
+            assert len(engine.requests) == 1 and _post(server, "/v1/messages/count_tokens", ENDPOINTS[4][1])
+        wait_for(lambda: metric(server, "tandem_admitted_body_bytes") == 0, 5, "the bytes did not come back")
+        wait_for(lambda: metric(server, "tandem_requests_admitted") == 0, 5, "the place did not come back")
+
+
 # --------------------------------------------------------------------------- #
 # However a request ends, its place comes back (checked after every test)
 # --------------------------------------------------------------------------- #

@@ -7,8 +7,10 @@ prefix, grammars for forced calls and JSON formats, errors naming the field."""
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
+import httpx
 import llguidance
 import openai
 import pytest
@@ -313,6 +315,74 @@ def test_the_store_drops_the_least_recently_used():
         store.get("b")
     store.put(StoredResponse({"id": "d"}, [], 95))  # over the token bound: only it stays
     assert len(store) == 1 and store.get("d")
+
+
+def test_the_store_is_bounded_in_bytes_and_counts_metadata():
+    store = ResponseStore(max_bytes=10_000, max_key_bytes=10_000)
+    big = StoredResponse({"id": "big", "metadata": {"k": "x" * 4000}}, [{"role": "user", "content": "hi"}], 10)
+    store.put(big)
+    assert 4000 < store.size == big.size < 4200
+    for name in ("a", "b"):
+        store.put(StoredResponse({"id": name, "metadata": {"k": "y" * 3000}}, [], 10))
+    assert store.size <= 10_000 and [store.get(i).response["id"] for i in ("a", "b")] == ["a", "b"]
+    with pytest.raises(ApiError, match="not found"):
+        store.get("big")  # the least recently used went to make room
+    store.put(StoredResponse({"id": "huge", "metadata": {"k": "z" * 20_000}}, [], 10))  # larger than all: not kept
+    with pytest.raises(ApiError, match="not found"):
+        store.get("huge")
+    assert len(store) == 2 and store.refused == 1
+
+
+def test_a_key_past_its_share_evicts_its_own_responses_never_another_keys():
+    store = ResponseStore(max_responses=4, max_bytes=20_000, max_key_bytes=8_000)
+    store.put(StoredResponse({"id": "theirs"}, [{"role": "user", "content": "t" * 1000}], 10), tenant="b")
+    for i in range(30):  # a flood, in bytes and in number
+        store.put(StoredResponse({"id": f"mine{i}"}, [{"role": "user", "content": "m" * 1000}], 10), tenant="a")
+        assert store.held("a") <= 8_000 and store.size <= 20_000 and len(store) <= 4
+    assert store.get("theirs", tenant="b").response["id"] == "theirs"
+    assert store.get("mine29", tenant="a") and len(store) == 4
+    with pytest.raises(ApiError, match="not found"):
+        store.get("mine0", tenant="a")
+    with pytest.raises(ApiError, match="not found"):
+        store.get("theirs", tenant="a")  # and a key never reads another's
+
+
+OVER_METADATA = [
+    ({f"k{i}": "v" for i in range(17)}, "metadata", "at most 16 keys"),
+    ({"k" * 65: "v"}, "metadata", "at most 64 characters"),
+    ({"note": "v" * 513}, "metadata.note", "at most 512 characters"),
+]
+
+
+@pytest.mark.parametrize("metadata, param, says", OVER_METADATA)
+def test_metadata_past_openais_bounds_is_a_400_naming_it(client, engine, metadata, param, says):
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(client, metadata=metadata)
+    assert caught.value.body["param"] == param and says in caught.value.body["message"], caught.value.body
+    assert not engine.requests
+
+
+def test_metadata_at_openais_bounds_is_kept():
+    metadata = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
+    turn = responses_turn({"model": "m", "input": "hi", "metadata": metadata}, ResponseStore(), images=False)
+    assert turn.echo["metadata"] == metadata
+
+
+def test_a_flooding_key_keeps_within_its_share_and_another_keys_conversation_goes_on(engine, tokenizer):
+    share, total = 64 << 10, 96 << 10
+    with serve_app(engine, tokenizer, api_keys=("sk-a", "sk-b"), request_timeout_s=30,
+                   stored_responses_key_bytes=share, stored_responses_bytes=total) as server:
+        a, b = (openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=10)
+                for key in ("sk-a", "sk-b"))
+        theirs = create(b, input="What is the capital of France?")
+        flood = [create(a, input="the quick brown fox " * 600, metadata={"n": "x" * 512}) for _ in range(6)]
+        with pytest.raises(openai.NotFoundError):
+            a.responses.retrieve(flood[0].id)  # its own oldest went
+        assert a.responses.retrieve(flood[-1].id).id == flood[-1].id
+        held = httpx.get(server.url + "/metrics", timeout=10).text
+        stored = float(re.search(r"^tandem_stored_response_bytes (\S+)$", held, re.M).group(1))
+        assert 0 < stored <= total
+        assert create(b, previous_response_id=theirs.id, input="Thanks!").output_text == ANSWER
 
 
 # --------------------------------------------------------------------------- #
