@@ -5,7 +5,11 @@ Anthropic messages, OpenAI responses).
 Cancellation: the client going away must cancel its request in the workers, also while
 the engine is silent (a long prefill sends nothing for seconds). So every generation runs
 as a task next to a watcher of the ASGI `receive` channel; on `http.disconnect` the task
-is cancelled, which closes the engine's generator, which cancels the request.
+is cancelled, which closes the engine's generator, which cancels the request. A client
+that stops reading takes the same path: every write here waits on the connection's flow
+control, and the HTTP protocol closes a connection whose full write buffer the client has
+not drained within --client-timeout (router/guards/slow_clients.py), which `receive`
+reports as `http.disconnect`.
 """
 
 from __future__ import annotations
