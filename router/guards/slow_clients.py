@@ -104,8 +104,8 @@ class ClientDeadlineProtocol(H11Protocol):
     def _write_expired(self) -> None:
         self._write_timer = None
         WriteTimeouts.total += 1
-        log.info("closing a connection from %s: its client left %d bytes of its answer unread for %.0fs",
-                    _peer(self.client), self.transport.get_write_buffer_size(), self.timeout_s)
+        log.info("closing a connection from %s: its client left %d bytes of its answer unread for %gs",
+                 _peer(self.client), self.transport.get_write_buffer_size(), self.timeout_s)
         self.transport.abort()  # connection_lost follows: the app reads a disconnect, the request is cancelled
 
     def _follow_request(self) -> None:
