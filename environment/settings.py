@@ -184,8 +184,8 @@ class Settings:
     # Bytes of request bodies admitted at once (router/guards/admission.py): past
     # it 429, a body larger than all of it 413.
     admitted_body_bytes: int = 256 << 20
-    # Stored Responses (router/api/response_store.py), in bytes of their JSON: in
-    # all, and per API key (its oldest evicted first; another key's never for it).
+    # Stored Responses (router/api/response_store.py), in bytes they hold: in all,
+    # and per API key (its oldest evicted first; another key's never for it).
     stored_responses_bytes: int = 512 << 20
     stored_responses_key_bytes: int = 256 << 20
     # Speculative decoding in the decode batch (workers/decode/speculation.py):

@@ -131,7 +131,7 @@ class AdmissionMetrics:
         if self.stored_responses is not None:
             yield GaugeMetricFamily("tandem_stored_responses", "Responses kept for previous_response_id",
                                     value=len(self.stored_responses))
-            yield GaugeMetricFamily("tandem_stored_response_bytes", "Bytes (JSON) of the responses kept",
+            yield GaugeMetricFamily("tandem_stored_response_bytes", "Bytes the responses kept hold",
                                     value=self.stored_responses.size)
         yield CounterMetricFamily("tandem_client_write_timeouts",
                                   "Connections closed (their requests cancelled) because the client took none "

@@ -12,8 +12,8 @@ tenant (API key), each tenant evicting its own.
 
 from __future__ import annotations
 
-import json
 import logging
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -21,8 +21,8 @@ from router.api.errors import ApiError
 
 log = logging.getLogger("tandem.router")
 
-# The store's bounds: responses kept, their conversations' tokens, and their
-# JSON's bytes, in all and per tenant (settings.stored_responses_bytes and
+# The store's bounds: responses kept, their conversations' tokens, and the
+# bytes they hold, in all and per tenant (settings.stored_responses_bytes and
 # stored_responses_key_bytes give the byte bounds; these defaults are theirs).
 # Conversations share their messages, so tokens and bytes overcount the
 # memory held: a bound, never an undercount.
@@ -37,15 +37,25 @@ class StoredResponse:
     response: dict  # the response object as sent (GET /v1/responses/{id})
     conversation: list[dict]  # chat messages, the answer last; instructions not among them
     tokens: int  # the conversation's length in tokens, prompt and answer
-    size: int = 0  # bytes of the response's and the conversation's JSON, counted when stored
+    size: int = 0  # bytes the response and the conversation hold, counted when stored
 
 
-def json_size(stored: StoredResponse) -> int:
-    """Bytes of the response and its conversation as JSON (non-ASCII escaped:
-    at least their UTF-8 size): input and output items, metadata, everything
-    echoed."""
-    return sum(len(json.dumps(part, separators=(",", ":"), default=str))
-               for part in (stored.response, stored.conversation))
+def held_bytes(stored: StoredResponse) -> int:
+    """Memory the response and its conversation hold: input and output items,
+    metadata, everything echoed. Each object's own size (sys.getsizeof: a
+    string's is its characters' bytes), walked without recursion: the cost is
+    in objects, not bytes, so an 8 MiB conversation is measured on the event
+    loop without stalling it. An object referred to twice counts twice."""
+    total, todo = 0, [stored.response, stored.conversation]
+    while todo:
+        item = todo.pop()
+        total += sys.getsizeof(item)
+        if isinstance(item, dict):
+            todo += item.keys()
+            todo += item.values()
+        elif isinstance(item, (list, tuple)):
+            todo += item
+    return total
 
 
 class _Shelf:
@@ -93,7 +103,7 @@ class ResponseStore:
     def put(self, stored: StoredResponse, tenant: str = "") -> None:
         response_id = stored.response["id"]
         self.delete(response_id, tenant)
-        stored.size = json_size(stored)
+        stored.size = held_bytes(stored)
         if stored.size > self.max_key_bytes or stored.tokens > self.max_tokens:
             self.refused += 1
             log.info("response %s not stored: %d bytes, %d tokens, past what one key may keep (%d bytes)",

@@ -321,7 +321,7 @@ def test_the_store_is_bounded_in_bytes_and_counts_metadata():
     store = ResponseStore(max_bytes=10_000, max_key_bytes=10_000)
     big = StoredResponse({"id": "big", "metadata": {"k": "x" * 4000}}, [{"role": "user", "content": "hi"}], 10)
     store.put(big)
-    assert 4000 < store.size == big.size < 4200
+    assert 4000 < store.size == big.size < 5500  # its objects, the metadata most of them
     for name in ("a", "b"):
         store.put(StoredResponse({"id": name, "metadata": {"k": "y" * 3000}}, [], 10))
     assert store.size <= 10_000 and [store.get(i).response["id"] for i in ("a", "b")] == ["a", "b"]
