@@ -113,15 +113,16 @@ def sampling_fields(body: dict, tokenizer, defaults: GenerationDefaults = Genera
     if n < 1:
         raise invalid("n", f"expected a value >= 1, but got {n}")
     d = defaults
-    top_k = read_field(body, "top_k", "an integer", d.top_k or 0)
-    if top_k < -1:
-        raise invalid("top_k", f"expected a value >= 0 (or -1 for off), but got {top_k}")
+    vocab_size = len(tokenizer)
+    top_k = read_field(body, "top_k", "an integer", min(d.top_k or 0, vocab_size))
+    if not -1 <= top_k <= vocab_size:  # the workers take k up to the vocabulary (past it: off)
+        raise invalid("top_k", f"expected a value in [0, {vocab_size}] (or -1 for off), but got {top_k}")
     repetition_penalty = read_field(body, "repetition_penalty", "a number", d.repetition_penalty or 1.0)
     if not repetition_penalty > 0:
         raise invalid("repetition_penalty", f"expected a value > 0, but got {repetition_penalty}")
     seed = read_field(body, "seed", "an integer")
-    if seed is not None and not -(2**63) <= seed < 2**64:
-        raise invalid("seed", "expected a 64-bit integer")
+    if seed is not None and not 0 <= seed < 2**64:  # what the workers' PRNG key (mx.random.key) takes
+        raise invalid("seed", f"expected an integer in [0, {2**64 - 1}], but got {seed}")
     read_field(body, "user", "a string")  # accepted, ignored
     return SamplingParams(
         temperature=_number_in(body, "temperature", _or(d.temperature, 1.0), 0, 2),
@@ -132,7 +133,7 @@ def sampling_fields(body: dict, tokenizer, defaults: GenerationDefaults = Genera
         repetition_penalty=float(repetition_penalty),
         presence_penalty=_number_in(body, "presence_penalty", 0.0, -2, 2),
         frequency_penalty=_number_in(body, "frequency_penalty", 0.0, -2, 2),
-        logit_bias=_logit_bias(body, len(tokenizer)),
+        logit_bias=_logit_bias(body, vocab_size),
         stop_token_ids=sorted(tokenizer.eos_token_ids),
     )
 
@@ -146,7 +147,8 @@ def _logit_bias(body: dict, vocab_size: int) -> dict:
     bias = {}
     for key, value in raw.items():
         param = f"logit_bias.{key}"
-        if not (key.isdigit() and int(key) < vocab_size):
+        # ASCII digits only: str.isdigit takes "²", which int() refuses.
+        if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < vocab_size):
             raise invalid("logit_bias", f"'{key}' is not a token id of this model (0 to {vocab_size - 1})")
         bias[str(int(key))] = float(in_range(expect_type(value, "a number", param), param, -100, 100))
     return bias

@@ -24,6 +24,7 @@ from environment.generation_defaults import GenerationDefaults
 from router.api.chat_output import OutputShape
 from router.api.errors import ApiError, invalid, only
 from router.api.structured import build_grammar, response_schema
+from router.guards.json_nesting import check_nesting
 from router.api.tools import ToolFormat, ToolRequest, message_tool_calls, parse_tools, template_tools, with_tools
 from router.parsed_request import (MAX_TOP_LOGPROBS, ParsedRequest, allowed_tokens, body_cache_salt, expect_type,
                                    in_range, read_field, require_tokens, sampling_fields, stop_strings, stream_options)
@@ -55,14 +56,16 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 
 def parse_json(raw: bytes) -> dict:
-    """A body's bytes as a JSON object (up to ~1 s of work for 8 MiB of tiny
-    values: router/guards/admission.py runs it off the event loop)."""
+    """A body's bytes as a JSON object, nested at most MAX_JSON_DEPTH deep
+    (up to ~1 s of work for 8 MiB of tiny values: router/guards/admission.py
+    runs it off the event loop)."""
     try:
         body = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:
         raise ApiError(400, f"Request body is not valid JSON: {exc}", code="invalid_json")
     if not isinstance(body, dict):
         raise ApiError(400, "Request body must be a JSON object", code="invalid_json")
+    check_nesting(raw)  # what reads the body recurses: router/guards/json_nesting.py
     if _SURROGATE_ESCAPE.search(raw):
         _refuse_lone_surrogates(body)
     return body

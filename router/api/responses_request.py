@@ -24,6 +24,7 @@ from typing import Any
 
 from router.api.errors import ApiError, invalid, only
 from router.api.response_store import ResponseStore
+from router.guards.json_nesting import check_nesting
 
 RESPONSE_FIELDS = frozenset((
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text", "max_output_tokens",
@@ -238,9 +239,10 @@ class _InputReader:
         call_id = _string(item, "call_id", path + ".", required=True)
         name = _string(item, "name", path + ".", required=True)
         arguments = _string(item, "arguments", path + ".", required=True)
+        check_nesting(arguments, path + ".arguments")
         try:
             json.loads(arguments)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise invalid(path + ".arguments", f"not valid JSON: {exc}")
         call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
         answer = self._answer if self._reasoning is None else None

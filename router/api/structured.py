@@ -21,7 +21,7 @@ from functools import lru_cache
 
 from protos.grammar import grammar_error, ll_tokenizer
 from router.api.errors import ApiError, invalid, only
-from router.api.tools import ToolFormat, ToolRequest, call_grammar_lark, laid_out
+from router.api.tools import ToolFormat, ToolRequest, call_grammar_lark, laid_out, local_refs, rebased_refs
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 JSON_SCHEMA_FIELDS = frozenset(("name", "schema", "strict", "description"))
@@ -60,17 +60,26 @@ def build_grammar(schema: dict | None, tools: ToolRequest | None, fmt: ToolForma
     import llguidance
 
     forced = tools is not None and tools.forced
+    calls = []  # the functions a call may name: their schemas' $refs checked
     if forced:
         grammar, param = llguidance.LLMatcher.grammar_from_lark("start: calls\n" + call_grammar_lark(tools, fmt)), "tools"
+        calls = tools.functions if tools.choice == "required" else [{"name": tools.choice}]
     elif schema is not None and tools is not None and tools.choice == "auto" and fmt.json:
         lark = f"start: answer | calls\nanswer: %json {json.dumps(laid_out(schema))}\n" + call_grammar_lark(
             ToolRequest(tools.functions, "required", tools.parallel), fmt)
         grammar, param = llguidance.LLMatcher.grammar_from_lark(lark), "response_format"
+        calls = tools.functions
     elif schema is not None:
         grammar, param = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(laid_out(schema))), "response_format"
     else:
         return ""
     problem = _check(grammar, tokenizer)
+    if not problem and schema is not None and param == "response_format":
+        problem = _ref_targets(json.dumps(schema), tokenizer)
+    for f in calls if not problem else ():
+        problem, param = _ref_targets(json.dumps(tools.schema_of(f["name"])), tokenizer), "tools"
+        if problem:
+            break
     if problem:
         raise ApiError(400, f"Invalid '{param}': the grammar library refused its schema: {problem}",
                        param=param, code="invalid_schema")
@@ -80,3 +89,27 @@ def build_grammar(schema: dict | None, tools: ToolRequest | None, fmt: ToolForma
 @lru_cache(maxsize=256)
 def _check(grammar: str, tokenizer) -> str:
     return grammar_error(grammar, ll_tokenizer(tokenizer))
+
+
+# A schema's $ref targets checked at most (pydantic: one per nested model).
+MAX_REF_TARGETS = 32
+
+
+@lru_cache(maxsize=256)
+def _ref_targets(schema_json: str, tokenizer) -> str:
+    """What is wrong with the subschemas a schema's local `$ref`s lead to
+    ("": nothing). llguidance follows a $ref only when the output reaches
+    it, so a target that leads only back to itself ({"$ref": "#/$defs/a"} as
+    a's definition) compiles, and fails the request's worker mid-answer.
+    Each target is compiled here as a root of its own, and its first mask
+    computed."""
+    import llguidance
+
+    schema = json.loads(schema_json)
+    root = "#/$defs/tandem_root"
+    for ref in sorted(local_refs(schema))[:MAX_REF_TARGETS]:
+        target = {"$defs": {"tandem_root": rebased_refs(schema, root)}, "$ref": root + ref[1:]}
+        problem = _check(llguidance.LLMatcher.grammar_from_json_schema(json.dumps(laid_out(target))), tokenizer)
+        if problem:
+            return f"'$ref' {ref!r}: {problem}"
+    return ""

@@ -20,6 +20,7 @@ from typing import Any, Callable
 from mlx_lm.tool_parsers import json_tools
 
 from router.api.errors import ApiError, invalid, only
+from router.guards.json_nesting import check_nesting
 
 MAX_TOOLS = 128
 TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
@@ -81,6 +82,44 @@ def closed_objects(schema):
     if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS):
         out["additionalProperties"] = False
     return out
+
+
+def rebased_refs(schema, base: str):
+    """`schema` with its local `$ref`s ("#", "#/$defs/X") pointing under
+    `base`, the pointer to where it now sits inside a larger schema (a
+    function's parameters inside a call's: pydantic's nested models refer
+    to their root's `$defs`)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            value = base + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            value = {name: rebased_refs(sub, base) for name, sub in value.items()}
+        elif key in _SCHEMA_ONE:
+            value = [rebased_refs(sub, base) for sub in value] if isinstance(value, list) else rebased_refs(value, base)
+        elif key in _SCHEMA_LISTS + ("allOf",) and isinstance(value, list):
+            value = [rebased_refs(sub, base) for sub in value]
+        out[key] = value
+    return out
+
+
+def local_refs(schema) -> set[str]:
+    """The local `$ref`s ("#...") anywhere a subschema sits in `schema`."""
+    found, stack = set(), [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+                found.add(value)
+            elif key in _SCHEMA_MAPS and isinstance(value, dict):
+                stack += value.values()
+            elif key in _SCHEMA_ONE or key in _SCHEMA_LISTS + ("allOf",):
+                stack += value if isinstance(value, list) else [value]
+    return found
 
 
 @dataclass(frozen=True)
@@ -293,7 +332,8 @@ def call_grammar_lark(tools: ToolRequest, fmt: ToolFormat) -> str:
     names = [f["name"] for f in tools.functions] if tools.choice == "required" else [tools.choice]
     bodies = []
     for i, name in enumerate(names):
-        schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": tools.schema_of(name)},
+        arguments = rebased_refs(tools.schema_of(name), "#/properties/arguments")
+        schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
                   "required": ["name", "arguments"], "additionalProperties": False}
         bodies.append(f"call_{i}: {json.dumps(fmt.start + chr(10))} %json {json.dumps(laid_out(schema))} "
                       f"{json.dumps(chr(10) + fmt.end)}")
@@ -326,9 +366,10 @@ def message_tool_calls(message: dict, path: str) -> list[dict]:
         if not isinstance(name, str) or not name:
             raise invalid(at + ".function.name", "expected a non-empty string", 422, "invalid_type")
         if isinstance(arguments, str):
+            check_nesting(arguments, at + ".function.arguments")  # JSON in a string: the body's bound did not see it
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise invalid(at + ".function.arguments", f"not valid JSON: {exc}")
         call_id = call.get("id")
         if call_id is not None and not isinstance(call_id, str):

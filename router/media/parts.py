@@ -158,10 +158,11 @@ def _read_local_file(url: str, limits: MediaLimits, where: str, max_bytes: int, 
     except (OSError, ValueError) as exc:
         raise MediaError(where, f"cannot open '{_shown(url)}': {getattr(exc, 'strerror', None) or exc}",
                          code="invalid_media_url")
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):  # before fdopen, which refuses a folder with IsADirectoryError
+        os.close(fd)
+        raise MediaError(where, f"'{_shown(url)}' is not a regular file", code="invalid_media_url")
     with os.fdopen(fd, "rb") as file:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise MediaError(where, f"'{_shown(url)}' is not a regular file", code="invalid_media_url")
         if info.st_size > max_bytes:
             raise too_many_bytes(where, f"'{_shown(url)}'", max_bytes)
         budget.take_bytes(info.st_size, where)

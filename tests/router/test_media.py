@@ -387,6 +387,9 @@ def test_file_urls_stay_inside_the_allowed_directory(tmp_path):
     started = time.monotonic()
     assert "not a regular file" in str(refused([user(image_part(f"file://{allowed}/fifo.png"))], limits))
     assert time.monotonic() - started < 2  # a FIFO with no writer does not hang the read
+    (allowed / "folder").mkdir()
+    for folder in (f"file://{allowed}/folder", f"file://{allowed}/folder/", f"file://{allowed}"):
+        assert "not a regular file" in str(refused([user(image_part(folder))], limits)), folder  # not IsADirectoryError
     assert "not a file:// URL of an absolute local path" in str(
         refused([user(image_part(f"file://elsewhere{allowed}/pic.png"))], limits))
     assert "larger than the limit" in str(
