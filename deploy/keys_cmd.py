@@ -8,7 +8,8 @@ certificate files (pyzmq's zmq.auth writes them).
     DIR/NAME/server.key            the router's public key       `--keys DIR/NAME`
 
 The router's pair is made once and kept: run it again with another --name to
-add a worker. Secret files are 0600 in 0700 folders; nothing is overwritten
+add a worker. Every key file is 0600 in a 0700 folder, whatever the umask
+(the public keys too: only their owner copies them); nothing is overwritten
 without --force (the named workers' keys only).
 """
 
@@ -28,6 +29,7 @@ from protos.transport import ROUTER_KEY, KeysError, router_keys, worker_keys
 TCP_RE = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.*-]+):(\d{1,5})$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 ROUTER_FOLDER = "router"
+KEY_MODE = 0o600
 
 
 def tcp_address_error(flag: str, address: str) -> str | None:
@@ -73,14 +75,22 @@ def _pair(folder: str, name: str) -> tuple[str, str]:
     """A new pair NAME.key / NAME.key_secret made in a 0700 folder under
     `folder` (the secret is never readable by others, not even briefly)."""
     staging = tempfile.mkdtemp(prefix=".new-", dir=folder)
+    os.chmod(staging, 0o700)  # mkdtemp's 0700 less the umask: exactly 0700
     public, secret = create_certificates(staging, name)
-    os.chmod(secret, 0o600)
+    os.chmod(secret, KEY_MODE)
     return public, secret
 
 
-def _place(src: str, dest: str, mode: int) -> None:
-    os.chmod(src, mode)
+def _place(src: str, dest: str) -> None:
+    """A key file moved into place, whole, 0600."""
+    os.chmod(src, KEY_MODE)
     os.replace(src, dest)
+
+
+def _private_folder(path: str) -> None:
+    """`path` made if missing, and 0700 whatever the umask."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,11 +112,13 @@ def run(args: argparse.Namespace) -> int:
         except KeysError as exc:
             return _fail(f"the router's pair is unusable ({exc}): remove {router} to make a new one")
     try:
-        os.makedirs(router, mode=0o700, exist_ok=True)
+        if not os.path.isdir(out):
+            _private_folder(out)
+        _private_folder(router)
         if not have_router:
             public, secret = _pair(router, ROUTER_KEY)
-            _place(public, os.path.join(router, f"{ROUTER_KEY}.key"), 0o644)
-            _place(secret, server_secret, 0o600)
+            _place(public, os.path.join(router, f"{ROUTER_KEY}.key"))
+            _place(secret, server_secret)
             shutil.rmtree(os.path.dirname(public))
         for name in names:
             _make_worker(out, router, name)
@@ -133,9 +145,10 @@ def _make_worker(out: str, router: str, name: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)  # --force (checked by the caller)
     public, secret = _pair(router, name)
     staging = os.path.dirname(public)
-    shutil.copyfile(os.path.join(router, f"{ROUTER_KEY}.key"), os.path.join(staging, f"{ROUTER_KEY}.key"))
-    _place(public, os.path.join(router, f"{name}.key"), 0o644)
-    os.chmod(staging, 0o700)
+    copy = os.path.join(staging, f"{ROUTER_KEY}.key")
+    shutil.copyfile(os.path.join(router, f"{ROUTER_KEY}.key"), copy)
+    os.chmod(copy, KEY_MODE)
+    _place(public, os.path.join(router, f"{name}.key"))
     os.replace(staging, folder)
     worker_keys(folder)  # what `tandem worker --keys` will read: fail here, not there
     router_keys(router)

@@ -10,8 +10,10 @@ written or run to stderr, on any platform.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from deploy.service import log_file
@@ -129,13 +131,23 @@ def install(args, service) -> int:
 
 
 def _write(path: Path, data: bytes) -> None:
-    """Whole or not at all: a half-written plist is one launchd refuses."""
+    """Whole or not at all (a half-written plist is one launchd refuses), and
+    only the user's to read whatever the umask: the file holds --api-key
+    values and Environment= entries such as HF_TOKEN. Written 0600 from its
+    first byte (mkstemp), then moved over the old one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o600)  # mkstemp's 0600 less the umask: exactly 0600
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def uninstall(args, service) -> int:
