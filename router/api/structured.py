@@ -10,8 +10,10 @@
   the JSON answer, so an agent's final structured answer and its tool calls
   both follow their schemas.
 
-A grammar the library refuses is a 400 naming the field. Checks are cached
-by grammar text: a swarm sends the same schema with every request.
+A grammar the library refuses is a 400 naming the field, and so is one no
+output can follow (its first mask, and each local `$ref` target's, computed
+here: no worker meets such a grammar mid-batch). Checks are cached by
+grammar text: a swarm sends the same schema with every request.
 """
 
 from __future__ import annotations
