@@ -21,12 +21,13 @@ Workloads (--workload, comma-separated, or `all` for the text ones): sweep,
 interference, prefix, swarm (see benchmarks/bench/workloads/core.py), copy (edit a
 text, extract fields to JSON, echo a tool call's arguments: copy-heavy answers,
 see benchmarks/bench/workloads/copy_heavy.py), chat (short natural questions, see
-benchmarks/bench/workloads/chat.py), vision (a
+benchmarks/bench/workloads/chat.py), fairness (short prompts' time to first token
+beside a long prompt's prefill, see benchmarks/bench/workloads/fairness.py), vision (a
 VLM only, see benchmarks/bench/workloads/vision.py), agents (tool calls, see
 benchmarks/bench/workloads/agents.py), soak (many clients for minutes, every
 process's memory over time, see benchmarks/bench/workloads/soak.py), chaos
 (greedy streams while workers are killed, see benchmarks/bench/workloads/chaos.py;
-`--chaos`); copy, chat, soak and chaos are not in `all`. Output: a progress line
+`--chaos`); copy, chat, fairness, soak and chaos are not in `all`. Output: a progress line
 on stderr while it runs, tables on stdout at the end, --json for machines
 (fields in benchmarks/bench/reporting/report.py), --plot for a PNG. Energy: where the
 machine exposes it (RAPL, nvidia-smi, powermetrics as root; see
@@ -60,6 +61,7 @@ from benchmarks.bench.workloads import agents as agents_workload
 from benchmarks.bench.workloads import chaos as chaos_workload
 from benchmarks.bench.workloads import chat as chat_workload
 from benchmarks.bench.workloads import copy_heavy as copy_workload
+from benchmarks.bench.workloads import fairness as fairness_workload
 from benchmarks.bench.workloads import core as wl
 from benchmarks.bench.workloads import soak as soak_workload
 from benchmarks.bench.workloads import vision as vision_workload
@@ -67,7 +69,7 @@ from environment.model_folder import is_vlm
 from workers.models.store import models_dir, resolve_model
 
 TEXT_WORKLOADS = ("sweep", "interference", "prefix", "swarm")
-WORKLOADS = (*TEXT_WORKLOADS, "copy", "chat", "vision", "agents", "soak", "chaos")
+WORKLOADS = (*TEXT_WORKLOADS, "copy", "chat", "fairness", "vision", "agents", "soak", "chaos")
 PEERS = ("mlx_lm", "mlx_vlm", "vllm-mlx")
 
 
@@ -391,6 +393,8 @@ async def _workload(name: str, out: dict, target: wl.Target, cfg: wl.WorkloadCon
         out["interference"] = await wl.interference(target, cfg)
     elif name == "prefix":
         out["prefix"] = await wl.prefix(target, cfg)
+    elif name == "fairness":
+        out["fairness"] = await fairness_workload.fairness(target, cfg)
     elif name == "swarm":
         out["swarm"] = await wl.swarm(target, cfg, metrics_url)
     elif name == "vision":

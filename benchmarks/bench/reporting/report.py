@@ -36,6 +36,9 @@ JSON (--json PATH), schema "tandem-bench/1":
                        "spec" (where /metrics counts speculative tokens): {"proposed_tokens",
                        "accepted_tokens", "acceptance_rate"}}],
             "copy", "chat": levels as the sweep's (benchmarks/bench/workloads/copy_heavy.py, chat_workload.py),
+            "fairness": {"long_alone_ttft_s", "long_beside_ttft_s", "long_ratio", "short_alone_ttft_s",
+                         "short_beside_ttft_s": [...], "short_beside_max_ttft_s", "short_ratio", ...}
+                        (benchmarks/bench/workloads/fairness.py),
             "interference": {"streams", "stream_tokens", "quiet": {...},
                              "loud": {... "itl_p99_during_long_s", "gaps_during_long", "long_prompts_sent",
                                       "long_prompts_ok", "long_prompt_tokens"},
@@ -95,6 +98,7 @@ from benchmarks.bench.measures.energy_run import energy_table
 from benchmarks.bench.reporting.levels import level_ratio_rows, level_ratios, level_tables, ratio
 from benchmarks.bench.reporting.text_table import mib, num, table, times
 from benchmarks.bench.servers.systems import spec_baseline
+from benchmarks.bench.workloads.fairness import fairness_table
 
 SCHEMA = "tandem-bench/1"
 
@@ -191,6 +195,7 @@ def render(report: dict) -> str:
     parts += level_tables(systems)
     parts += _interference_table(systems)
     parts += _prefix_table(systems)
+    parts += fairness_table(systems)
     parts += _swarm_table(systems)
     parts += _agents_table(systems)
     parts += _chaos_table(systems)
