@@ -31,8 +31,11 @@ serve: setup
 # other (tests/conftest.py pytest_xdist_make_scheduler); `make test ARGS="-n 0 ..."` runs serially.
 # OPENBLAS_THREAD_TIMEOUT=4: the test processes' idle BLAS threads sleep at once, as the
 # servers' do (deploy/blas.py), instead of spinning beside them on a small machine.
+# OPENBLAS_NUM_THREADS=1: two test workers, each with servers, already fill two cores; a second
+# BLAS thread per process then costs CPU for no time (measured: an mlx-lm reference answer
+# 3.2 CPU-s and 1.85 s with two threads, 2.2 CPU-s and 2.0 s with one).
 test: setup
-	LD_PRELOAD=$(OPENBLAS) OPENBLAS_THREAD_TIMEOUT=4 $(BIN)/python -m pytest -n 2 $(ARGS)
+	LD_PRELOAD=$(OPENBLAS) OPENBLAS_THREAD_TIMEOUT=4 OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 $(ARGS)
 
 clean:
 	rm -rf $(VENV)

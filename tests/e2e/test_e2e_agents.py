@@ -13,13 +13,10 @@ import concurrent.futures as cf
 import json
 from typing import Literal
 
-import agents
 import anthropic
-import instructor
 import jsonschema
 import openai
 import pytest
-from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
 from tests.support.server import module_server
@@ -133,6 +130,8 @@ def test_an_agent_framework_runs_tool_loops_to_final_answers(server):
     Every call the SDK gets parses and fits its function's schema (the SDK
     checks them with pydantic), because Tandem decodes forced calls under
     their grammars; the results reach the model under the calls' ids."""
+    import agents
+
     calls: list[tuple[str, str]] = []
 
     @agents.function_tool
@@ -230,8 +229,9 @@ class Forecast(BaseModel):
 FORECAST_ASK = [{"role": "user", "content": "Give the forecast for Paris for the next 3 days, in celsius."}]
 
 
-@pytest.mark.parametrize("mode, max_tokens", [(instructor.Mode.TOOLS, None), (instructor.Mode.TOOLS, 64),
-                                              (instructor.Mode.JSON_SCHEMA, None)])
+# instructor, LangChain and the Agents SDK are imported where used: each costs every test process
+# ~1-3 s at collection otherwise. The modes by name: instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA.
+@pytest.mark.parametrize("mode, max_tokens", [("TOOLS", None), ("TOOLS", 64), ("JSON_SCHEMA", None)])
 def test_instructor_gets_a_schema_valid_object(server, mode, max_tokens):
     """instructor forces one named function (TOOLS: tool_choice names it,
     parallel_tool_calls left at its default, on) or sends a json_schema
@@ -240,8 +240,10 @@ def test_instructor_gets_a_schema_valid_object(server, mode, max_tokens):
     the issue's case, where the grammar let a named function be called twice
     (this case fails with that grammar back). Sampled at the model's default
     temperature, seeded."""
+    import instructor
+
     client = instructor.from_openai(openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=180,
-                                                  max_retries=0), mode=mode)
+                                                  max_retries=0), mode=instructor.Mode[mode])
     extra = {} if max_tokens is None else {"max_tokens": max_tokens}
     forecast = client.chat.completions.create(model="default", response_model=Forecast, messages=FORECAST_ASK,
                                               max_retries=0, seed=3, **extra)
@@ -254,6 +256,8 @@ def test_langchain_with_structured_output_gets_a_schema_valid_object(server, met
     """LangChain's ChatOpenAI at its defaults (no max_tokens, no temperature
     sent): `json_schema` (its default method) and `function_calling` (a named
     tool forced)."""
+    from langchain_openai import ChatOpenAI
+
     llm = ChatOpenAI(model="default", base_url=server.base_url + "/v1", api_key="unused", timeout=180, max_retries=0,
                      seed=3)
     forecast = llm.with_structured_output(Forecast, method=method).invoke(FORECAST_ASK)
