@@ -112,8 +112,14 @@ class PrefillRole(Role):
             self.step()
 
     def step(self) -> None:
-        """One chunk of the prompt whose turn it is (or one batched pass); a
-        failure fails that prompt."""
+        """The oldest queued prompt started when there is room, then one
+        chunk of the prompt whose turn it is (or one batched pass); a failure
+        fails that prompt."""
+        req = self.turns.next_to_start()
+        if req is not None:
+            self.guarded(req.request_id, self.start_turn, req)
+            if not self.turns:  # it failed, and nothing else waits
+                return
         turn = self.turns.pick()
         self.turns.took(turn)
         self.guarded(turn.request_id, self.prefill_chunk, turn)
@@ -131,7 +137,7 @@ class PrefillRole(Role):
             turn = self.turns.pick()
             self.turns.took(turn)
         if not isinstance(turn, Turn):
-            turn = self.turns.start(turn, self.start_prefill(turn))
+            turn = self.start_turn(turn)
         if self.batch_limit > 1 and self.prefill_batch(turn):
             return
         req, job = turn.req, turn.job
@@ -140,6 +146,14 @@ class PrefillRole(Role):
             return
         self.turns.drop(req.request_id)
         self.finish_prefill(req, job, result)
+
+    def start_turn(self, req: PrefillRequest) -> Turn:
+        """`req` started: its job made, a text prompt's cached prefix loaded
+        (so its turn counts only the tokens left)."""
+        turn = self.turns.start(req, self.start_prefill(req))
+        if type(turn.job) is PrefillJob:
+            turn.job.load()
+        return turn
 
     def start_prefill(self, req: PrefillRequest):
         if not req.images:
@@ -184,8 +198,7 @@ class PrefillRole(Role):
                 and self.turns.may_start(self.queue[0]):
             nxt = self.queue[0]
             try:
-                other = self.turns.start(nxt, self.start_prefill(nxt)).job
-                other.load()
+                other = self.start_turn(nxt).job
                 joins = batchable(other) and fits([j for _, j in rows], other)
                 nbytes = self.handoff_bytes(nxt, other) if joins else 0
             except Exception as exc:  # noqa: BLE001 - that request fails, not the batch

@@ -12,10 +12,13 @@ short text prompts run as one batched pass: workers/prefill/batch.py), and
 
 * shortest remaining first: the fewest tokens left to compute (a started
   prompt: after its cached prefix and the chunks run; a queued one: its whole
-  length, as its cached prefix is unknown until it starts), the first to
-  arrive among equals. A "Say hi" sent while a 6k-token prompt prefills waits
-  for the chunk in progress, not for the other ~11; two long prompts run one
-  after the other, not alternately (alternating would make both late);
+  length, its cached prefix unknown until it starts), the first to arrive
+  among equals. A "Say hi" sent while a 6k-token prompt prefills waits for
+  the chunk in progress, not for the other ~11; two long prompts run one
+  after the other, not alternately (alternating would make both late). Each
+  step first starts the oldest queued prompt while there is room
+  (`next_to_start`; a text prompt's cached prefix is loaded then), so a
+  follow-up turn of a long conversation counts only its new tail;
 * anti-starvation: a prompt passed over for one that arrived after it
   `OVERTAKE_LIMIT` times in a row runs next (the oldest such first), so a
   stream of shorter prompts slows a long one to at worst one chunk in
@@ -96,6 +99,13 @@ class Turns:
     def remaining(self, c: PrefillRequest | Turn) -> int:
         """Tokens left to compute: a started job's own count, a queued prompt's length."""
         return c.job.remaining if isinstance(c, Turn) else len(c.prompt_tokens)
+
+    def next_to_start(self) -> Optional[PrefillRequest]:
+        """The queued prompt to start now, before any pick, so that its
+        cached prefix is known when the turns are weighed (a follow-up turn of
+        a long conversation is long but has only its tail to compute): the
+        first to arrive, while fewer than `max_started` are started."""
+        return self.queue[0] if self.queue and len(self.started) < self.max_started else None
 
     def may_start(self, req: PrefillRequest) -> bool:
         """Whether `req` may start now: fewer than `max_started` prompts hold

@@ -121,17 +121,18 @@ def test_long_prompts_run_one_after_the_other_and_a_passed_over_one_is_not_starv
 # ---------------------------------------------------------------- split --
 @pytest.mark.parametrize("batch", [1, 4])
 def test_short_prompts_beside_a_long_one_split_with_prefix_hits(model, tiny_dir, batch):
-    """Split (the KV handed off through the arena, blocks by reference): two
-    short prompts, one whose system prompt is cached, arrive after a long
-    prompt's first chunk; both are out within two steps (one batched pass
-    on a GPU), the cached one computing only its tail. Every handoff, taken
-    in as a decode worker does, decodes to mlx-lm's answer."""
+    """Split (the KV handed off through the arena, blocks by reference): a
+    short prompt and a follow-up turn longer than the long prompt's rest but
+    with all but its tail cached arrive after the long prompt's first chunk;
+    both are out within two steps (one batched pass on a GPU), the cached one
+    computing only its tail. Every handoff, taken in as a decode worker does,
+    decodes to mlx-lm's answer."""
     fake = FakeCacheService()
     prefix = prefix_for(model, tiny_dir, fake)
     engine = PrefillEngine(model, chunk_size=CHUNK, prefix=prefix)
-    system = prompt_of(40, 20)
-    engine.run(system + prompt_of(3, 21), greedy(), owner="warm")  # the system prompt's 5 blocks
-    prompts = {"long": prompt_of(LONG, 22), "cached": system + prompt_of(6, 23), "new": prompt_of(7, 24)}
+    system = prompt_of(LONG + 2, 20)
+    engine.run(system + prompt_of(3, 21), greedy(), owner="warm")  # the conversation so far: 19 blocks
+    prompts = {"long": prompt_of(LONG, 22), "cached": system + prompt_of(8, 23), "new": prompt_of(7, 24)}
     role = _role(engine, fake=fake, batch=batch, colocated=False)
     role.handle(_request("long", prompts["long"], colocated=False))
     role.step()
@@ -141,7 +142,7 @@ def test_short_prompts_beside_a_long_one_split_with_prefix_hits(model, tiny_dir,
     assert role.hello.batched_prompts == (2 if batch > 1 else 0)
     _steps_until(role, "long")
     done = _done(role)
-    assert done["cached"].cached_tokens == 40 and done["long"].cached_tokens == 0
+    assert done["cached"].cached_tokens == LONG + 2 and done["long"].cached_tokens == 0
     handoffs = {m.request_id: m for m in role.outbox if isinstance(m, KVHandoff)}
     assert set(handoffs) == set(prompts)
     for rid, prompt in prompts.items():
@@ -268,14 +269,14 @@ class _Job:
 
 def test_whose_turn_it_is():
     """Turns alone: shortest remaining first (a queued prompt counts its whole
-    length), ties in arrival order; an earlier prompt overtaken
-    OVERTAKE_LIMIT times runs next; past MAX_STARTED started prompts only
-    prompts that fit one chunk may start."""
+    length), ties in arrival order; the oldest queued prompt starts first;
+    an earlier prompt overtaken OVERTAKE_LIMIT times runs next; past
+    MAX_STARTED started prompts only prompts that fit one chunk may start."""
     turns = Turns(chunk_size=CHUNK, max_started=2)
     a, b, c = (_request(r, prompt_of(n, 1)) for r, n in (("a", 100), ("b", 100), ("c", 10)))
     for r in (a, b, c):
         turns.add(r)
-    assert turns.pick() is c
+    assert turns.pick() is c and turns.next_to_start() is a  # the first to arrive starts first
     ta = turns.start(a, _Job(60))
     assert turns.pick() is c  # 10 < 60 < 100
     turns.drop("c")
@@ -292,6 +293,7 @@ def test_whose_turn_it_is():
     big, small = _request("big", prompt_of(2 * CHUNK, 2)), _request("small", prompt_of(CHUNK, 3))
     turns.add(big), turns.add(small)
     assert turns.may_start(small) and not turns.may_start(big)  # two started already
+    assert turns.next_to_start() is None
     tb.job.remaining = ta.job.remaining = 1000
     assert turns.pick() is small
     turns.drop("small"), turns.drop("a")
