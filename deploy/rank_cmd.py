@@ -6,7 +6,10 @@ It reads its one JSON line (settings, its place in the group, the ring
 hostfile, rank 0's lockstep address) from stdin within STDIN_DEADLINE_S,
 makes a run dir of its own, writes the hostfile and the group's plan there,
 and runs as any follower (workers/group/main.py). Its stdin's end means the
-ssh session is gone (rank 0's side stopped or died): it stops.
+ssh session is gone (rank 0's side stopped or died): it stops. Once the
+rank has run, the process ends at once after removing its run dir
+(workers/group/main.py `end`: no MLX teardown waiting on other ranks), so
+the ssh client here, and with it rank 0's supervisor, sees the rank's end.
 """
 
 from __future__ import annotations
@@ -88,26 +91,40 @@ def run(args: argparse.Namespace) -> int:
     except (TimeoutError, EOFError, ValueError, KeyError, TypeError) as exc:
         return _fail(f"no usable settings from rank 0's side: {exc}")
     run_dir = tempfile.mkdtemp(prefix="tandem-rank-")
+    ran = False
+    code = 1
     try:
         spec = RankSpec(group, rank, size, os.path.join(run_dir, "group.hosts.json"))
-        return _run_rank(dataclasses.replace(settings, run_dir=run_dir), body, spec, fd)
+        code, ran = _run_rank(dataclasses.replace(settings, run_dir=run_dir), body, spec, fd)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+        if ran:
+            from workers.group.main import end
+
+            end(code)
+    return code
 
 
-def _run_rank(settings: Settings, body: dict, spec: RankSpec, fd: int) -> int:
+def _run_rank(settings: Settings, body: dict, spec: RankSpec, fd: int) -> tuple[int, bool]:
+    """(exit code, whether the rank ran: joined MLX's group, so its process must `end`)."""
     try:
         worker_keys(settings.rank_keys)
     except KeysError as exc:
-        return _fail(f"--rank-keys on this host: {exc}")
+        return _fail(f"--rank-keys on this host: {exc}"), False
     if not os.path.isdir(settings.model_dir):
-        return _fail(f"no model folder at {settings.model_dir} on this host (every host needs it at rank 0's path)")
+        return _fail(f"no model folder at {settings.model_dir} on this host "
+                     "(every host needs it at rank 0's path)"), False
     write_ring(spec.hostfile, body["ring"])
     write_plan(plan_path(spec.hostfile), {str(spec.rank): body["lockstep"]}, body.get("jaccl"))
     threading.Thread(target=watch_stdin, args=(fd,), daemon=True, name="stdin-watch").start()
     log.info("tandem rank %s (pid %d): joining rank 0 at %s within %d s, then following it over %s", spec.name,
              os.getpid(), body["ring"][0][0], JOIN_DEADLINE_S, body["lockstep"])
-    from workers.group.main import run as run_rank
+    from workers.group.main import serve as serve_rank
 
-    run_rank(settings, body["roles"], spec)
-    return 0
+    try:
+        return serve_rank(settings, body["roles"], spec), True
+    except SystemExit as exc:
+        return (exc.code if isinstance(exc.code, int) else 1), True
+    except BaseException:  # noqa: BLE001 - logged; the process must still end
+        log.exception("tandem rank %s failed", spec.name)
+        return 1, True

@@ -41,7 +41,8 @@ def rank_settings(settings: Settings) -> dict:
     hooks); its run dir is made there. Its prefix cache is dropped there
     (workers/parts.py `prefix_here`: no cache service on its host)."""
     remote = dataclasses.replace(settings, api_keys=(), cache_dir=None, run_dir="", arena_name="",
-                                 memory_pressure_file=None, power_state_file=None, group_keys="")
+                                 memory_pressure_file=None, power_state_file=None, group_keys="",
+                                 slow_step_dir=None)
     return dataclasses.asdict(remote)
 
 

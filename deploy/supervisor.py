@@ -269,8 +269,9 @@ class Supervisor:
             log.error("%s; stopping", self.failed)
             self.stopping.set()
             return
+        # How each rank ended: a rank 0 ended here, not by its unit deadline (-14), went within the grace.
         log.warning("%s (pid %d) exited with code %s; restarting group %s (%s)", dead.name, dead.process.pid, code,
-                    dead.group, ", ".join(c.name for c in members))
+                    dead.group, ", ".join(f"{c.name}: {c.process.exitcode}" for c in members))
         time.sleep(min(0.2 * 2 ** (len(leader.restarts) - 1), 5.0))
         for c in members:
             self._spawn(c)

@@ -134,6 +134,11 @@ class Settings:
     ssh_command: str = "ssh -o BatchMode=yes -o ConnectTimeout=10"
     group_keys: str = ""
     rank_keys: str = ""
+    # Tests only (fault injection): a folder where a file named after a group (its rank
+    # 0's name, "decode-0") holding seconds makes that rank 0 sleep so long after its
+    # next unit, once (it takes the file): a slow step on a rank that stays alive
+    # (workers/group/members.py). From TANDEM_TEST_SLOW_STEP_DIR; None: off.
+    slow_step_dir: str | None = field(default_factory=lambda: os.environ.get("TANDEM_TEST_SLOW_STEP_DIR") or None)
     # The processes' ipc sockets; the supervisor makes one per run (deploy/run_dir.py).
     run_dir: str = ""
     # Remote workers (deploy/worker_cmd.py, router/routing/worker_socket.py). The router's side:

@@ -15,7 +15,12 @@ another host, deploy/group_plan.py); a record is a list of ops:
 Messages wait in the recorder until the next unit (or beat) sends them
 with it, so a record goes out *before* rank 0 runs its unit: rank 0 enters
 the unit's collectives only once its followers can. An empty record is the
-heartbeat, sent when nothing else was for `beat_s`.
+heartbeat, sent when nothing else was for `beat_s`: by the loop between
+units, and by a thread of its own (`start_beats`) while the loop is inside
+one or anywhere else, so that a long step (a batch of handoffs read in, a
+kernel compiled, a slow prefill) is no silence. The thread beats only while
+the loop showed life within the unit deadline (`alive`): a loop stuck
+longer goes silent, and its followers give up on it.
 
 Decisions that hang on time or on other processes are rank 0's alone and
 reach the followers as what they chose: the units it ran (the power
@@ -25,7 +30,8 @@ the messages, a sampling seed for every request that had none
 (`pin_seed`), so every rank draws the same tokens.
 
 A follower (`RecordStream`) that hears nothing for `silence_s` (rank 0 is
-gone, or stuck) exits non-zero; the supervisor restarts the whole group.
+gone, or its loop stuck past the unit deadline) exits non-zero; the
+supervisor restarts the whole group.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
+import threading
 import time
 
 import msgpack
@@ -136,6 +143,11 @@ class Recorder:
         self.frames: list = []
         self.last_sent = time.monotonic()
         self.lost = False  # a follower's connection went away
+        # The sockets are the loop's and the beat thread's: one sends at a time.
+        self.send_lock = threading.Lock()
+        self.alive_at = time.monotonic()  # the loop's last sign of life (`alive`)
+        self.closed = threading.Event()
+        self.beats: threading.Thread | None = None
 
     def message(self, msg) -> None:
         frames = codec.encode(msg)
@@ -147,12 +159,44 @@ class Recorder:
         `costs`: rank 0's speculative step costs, for a decode step
         (StepCosts.state: the followers draft as rank 0 does)."""
         self.ops.append(("u", unit, wait) if costs is None else ("u", unit, wait, costs))
+        self.alive()
         self.flush()
 
     def beat(self) -> None:
         """Between units: what waits, or a heartbeat, once `beat_s` passed."""
+        self.alive()
         if time.monotonic() - self.last_sent >= self.beat_s:
             self.flush()
+
+    def alive(self) -> None:
+        """The loop lives (it starts or ends a unit, or waits for messages)."""
+        self.alive_at = time.monotonic()
+
+    def start_beats(self, alive_s: float) -> None:
+        """Beat from a thread from now on while the loop showed life within
+        `alive_s` (the unit deadline; <= 0: always): rank 0 is loaded, so
+        its followers now count silence by `silence_s`."""
+        self.alive()
+        self.beats = threading.Thread(target=self._beat, args=(alive_s,), daemon=True, name="lockstep-beat")
+        self.beats.start()
+
+    def _beat(self, alive_s: float) -> None:
+        empty = encode_record([], [])
+        while not self.closed.wait(self.beat_s / 2):
+            now = time.monotonic()
+            if now - self.last_sent < self.beat_s or (alive_s > 0 and now - self.alive_at > alive_s):
+                continue
+            if not self.send_lock.acquire(blocking=False):
+                continue  # the loop is sending: that is a record
+            try:
+                for sock in self.socks:
+                    try:  # never waits: a follower with records queued has no need of a beat
+                        sock.send_multipart(empty, flags=zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass
+                self.last_sent = now
+            finally:
+                self.send_lock.release()
 
     def send_op(self, *op, wait: bool = True) -> None:
         """Send `op` (with what waits); `wait=False`: at once or never (a stop)."""
@@ -162,13 +206,14 @@ class Recorder:
     def flush(self, wait: bool = True) -> None:
         frames = encode_record(self.ops, self.frames)
         self.ops, self.frames = [], []
-        for sock in self.socks:
-            try:
-                sock.send_multipart(frames, copy=False, flags=0 if wait else zmq.NOBLOCK)
-            except zmq.Again:
-                if wait:
-                    raise GroupBroken(f"a follower took no record within {SEND_DEADLINE_S:.0f} s") from None
-        self.last_sent = time.monotonic()
+        with self.send_lock:
+            for sock in self.socks:
+                try:
+                    sock.send_multipart(frames, copy=False, flags=0 if wait else zmq.NOBLOCK)
+                except zmq.Again:
+                    if wait:
+                        raise GroupBroken(f"a follower took no record within {SEND_DEADLINE_S:.0f} s") from None
+            self.last_sent = time.monotonic()
 
     def follower_lost(self, wait_s: float) -> bool:
         """Whether a follower's connection went away (its process died), waiting
@@ -188,6 +233,9 @@ class Recorder:
         return self.lost
 
     def close(self) -> None:
+        self.closed.set()
+        if self.beats is not None:
+            self.beats.join(timeout=self.beat_s + 1)
         for sock in self.socks:
             sock.disable_monitor()
             sock.close()

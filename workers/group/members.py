@@ -20,6 +20,7 @@ them and stops if a follower's connection went away meanwhile.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import zmq
@@ -60,6 +61,29 @@ class HoldingOutbox:
         self.outbox.close()
 
 
+class SlowStep:
+    """Tests only (fault injection, Settings.slow_step_dir): a file named
+    after this group in that folder, holding seconds, makes rank 0 sleep so
+    long after its next unit, once: rank 0 alive but busy between records
+    (as when it reads a burst of handoffs in), which its followers must
+    wait for (its beats go on meanwhile)."""
+
+    def __init__(self, folder: str | None, group: str):
+        self.path = os.path.join(folder, group) if folder else None
+
+    def __call__(self) -> None:
+        if self.path is None or not os.path.exists(self.path):
+            return
+        try:
+            with open(self.path) as f:
+                seconds = float(f.read())
+            os.remove(self.path)
+        except (OSError, ValueError):
+            return
+        log.warning("test fault: this unit of %s takes %.1f s longer", os.path.basename(self.path), seconds)
+        time.sleep(seconds)
+
+
 class DiscardOutbox:
     """A follower's outbox: rank 0 sends the group's answers."""
 
@@ -84,6 +108,7 @@ class Leader(Alone):
         self.recorder = Recorder(ctx, addresses, beat_s=settings.heartbeat_interval_s, keys=keys)
         self.outbox: HoldingOutbox | None = None
         self.worker_id = spec.name
+        self.slow_step = SlowStep(settings.slow_step_dir, spec.name)
         # Its handoffs go only to a decode group of the same split (router/routing/handoff_route.py).
         hello.kv_shard = f"{'pipeline' if settings.pipeline_parallel > 1 else 'tensor'} {spec.size}"
 
@@ -93,6 +118,8 @@ class Leader(Alone):
 
     def loaded(self) -> None:
         self.recorder.send_op("ready")
+        # From here the followers count rank 0's silence: it beats while its loop lives.
+        self.recorder.start_beats(self.settings.group_unit_timeout_s)
 
     def take(self, msg):
         msg = pin_seed(msg)
@@ -111,6 +138,8 @@ class Leader(Alone):
                 unit()
         finally:
             held, self.outbox.held = self.outbox.held, None
+            self.recorder.alive()
+        self.slow_step()  # tests only: rank 0 busy past its unit, as when it reads a burst of handoffs in
         if held and self.recorder.follower_lost(LOST_CHECK_S):
             raise GroupBroken(f"a follower of {self.worker_id} died: {len(held)} requests left to the router to move")
         for msg in held:
@@ -137,7 +166,8 @@ class Follower:
         self.settings = settings
         self.relieve = relieve
         self.units = worker.unit_kinds()
-        # Rank 0 beats every heartbeat interval when idle; a few missed: it is gone.
+        # Rank 0 beats every heartbeat interval, busy or idle, while its loop lives
+        # (lockstep.py, `start_beats`): a few missed, it is gone or stuck.
         self.silence_s = max(settings.heartbeat_timeout_s, 6 * settings.heartbeat_interval_s)
 
     def serve(self) -> None:

@@ -56,6 +56,25 @@ def test_beat_sends_waiting_messages_or_a_heartbeat_once_due(ctx, tmp_path):
     stream.close()
 
 
+def test_rank_0_beats_from_a_thread_while_its_loop_lives_and_falls_silent_once_stuck(ctx, tmp_path):
+    """A loop inside a long unit sends nothing itself: the beat thread keeps
+    its followers from taking the silence for death, as long as the loop
+    showed life within `alive_s` (the unit deadline); a loop stuck past it
+    goes silent, and a follower gives up on it; life again, beats again."""
+    recorder, stream = pair(ctx, tmp_path, beat_s=0.02)
+    recorder.start_beats(alive_s=1.0)
+    recorder.unit("decode")  # and stays in it
+    assert stream.next(5.0) == [("u", "decode", False)]
+    assert [stream.next(1.0) for _ in range(3)] == [[], [], []]  # beats, not silence
+    with pytest.raises(GroupBroken, match="no record from rank 0"):
+        for _ in range(500):  # the beats sent while it counted as alive, then none
+            assert stream.next(0.3) == []
+    recorder.alive()
+    assert stream.next(5.0) == []
+    recorder.close()
+    stream.close()
+
+
 def test_a_follower_stops_waiting_when_asked(ctx, tmp_path):
     _, stream = pair(ctx, tmp_path)
     assert stream.next(30.0, stopping=lambda: True) is None
