@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from tests.support.embedded_chat import LONG_SYSTEM, reference
+from tests.support.groups import random_model
 from tests.support.server import metric
 
 BLOCK = 16
@@ -40,6 +41,27 @@ ANSWER = 16  # tokens an answer here takes (each costs ~0.1 s on a CPU, in mlx-l
 # turn1's answer of 16 fills the block after its prompt's last full one, so turn2 reuses a block decode committed
 # (99 prompt tokens + 16 = 115); answers nothing builds on are shorter: their length asserts nothing.
 SHORT = 6
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory, embedded_model_dir):
+    """A float32 random tiny llama with the embedded model's tokenizer and
+    chat template: (folder, (model, tokenizer)). For the tests of the cache's
+    machinery (eviction, batched prefill over cached blocks), whose answers
+    need no sense: every token costs ~1 ms instead of ~0.1 s, and its KV is
+    ~512 bytes a token (the embedded model's ~46 KB), so an arena 90x smaller
+    is as tight."""
+    from workers.models.loading import load_model
+
+    folder = random_model(tmp_path_factory, "tiny-llama", embedded_model_dir)
+    return folder, load_model(str(folder))
+
+
+def answer_text(model, messages) -> str:
+    """mlx-lm's greedy answer of SHORT tokens as the server sends it: a
+    random model's first token may start with a space, which a chat answer
+    leaves out (mlx-lm's detokenizer drops it too, as mlx_lm.server)."""
+    return reference(model, messages, SHORT)[1].lstrip()
 
 
 def ask(client, messages, max_tokens=ANSWER):
@@ -124,11 +146,13 @@ def test_reuse_across_requests_turns_and_restart(server_factory, embedded_model,
     assert os.stat(cache_dir).st_mode & 0o777 == 0o700
 
 
-def test_tiny_cache_evicts_without_failing_or_changing_output(server_factory, embedded_model):
-    # 24 MiB of arena: a handoff (~9 MiB here) plus a couple of prompts' blocks, so 8 prompts force evictions.
-    # With prefill batches (a GPU's default), whose handoffs must fit together in an eighth of it.
-    srv = server_factory("--block-size", str(BLOCK), "--cache-memory", "24M", "--no-disk-cache",
-                         "--prefill-batch", "8")
+def test_tiny_cache_evicts_without_failing_or_changing_output(server_factory, tiny_chat):
+    # An arena of ~30 blocks of the tiny model (its handoff of a prompt ~100 KiB) and 8 prompts of
+    # ~7 blocks each force evictions. With prefill batches (a GPU's default), whose handoffs must fit
+    # together in an eighth of it.
+    folder, model = tiny_chat
+    srv = server_factory("--model", str(folder), "--block-size", str(BLOCK), "--cache-memory", "272K",
+                         "--no-disk-cache", "--prefill-batch", "8")
     client = client_for(srv)
     convs = [[{"role": "system", "content": f"Persona {i}: {LONG_SYSTEM}"},
               {"role": "user", "content": f"Give me fact number {i} about rivers."}] for i in range(8)]
@@ -137,30 +161,31 @@ def test_tiny_cache_evicts_without_failing_or_changing_output(server_factory, em
         again = list(pool.map(lambda c: ask(client, c, SHORT)[0], convs))
     # mlx-lm's own answers for three of them (each costs seconds on a CPU); the
     # second round, after the evictions, must give every first answer again.
-    assert [first[i] for i in (0, 3, 7)] == [reference(embedded_model, convs[i], SHORT)[1] for i in (0, 3, 7)]
-    assert again == first
+    assert [first[i] for i in (0, 3, 7)] == [answer_text(model, convs[i]) for i in (0, 3, 7)]
+    assert again == first and len(set(first)) > 1
     assert metric(srv, "tandem_cache_evictions_total", '{tier="memory"}') > 0
     assert metric(srv, "tandem_requests_total", '{status="ok"}') == 16
 
 
 @pytest.mark.parametrize("role", ["prefill+decode"])  # split's batched handoffs: test_tiny_cache_evicts_... (--prefill-batch 8)
-def test_a_burst_of_agents_is_prefilled_in_batches_with_mlx_lm_output(server_factory, embedded_model, role):
+def test_a_burst_of_agents_is_prefilled_in_batches_with_mlx_lm_output(server_factory, tiny_chat, role):
     """A swarm's turns arrive together: the prefill worker takes the queued
     prompts over the cached system prompt in shared passes
     (workers/prefill/batch.py), and every answer is still mlx-lm's own,
     whether the rows' KV is handed off or decoded where it was made (--colocate)."""
     # Batching is a GPU's default (environment/settings.py default_prefill_batch); asked for here.
-    srv = server_factory("--block-size", str(BLOCK), "--prefill-batch", "8",
+    folder, model = tiny_chat
+    srv = server_factory("--model", str(folder), "--block-size", str(BLOCK), "--prefill-batch", "8",
                          *(["--colocate"] if "+" in role else []))
     client = client_for(srv)
     system = {"role": "system", "content": LONG_SYSTEM}
     ask(client, [system, {"role": "user", "content": "Hello."}], 4)  # the system prompt, cached
     convs = [[system, {"role": "user", "content": f"Agent {i}: name {i + 2} rivers in Europe."}] for i in range(8)]
-    refs = [reference(embedded_model, c, SHORT) for c in convs]
+    refs = [(*reference(model, c, SHORT)[::2], answer_text(model, c)) for c in convs]
     with cf.ThreadPoolExecutor(len(convs)) as pool:
         answers = list(pool.map(lambda c: ask(client, c, SHORT), convs))
-    assert [text for text, _ in answers] == [text for _, text, _ in refs]
-    for (_, usage), (_, _, n_prompt) in zip(answers, refs):
+    assert [text for text, _ in answers] == [text for _, _, text in refs] and len({t for _, _, t in refs}) > 1
+    for (_, usage), (_, n_prompt, _) in zip(answers, refs):
         assert usage.prompt_tokens == n_prompt
         assert usage.prompt_tokens_details.cached_tokens >= len(LONG_SYSTEM) // 8  # the system prompt's blocks
     # The first prompt of the burst runs alone while the others queue behind it.
