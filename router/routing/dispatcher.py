@@ -355,7 +355,7 @@ class Dispatcher(RequestMoves):
             self.kv.free(h)
             self._relocate(st, "no decode worker was ready for its KV", strike=False)
             return
-        st.phase, st.decode_worker = "decode", decode.hello.worker_id
+        st.phase, st.decode_worker, st.handoff = "decode", decode.hello.worker_id, h
         self.table.unassign(st.wire_id, st.prefill_worker)
         decode.assigned.add(st.wire_id)
         ok = await self._send(st.decode_worker, DecodeRequest(

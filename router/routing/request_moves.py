@@ -40,6 +40,9 @@ class RequestMoves:
         # Detached now: nothing its old worker sends from here on is taken.
         old_wire, old_worker = st.wire_id, st.decode_worker if st.phase == "decode" else st.prefill_worker
         role = st.phase
+        if role == "decode" and st.handoff is not None:  # its worker may have died before reading it
+            self.kv.free(st.handoff)
+        st.handoff = None
         self.requests.pop(old_wire, None)
         self._orphaned(old_wire)  # cancelled below, not again as an orphan
         self.table.unassign(old_wire, st.prefill_worker, st.decode_worker)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from protos.budget import TokenBudget
+from protos.messages import KVHandoff
 from router.routing.engine_api import GenerationRequest
 
 VISION_LOST = object()  # event: the vision worker died; prefill encodes the images
@@ -38,6 +39,10 @@ class RequestState:
     strikes: int = 0  # workers that died running it, no token gained between (max_migrations)
     struck_at: int = -1  # len(answer) at the last strike
     resumed: int = 0  # answer tokens at the end of the prompt it was last prefilled with
+    # The KV handoff its decode worker was sent: given back if that worker dies
+    # before reading it (a group's ranks each free their own part once read, so
+    # freeing it again is harmless; the arena's reservations would wait for their TTL).
+    handoff: Optional[KVHandoff] = None
 
     def prompt(self) -> list:
         """The prompt its current prefill runs: a moved request's ends with its answer so far."""

@@ -77,6 +77,38 @@ def test_decode_worker_dies_mid_stream_and_the_request_resumes_with_its_answer_s
     run(body)
 
 
+def test_a_decode_worker_that_dies_before_reading_its_handoff_has_it_given_back():
+    """A decode worker (a group whose rank died) that dies with a handoff
+    unread never frees its arena slot: the router gives it back as it moves
+    the request (issue 40: they expired unfreed), not left to its TTL."""
+    async def body(disp, worker):
+        pre, dec = worker("prefill-0", ["prefill"]), worker("decode-0", ["decode"])
+        await ready(pre, dec)
+        await wait_for(lambda: len(disp.workers) == 2)
+        freed = []
+        disp.kv.free = freed.append
+
+        async def play():
+            await pre.next()
+            await transport.asend(pre.sock, PrefillDone("r1", 7, KVHandoff("r1", 3, 3, arena="a", allocation=5)))
+            assert isinstance(await dec.next(), DecodeRequest)
+            await restart(dec)  # died before reading it
+            msg = await pre.next()
+            assert msg.request_id == "r1~1"
+            await transport.asend(pre.sock, PrefillDone("r1~1", 8, KVHandoff("r1~1", 4, 4)))
+            msg = await dec.next()
+            while not isinstance(msg, DecodeRequest):  # the old id's Cancel first
+                msg = await dec.next()
+            await transport.asend(dec.sock, TokenBatch([TokenUpdate("r1~1", 9, finish_reason="stop")]))
+
+        player = asyncio.create_task(play())
+        assert [e.token async for e in disp.generate(request())] == [7, 8, 9]
+        await player
+        assert [(h.request_id, h.allocation) for h in freed] == [("r1", 5)]
+
+    run(body)
+
+
 def test_prefill_worker_dies_and_the_prompt_goes_to_another():
     async def body(disp, worker):
         pre0, pre1, dec = worker("prefill-0", ["prefill"]), worker("prefill-1", ["prefill"]), worker("decode-0", ["decode"])
