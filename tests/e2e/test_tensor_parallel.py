@@ -1,7 +1,8 @@
 """`tandem serve --colocate --tensor-parallel 2` (and `--pipeline-parallel 2`):
 one worker's model split over two ranks (MLX's ring backend on 127.0.0.1,
 workers/group/) against the same weights in one process; the split layout's
-prefill and decode groups, handing KV off rank by rank; a rank killed;
+prefill and decode groups, handing KV off rank by rank; sixteen streams
+through a slow rank 0 (a test fault); a rank killed, alone or under load;
 models that cannot split.
 
 Float32 random models (benchmarks/random_models/text.py, with the embedded
@@ -16,12 +17,17 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.support.groups import MAX_TOKENS, PROMPTS, ask, ask_all_at_once, one_process, random_model, stream
+from tests.support.groups import (
+    LOAD_PROMPTS, LOAD_TOKENS, MAX_TOKENS, PROMPTS, ask, ask_all_at_once, one_process, random_model, slow_rank0_step,
+    stream, stream_all_at_once,
+)
 from tests.support.server import metric, module_server, pid_alive
 
 UNIT_TIMEOUT_S = 6  # the llama group's: a unit of a tiny model takes milliseconds
@@ -31,6 +37,19 @@ UNIT_TIMEOUT_S = 6  # the llama group's: a unit of a tiny model takes millisecon
 def random_models(tmp_path_factory, embedded_model_dir):
     """like -> the session's float32 random model folder (tests/support/groups.py)."""
     return lambda like: random_model(tmp_path_factory, like, embedded_model_dir)
+
+
+@pytest.fixture(scope="module")
+def slow_steps(tmp_path_factory):
+    """The folder of the module's servers' slow-step test fault (Settings.slow_step_dir)."""
+    return tmp_path_factory.mktemp("slow-steps")
+
+
+def group_server(request, tmp_path_factory, slow_steps, *args: str, warm_up: bool = False):
+    """A module's group server, its ranks 0 open to the slow-step test fault."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TANDEM_TEST_SLOW_STEP_DIR", str(slow_steps))
+        return module_server(request, tmp_path_factory, *args, warm_up=warm_up)
 
 
 def follower_pids(srv) -> list[int]:
@@ -44,13 +63,13 @@ def follower_pids_of(srv, group: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def llama_group(request, tmp_path_factory, random_models):
+def llama_group(request, tmp_path_factory, random_models, slow_steps):
     """A group serving tiny-llama, shared by the llama comparison and the kill test (which ends it).
     It drafts with the model itself (--draft-model: whole on each rank), so every draft is right
     and every step that drafts is a speculative step of several tokens, on both ranks alike."""
     model = str(random_models("tiny-llama"))
-    return module_server(request, tmp_path_factory, "--model", model, "--colocate", "--draft-model", model,
-                         "--no-disk-cache", "--tensor-parallel", "2", "--tensor-parallel-timeout", str(UNIT_TIMEOUT_S))
+    return group_server(request, tmp_path_factory, slow_steps, "--model", model, "--colocate", "--draft-model", model,
+                        "--no-disk-cache", "--tensor-parallel", "2", "--tensor-parallel-timeout", str(UNIT_TIMEOUT_S))
 
 
 def spec_tokens(srv) -> tuple[float, float]:
@@ -85,6 +104,31 @@ def test_two_ranks_give_one_process_greedy_tokens(llama_group, random_models):
     drafted, accepted = spec_tokens(two)
     assert drafted >= 1 and accepted == drafted
     assert "restarting group" not in two.log_path.read_text()
+
+
+# Longer than a follower's old patience for rank 0's silence (heartbeat_timeout_s, 3 s) in one stretch.
+SLOW_STEP_S = 4.0
+
+
+def streams_through_a_slow_rank_0(srv, group: str, slow_steps, folder) -> None:
+    """Sixteen short streams at once while `group`'s rank 0 spends SLOW_STEP_S
+    after one unit (the test fault): every stream ends as one process's
+    greedy text, and the group never restarts."""
+    expected = [text for text, _ in one_process(folder, LOAD_PROMPTS, LOAD_TOKENS)]
+    follower, restarts = follower_pids_of(srv, group)[-1], srv.log_path.read_text().count(f"restarting group {group}")
+    slow_rank0_step(slow_steps, group, SLOW_STEP_S)
+    assert stream_all_at_once(srv, LOAD_PROMPTS, LOAD_TOKENS) == expected
+    log = srv.log_path.read_text()
+    assert f"test fault: this unit of {group} takes {SLOW_STEP_S:.1f} s longer" in log
+    assert log.count(f"restarting group {group}") == restarts
+    assert follower_pids_of(srv, group)[-1] == follower and pid_alive(follower)
+
+
+def test_sixteen_streams_wait_out_a_slow_rank_0_step(llama_group, random_models, slow_steps):
+    """Issue 40: a follower gave up on a rank 0 busy for longer than 3 s, and
+    the group went down with its requests. Rank 0 now beats from a thread
+    while its loop lives (workers/group/lockstep.py), so its follower waits."""
+    streams_through_a_slow_rank_0(llama_group, "worker-0", slow_steps, random_models("tiny-llama"))
 
 
 def test_a_pipeline_of_two_ranks_gives_one_process_greedy_tokens(server_factory, random_models):
@@ -200,12 +244,13 @@ def test_a_stuck_follower_ends_its_group_at_the_unit_deadline_and_requests_go_on
 
 
 @pytest.fixture(scope="module")
-def split_groups(request, tmp_path_factory, random_models):
+def split_groups(request, tmp_path_factory, random_models, slow_steps):
     """tiny-qwen3 in the split layout: a prefill group and a decode group of
     two ranks each. Warm-up on: every rank of both groups in step, as a real
     start has them."""
-    return module_server(request, tmp_path_factory, "--model", str(random_models("tiny-qwen3")), "--no-disk-cache",
-                         "--tensor-parallel", "2", "--tensor-parallel-timeout", str(UNIT_TIMEOUT_S), warm_up=True)
+    return group_server(request, tmp_path_factory, slow_steps, "--model", str(random_models("tiny-qwen3")),
+                        "--no-disk-cache", "--tensor-parallel", "2", "--tensor-parallel-timeout", str(UNIT_TIMEOUT_S),
+                        warm_up=True)
 
 
 def test_split_groups_hand_kv_off_rank_by_rank_with_one_process_greedy_tokens(split_groups, random_models):
@@ -233,17 +278,55 @@ def test_split_groups_hand_kv_off_rank_by_rank_with_one_process_greedy_tokens(sp
     assert n // 2 < again["usage"]["prompt_tokens_details"]["cached_tokens"] < n
 
 
-def test_a_killed_decode_follower_restarts_its_group_and_the_stream_goes_on(split_groups):
+def test_sixteen_streams_wait_out_a_slow_decode_rank_0_step(split_groups, random_models, slow_steps):
+    """Issue 40's case: decode-0's rank 0 busy past its follower's old patience."""
+    streams_through_a_slow_rank_0(split_groups, "decode-0", slow_steps, random_models("tiny-qwen3"))
+
+
+KILL_TOKENS = 40  # each stream's: long enough to be decoding when the rank dies
+
+
+def test_a_decode_follower_killed_under_load_takes_its_group_down_and_every_stream_goes_on(split_groups,
+                                                                                           random_models):
+    """decode-0's rank 1 killed while sixteen streams decode: the supervisor
+    ends rank 0 at once (not its unit deadline: -14), the router moves the
+    group's requests as for any dead worker (prefilled again, handed to the
+    restarted group), every stream ends as one process's greedy text, and
+    the KV handoffs the dead group was sent go back to the cache service
+    (not left to expire, issue 40)."""
     srv = split_groups
-    expected, _ = ask(srv, PROMPTS[0], 80)
-    follower = follower_pids_of(srv, "decode-0")[-1]
-    pieces = stream(srv, PROMPTS[0], 80)
-    got = [next(pieces) for _ in range(4)]
-    os.kill(follower, signal.SIGKILL)
-    got += list(pieces)
-    assert "".join(got) == expected  # prefilled again, handed off to the new group, decoded on
+    expected = [text for text, _ in one_process(random_models("tiny-qwen3"), LOAD_PROMPTS, [KILL_TOKENS] * 16)]
+    leader, follower = srv.worker_pid("decode"), follower_pids_of(srv, "decode-0")[-1]
+    restarts = srv.log_path.read_text().count("restarting group decode-0")
+    decoding = threading.Semaphore(0)
+
+    def one(prompt: str) -> str:
+        got = []
+        try:
+            for piece in stream(srv, prompt, KILL_TOKENS):
+                got.append(piece)
+                if len(got) == 2:  # the second piece comes from decode
+                    decoding.release()
+        finally:
+            if len(got) < 2:
+                decoding.release()
+        return "".join(got)
+
+    with ThreadPoolExecutor(len(LOAD_PROMPTS)) as pool:
+        texts = pool.map(one, LOAD_PROMPTS)
+        for _ in range(len(LOAD_PROMPTS) // 2):  # half decoding, the rest on their way
+            assert decoding.acquire(timeout=120)
+        os.kill(follower, signal.SIGKILL)
+        assert list(texts) == expected
     srv.wait_healthy(timeout=90)
-    assert "restarting group decode-0" in srv.log_path.read_text()
+    log = srv.log_path.read_text()
+    assert log.count("restarting group decode-0") == restarts + 1 and not pid_alive(leader)
+    # How decode-0's rank 0 ended: by the supervisor, at once; not by its unit deadline (SIGALRM).
+    assert re.findall(r"restarting group decode-0 \(decode-0: (\S+),", log)[-1] != "-14"
+    deadline = time.monotonic() + 30  # far within the handoffs' TTL (120 s): given back, not expired
+    while srv.health()[1]["cache_service"]["handoffs"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert srv.health()[1]["cache_service"]["handoffs"] == 0
     assert ask(srv, PROMPTS[1], 9)[1] == 9
 
 
