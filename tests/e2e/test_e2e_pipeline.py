@@ -19,7 +19,7 @@ import openai
 import pytest
 from mlx_lm.generate import stream_generate
 
-from tests.support.embedded_chat import LONG_SYSTEM, reference
+from tests.support.embedded_chat import LONG_SYSTEM, reference, references
 from tests.support.server import metric, module_server
 
 CONVERSATIONS = {
@@ -123,8 +123,8 @@ SIXTEEN_TOKENS = 6  # a prefill's token and five batched decode steps each; thei
 
 @pytest.fixture(scope="module")
 def sixteen_refs(embedded_model):
-    """mlx_lm's answers, computed once for both layouts (they are a third of the test's time)."""
-    return [reference(embedded_model, c, SIXTEEN_TOKENS)[1] for c in _SIXTEEN]
+    """mlx_lm's answers, computed once for both layouts, in one mlx-lm batch."""
+    return references(embedded_model, _SIXTEEN, SIXTEEN_TOKENS)
 
 
 def test_sixteen_at_once_match_mlx_lm(client, sixteen_refs):
