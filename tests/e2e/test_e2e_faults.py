@@ -168,46 +168,18 @@ def test_api_key_and_queue_limit(server_factory):
             assert "busy" in body["error"]["message"]
 
 
-def test_a_killed_router_keeps_the_port_then_a_killed_supervisor_leaves_no_child(server_factory):
-    """One server, two faults. The router killed: the supervisor owns the port
-    (deploy/service/listen_socket.py), so a request made while no router runs
-    waits in the kernel's backlog and the next router answers it (the client
-    retries nothing: max_retries=0). Then the supervisor killed: no child,
-    the new router included, outlives it."""
-    srv = server_factory()
-    if sys.platform.startswith("linux"):  # the router found through /proc
-        [router] = _holders_of_the_port(srv)
-        os.kill(router, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while pid_alive(router) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        resp = client_for(srv, timeout=120).chat.completions.create(model="default", messages=QUESTION,
-                                                                   max_tokens=5, temperature=0)
-        assert resp.usage.completion_tokens == 5
-        assert _holders_of_the_port(srv) not in ([], [router])
-    children = srv.pids()
-    os.kill(srv.proc.pid, signal.SIGKILL)
-    srv.proc.wait(timeout=10)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(pid_alive(p) for p in children):
-        time.sleep(0.2)
-    assert [p for p in children if pid_alive(p)] == []
-    if sys.platform.startswith("linux"):
-        # The cache service stopped cleanly (SIGTERM from its watchdog) and unlinked its arena.
-        assert [p for p in glob.glob("/dev/shm/tandem-*") if str(srv.proc.pid) in p] == []
-
-
 @pytest.fixture(scope="module")
 def server(request, tmp_path_factory):
     """A server of the default flags for the tests whose faults it recovers
-    from (the cache service killed, then the chaos test's worker, which ends
-    it): one start instead of two."""
+    from, in the file's order: the cache service killed, the chaos test's
+    decode worker, then the router and the supervisor (which ends it): one
+    start instead of three."""
     return module_server(request, tmp_path_factory)
 
 
 def test_kill_cache_service(server):
     """The cache service killed: the supervisor restarts it and serving goes
-    on. The server lives on for the chaos test after it (which ends it)."""
+    on. The server lives on for the chaos test after it."""
     srv = server
     body = srv.health()[1]
     cache_pid = body["cache_service"]["pid"]
@@ -239,7 +211,7 @@ def test_chaos_streams_survive_killed_workers(server):
     from benchmarks.bench.workloads.chaos import ChaosConfig, arena_segments, chaos
     from benchmarks.bench.workloads.core import Target
 
-    srv = server  # after test_kill_cache_service's fault, recovered from
+    srv = server  # after test_kill_cache_service's fault, recovered from; the router's and supervisor's next
     # 36 tokens: the streams still decode at the kill (1 s in) on a fast box too.
     cfg = ChaosConfig(streams=4, max_tokens=36, interval_s=1.0, kills=1, timeout_s=120)
     result = asyncio.run(chaos(Target("tandem", srv.base_url, "default"), cfg, srv.proc.pid))
@@ -247,6 +219,35 @@ def test_chaos_streams_survive_killed_workers(server):
     assert result["reference_failed"] == 0 and result["failed"] == 0, result["errors"]
     assert result["outputs_differing"] == 0
     assert result["moves"] >= 1
-    srv.stop()
+    if sys.platform.startswith("linux"):  # the killed worker's handoffs were given back: one arena, the service's
+        assert len(arena_segments(srv.proc.pid)) == 1
+
+
+def test_a_killed_router_keeps_the_port_then_a_killed_supervisor_leaves_no_child(server):
+    """Two faults, the module server's last (after the cache service's and the
+    chaos test's). The router killed: the supervisor owns the port
+    (deploy/service/listen_socket.py), so a request made while no router runs
+    waits in the kernel's backlog and the next router answers it (the client
+    retries nothing: max_retries=0). Then the supervisor killed: no child,
+    the new router included, outlives it, and no shared memory is left."""
+    srv = server
+    if sys.platform.startswith("linux"):  # the router found through /proc
+        [router] = _holders_of_the_port(srv)
+        os.kill(router, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while pid_alive(router) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        resp = client_for(srv, timeout=120).chat.completions.create(model="default", messages=QUESTION,
+                                                                   max_tokens=5, temperature=0)
+        assert resp.usage.completion_tokens == 5
+        assert _holders_of_the_port(srv) not in ([], [router])
+    children = srv.pids()
+    os.kill(srv.proc.pid, signal.SIGKILL)
+    srv.proc.wait(timeout=10)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(pid_alive(p) for p in children):
+        time.sleep(0.2)
+    assert [p for p in children if pid_alive(p)] == []
     if sys.platform.startswith("linux"):
-        assert arena_segments(srv.proc.pid) == []
+        # The cache service stopped cleanly (SIGTERM from its watchdog) and unlinked its arena.
+        assert [p for p in glob.glob("/dev/shm/tandem-*") if str(srv.proc.pid) in p] == []
