@@ -255,6 +255,42 @@ def test_gaps_during_long_prompts():
     assert workloads.gaps_during([stream], []) == []
 
 
+def test_gaps_after_the_last_stream_joined():
+    # Stream a starts at once; b's first text comes at 1.0 s (its prompt prefilled after
+    # a's), and a stalls 0.5 s while b starts: that stall ends before b's first text, so
+    # it is left out; a's 0.3 s stall after it (b's first decode step) is in, as are
+    # b's own gaps. A failed stream neither joins nor counts.
+    a = _fake(0.1, [0.1, 0.5, 0.1, 0.3, 0.1])  # 0.1 0.2 0.7 0.8 1.1 1.2 (from 10.0)
+    b = _fake(0.5, [0.2, 0.1])  # 1.0 1.2 1.3 (from 10.5)
+    failed = _fake(9.0, [], ok=False)
+    a.sent_at, b.sent_at, failed.sent_at = 10.0, 10.5, 10.0
+    gaps = workloads.gaps_after_join([a, b, failed])
+    assert sorted(gaps) == pytest.approx(sorted([0.3, 0.1, 0.2, 0.1]))
+    assert workloads.last_join([a, b, failed], 10.0) == pytest.approx(1.0)
+    assert workloads.arrivals([a, failed], 10.0) == [pytest.approx([0.1, 0.2, 0.7, 0.8, 1.1, 1.2]), []]
+    # One stream alone: every gap after its first text.
+    assert workloads.gaps_after_join([a]) == pytest.approx([0.1, 0.5, 0.1, 0.3, 0.1])
+    assert workloads.gaps_after_join([failed]) == [] and workloads.last_join([]) is None
+
+
+def test_interference_after_join_in_ratios_and_table():
+    def system(name, after):
+        quiet = {"ok": 4, "error_count": 0, "ttft_p50_s": 0.1, "itl_p50_s": 0.01, "itl_p99_s": 0.05,
+                 "itl_p99_after_join_s": after}
+        loud = {**quiet, "itl_p99_s": 0.08, "itl_max_s": 0.2, "itl_p99_during_long_s": 0.1}
+        return {"name": name, "error": None, "memory": None,
+                "results": {"interference": {"streams": 4, "stream_tokens": 8, "quiet": quiet, "loud": loud,
+                                             "itl_p99_ratio": 1.6, "itl_p99_during_long_ratio": 2.0}}}
+
+    rep = report.build_report([system("tandem", 0.033), system("mlx_lm", 0.030)], {}, "tandem bench")
+    (r,) = rep["ratios"]
+    assert r["interference_quiet_after_join_itl_p99"] == pytest.approx(1.1)
+    assert r["interference_quiet_itl_p99"] == pytest.approx(1.0)
+    text = report.render(rep)
+    assert "after join p99" in text and "0.033" in text
+    assert "interference quiet ITL p99 after join" in text and "1.10x" in text
+
+
 def test_metric_sum():
     text = ('x_total 5\ntandem_prompt_tokens_total 100.0\ntandem_prompt_tokens_total_other 7\n'
             'foo{a="1"} 2\nfoo{a="2"} 3\n')
@@ -290,6 +326,9 @@ def test_bench_command_json_report(scripted, tmp_path, capsys):
     loud = res["interference"]["loud"]
     assert res["interference"]["quiet"]["ok"] == 2 and loud["long_prompts_sent"] == 1
     assert loud["gaps_during_long"] > 0 and loud["itl_p99_during_long_s"] < 1.0
+    quiet = res["interference"]["quiet"]
+    assert quiet["gaps_after_join"] > 0 and quiet["itl_p99_after_join_s"] <= quiet["itl_p99_s"] + 1e-9
+    assert [len(a) for a in quiet["arrivals_s"]] == [4, 4] and quiet["last_join_s"] > 0
     assert res["prefix"]["warm_cached_tokens"] == 3 and res["prefix"]["cold_ttft_s"] > 0
     assert res["swarm"]["turns_ok"] == 4 and res["swarm"]["computed_prompt_tokens"] == 4 * (10 - 3)
     assert res["swarm"]["metrics_computed_prompt_tokens"] == 4 * (10 - 3)

@@ -39,9 +39,15 @@ JSON (--json PATH), schema "tandem-bench/1":
             "fairness": {"long_alone_ttft_s", "long_beside_ttft_s", "long_ratio", "short_alone_ttft_s",
                          "short_beside_ttft_s": [...], "short_beside_max_ttft_s", "short_ratio", ...}
                         (benchmarks/bench/workloads/fairness.py),
-            "interference": {"streams", "stream_tokens", "quiet": {...},
-                             "loud": {... "itl_p99_during_long_s", "gaps_during_long", "long_prompts_sent",
-                                      "long_prompts_ok", "long_prompt_tokens"},
+            "interference": {"streams", "stream_tokens",
+                             "quiet": {"ok", "error_count", "errors", "output_tokens", "itl_p50_s", "itl_p99_s",
+                                       "itl_max_s", "ttft_p50_s", "wall_s", "first_error",
+                                       "itl_p50_after_join_s", "itl_p99_after_join_s", "gaps_after_join"
+                                       (the gaps whose text came after the last stream's first text),
+                                       "last_join_s" (that first text, seconds from the run's start),
+                                       "arrivals_s": [[each stream's text arrivals, s from the start]]},
+                             "loud": {...as quiet, "itl_p99_during_long_s", "gaps_during_long",
+                                      "long_prompts_sent", "long_prompts_ok", "long_prompt_tokens"},
                              "itl_p99_ratio", "itl_p99_during_long_ratio"},
             "prefix": {"cold_ttft_s", "warm_ttft_s", "next_turn_ttft_s", "suffix_alone_ttft_s",
                        "*_prompt_tokens", "*_cached_tokens", "warm_speedup", "errors", "repeats": [...]},
@@ -141,6 +147,10 @@ def _pair_ratios(t: dict, p: dict) -> dict:
     tr, pr = t.get("results", {}), p.get("results", {})
     row: dict = {"tandem": t["name"], "peer": p["name"], **level_ratios(tr, pr)}
     if "interference" in tr and "interference" in pr:
+        tq, pq = tr["interference"]["quiet"], pr["interference"]["quiet"]
+        row["interference_quiet_itl_p99"] = ratio(tq["itl_p99_s"], pq["itl_p99_s"])
+        row["interference_quiet_after_join_itl_p99"] = ratio(tq.get("itl_p99_after_join_s"),
+                                                              pq.get("itl_p99_after_join_s"))
         tl, pl = tr["interference"]["loud"], pr["interference"]["loud"]
         row["interference_loud_itl_p99"] = ratio(tl["itl_p99_s"], pl["itl_p99_s"])
         row["interference_during_long_itl_p99"] = ratio(tl.get("itl_p99_during_long_s"),
@@ -213,16 +223,19 @@ def _interference_table(systems: list[dict]) -> list[str]:
         it = s.get("results", {}).get("interference")
         if it:
             q, loud = it["quiet"], it["loud"]
-            rows.append([s["name"], it["streams"], num(q["itl_p99_s"]), num(loud["itl_p99_s"]),
+            rows.append([s["name"], it["streams"], num(q["ttft_p50_s"]), num(q["itl_p50_s"]), num(q["itl_p99_s"]),
+                         num(q.get("itl_p99_after_join_s")), num(loud["itl_p99_s"]),
                          times(it["itl_p99_ratio"]),
                          num(loud.get("itl_p99_during_long_s")), times(it.get("itl_p99_during_long_ratio")),
                          num(loud["itl_max_s"]), f"{loud.get('long_prompts_ok', 0)}/{loud.get('long_prompts_sent', 0)}",
                          num(loud.get("long_prompt_tokens"), "{:.0f}"), q["error_count"] + loud["error_count"]])
     if not rows:
         return []
-    return ["Interference: decode streams' inter-token latency (s), quiet vs while long prompts arrive\n"
-            + table(["system", "streams", "quiet p99", "loud p99", "loud/quiet", "during-long p99",
-                      "during/quiet", "loud max", "long ok", "long tokens", "errors"], rows)]
+    return ["Interference: decode streams' inter-token latency (s), quiet vs while long prompts arrive; "
+            "quiet after join: the gaps after the last stream's first token\n"
+            + table(["system", "streams", "quiet TTFT p50", "quiet p50", "quiet p99", "after join p99",
+                     "loud p99", "loud/quiet", "during-long p99", "during/quiet", "loud max", "long ok",
+                     "long tokens", "errors"], rows)]
 
 
 def _prefix_table(systems: list[dict]) -> list[str]:
@@ -332,7 +345,9 @@ def _memory_table(systems: list[dict]) -> list[str]:
             + table(["system", "peak PSS", "peak RSS", "sum of peaks", "processes"], rows)]
 
 
-_RATIO_LABELS = (("interference_loud_itl_p99", "interference loud ITL p99"),
+_RATIO_LABELS = (("interference_quiet_itl_p99", "interference quiet ITL p99"),
+                 ("interference_quiet_after_join_itl_p99", "interference quiet ITL p99 after join"),
+                 ("interference_loud_itl_p99", "interference loud ITL p99"),
                  ("interference_during_long_itl_p99", "interference during-long ITL p99"),
                  ("prefix_cold_ttft", "prefix cold TTFT"), ("prefix_warm_ttft", "prefix warm TTFT"),
                  ("vision_turn1_ttft", "vision turn 1 TTFT"), ("vision_turn3_ttft", "vision turn 3 TTFT"),

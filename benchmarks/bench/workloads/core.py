@@ -7,7 +7,8 @@
 - chat: the same levels, short natural-language questions (benchmarks/bench/workloads/chat.py).
   Each level of these three also gets the draft tokens the server proposed and
   accepted, where its /metrics counts them (Tandem's speculative decoding).
-- interference: decode streams' inter-token latency, quiet vs while long prompts arrive.
+- interference: decode streams' inter-token latency, quiet vs while long prompts arrive;
+  quiet also after the last stream has joined (its start-up stalls left out).
 - prefix: one long system prompt, cold then warm time to first token.
 - swarm: agents sharing a system prompt, each with its own growing history.
 - agents: tool loops over one shared system prompt and tool set
@@ -200,6 +201,9 @@ async def interference(target: Target, cfg: WorkloadConfig) -> dict:
         quiet = await _stream_run(client, target, cfg, "quiet", inject=False)
         loud = await _stream_run(client, target, cfg, "loud", inject=True)
     out = {"streams": cfg.streams, "stream_tokens": cfg.stream_tokens, "quiet": quiet, "loud": loud}
+    # The streams arrive together; a server that starts each as soon as its own prompt is
+    # prefilled gives first tokens sooner, and its first streams' gaps take the later
+    # prompts' prefills: "after join" is the steady state that follows.
     q, noisy = quiet["itl_p99_s"], loud["itl_p99_s"]
     out["itl_p99_ratio"] = noisy / q if q and noisy else None
     d = loud.get("itl_p99_during_long_s")
@@ -225,6 +229,14 @@ async def _stream_run(client, target: Target, cfg: WorkloadConfig, salt: str, in
     s = summarize(results, time.perf_counter() - t0, ttft_budget=cfg.ttft_budget_s, itl_budget=cfg.itl_budget_s)
     run = {k: s[k] for k in ("ok", "error_count", "errors", "output_tokens", "itl_p50_s", "itl_p99_s", "itl_max_s",
                               "ttft_p50_s", "wall_s", "first_error")}
+    after = gaps_after_join(results)
+    run["itl_p50_after_join_s"] = percentile(after, 50)
+    run["itl_p99_after_join_s"] = percentile(after, 99)
+    run["gaps_after_join"] = len(after)
+    run["last_join_s"] = last_join(results, t0)
+    # Each stream's text arrivals, seconds from the run's start: which gaps the tail is
+    # made of (a stream's first or last, a join, a long prompt) can be read back.
+    run["arrivals_s"] = arrivals(results, t0)
     if inject:
         ok_longs = [r for r in longs if r.ok]
         during = gaps_during(results, longs)
@@ -252,6 +264,33 @@ def gaps_during(streams: list[RequestResult], longs: list[RequestResult]) -> lis
         times = [r.sent_at + t for t in r.chunk_times]
         out += [b - a for a, b in zip(times, times[1:]) if b >= start and a <= end]
     return out
+
+
+def last_join(streams: list[RequestResult], t0: float = 0.0) -> float | None:
+    """When the last successful stream's first text arrived (seconds from t0), or None."""
+    firsts = [r.sent_at + r.ttft for r in streams if r.ok and r.ttft is not None]
+    return max(firsts) - t0 if firsts else None
+
+
+def gaps_after_join(streams: list[RequestResult]) -> list[float]:
+    """Inter-token gaps of the successful streams whose text arrived after the last
+    stream's first text: the stalls of later streams' starts (their prefills, their
+    joining the batch) before it are left out, its own first gap is in."""
+    joined = last_join(streams)
+    if joined is None:
+        return []
+    out = []
+    for r in streams:
+        if not r.ok:
+            continue
+        times = [r.sent_at + t for t in r.chunk_times]
+        out += [b - a for a, b in zip(times, times[1:]) if b > joined]
+    return out
+
+
+def arrivals(streams: list[RequestResult], t0: float) -> list[list[float]]:
+    """Each stream's text arrival times, seconds from t0 to 0.1 ms ([] for a failed one)."""
+    return [[round(r.sent_at + t - t0, 4) for t in r.chunk_times] if r.ok else [] for r in streams]
 
 
 async def _inject_long_prompts(client, target: Target, cfg: WorkloadConfig, streams: list[asyncio.Task],
