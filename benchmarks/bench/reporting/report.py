@@ -45,7 +45,8 @@ JSON (--json PATH), schema "tandem-bench/1":
                                        "itl_p50_after_join_s", "itl_p99_after_join_s", "gaps_after_join"
                                        (the gaps whose text came after the last stream's first text),
                                        "last_join_s" (that first text, seconds from the run's start),
-                                       "arrivals_s": [[each stream's text arrivals, s from the start]]},
+                                       "arrivals_s": [[each stream's text arrivals, s from the start]],
+                                       "started_unix" (that start, Unix time)},
                              "loud": {...as quiet, "itl_p99_during_long_s", "gaps_during_long",
                                       "long_prompts_sent", "long_prompts_ok", "long_prompt_tokens"},
                              "itl_p99_ratio", "itl_p99_during_long_ratio"},

@@ -237,6 +237,7 @@ async def _stream_run(client, target: Target, cfg: WorkloadConfig, salt: str, in
     # Each stream's text arrivals, seconds from the run's start: which gaps the tail is
     # made of (a stream's first or last, a join, a long prompt) can be read back.
     run["arrivals_s"] = arrivals(results, t0)
+    run["started_unix"] = time.time() - (time.perf_counter() - t0)  # the start, to line up with server logs
     if inject:
         ok_longs = [r for r in longs if r.ok]
         during = gaps_during(results, longs)
