@@ -66,7 +66,7 @@ def test_kill_decoding_worker_mid_stream_and_the_stream_goes_on(server_factory):
 def test_kill_prefill_worker_during_prefill_and_the_prompt_is_prefilled_again(server_factory):
     srv = server_factory("--prefill-chunk", "16")
     pid = srv.worker_pid("prefill")
-    long_prompt = [{"role": "user", "content": "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 48}]
+    long_prompt = [{"role": "user", "content": "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 24}]
     result = {}
 
     def ask():
@@ -78,7 +78,7 @@ def test_kill_prefill_worker_during_prefill_and_the_prompt_is_prefilled_again(se
 
     t = threading.Thread(target=ask)
     t.start()
-    # Killed while it prefills (~530 tokens in 16-token chunks: seconds here, and
+    # Killed while it prefills (~270 tokens in 16-token chunks: seconds here, and
     # prefilled twice), as its heartbeat says (every 0.5 s), not after a guess at
     # how long that takes.
     deadline = time.monotonic() + 30
