@@ -32,7 +32,7 @@ from benchmarks.bench.reporting import report
 from benchmarks.bench.servers import systems
 from benchmarks.bench.servers.peer_weights import needs_float32_copy
 from benchmarks.bench.workloads import core as workloads
-from benchmarks.bench.workloads import loadgen
+from benchmarks.bench.workloads import loadgen, stream_gaps
 from benchmarks.bench.workloads import vision as vw
 from benchmarks.bench.workloads.loadgen import RequestResult, percentile, summarize
 from benchmarks.random_models import text as random_model
@@ -251,32 +251,40 @@ def test_gaps_during_long_prompts():
     stream = _fake(0.1, [0.1, 2.0, 0.1])  # chunks at 0.1, 0.2, 2.2, 2.3 s
     stream.sent_at = 100.0
     long = RequestResult(status=200, ok=True, sent_at=100.5, latency=1.0)  # in flight 100.5 .. 101.5
-    assert workloads.gaps_during([stream], [long]) == [pytest.approx(2.0)]
-    assert workloads.gaps_during([stream], []) == []
+    assert stream_gaps.gaps_during([stream], [long]) == [pytest.approx(2.0)]
+    assert stream_gaps.gaps_during([stream], []) == []
 
 
 def test_gaps_after_the_last_stream_joined():
-    # Stream a starts at once; b's first text comes at 1.0 s (its prompt prefilled after
-    # a's), and a stalls 0.5 s while b starts: that stall ends before b's first text, so
-    # it is left out; a's 0.3 s stall after it (b's first decode step) is in, as are
-    # b's own gaps. A failed stream neither joins nor counts.
-    a = _fake(0.1, [0.1, 0.5, 0.1, 0.3, 0.1])  # 0.1 0.2 0.7 0.8 1.1 1.2 (from 10.0)
-    b = _fake(0.5, [0.2, 0.1])  # 1.0 1.2 1.3 (from 10.5)
+    # Two streams sent together. b's first text comes at 1.0 s, from its prefill; b joins
+    # the decode batch after it, and its second text (its first decode step's) comes at
+    # 1.09 s: every stream decodes from then on. a stalls 0.5 s while b's prompt is
+    # prefilled and 0.3 s in the step b joins; both begin before the join and are left
+    # out, as is b's own first gap. A failed stream neither joins nor counts.
+    a = _fake(0.1, [0.1, 0.5, 0.1, 0.3, 0.1, 0.1, 0.2])  # 0.1 0.2 0.7 0.8 1.1 1.2 1.3 1.5
+    b = _fake(1.0, [0.09, 0.1, 0.1])  # 1.0 1.09 1.19 1.29
     failed = _fake(9.0, [], ok=False)
-    a.sent_at, b.sent_at, failed.sent_at = 10.0, 10.5, 10.0
-    gaps = workloads.gaps_after_join([a, b, failed])
-    assert sorted(gaps) == pytest.approx(sorted([0.3, 0.1, 0.2, 0.1]))
-    assert workloads.last_join([a, b, failed], 10.0) == pytest.approx(1.0)
-    assert workloads.arrivals([a, failed], 10.0) == [pytest.approx([0.1, 0.2, 0.7, 0.8, 1.1, 1.2]), []]
-    # One stream alone: every gap after its first text.
-    assert workloads.gaps_after_join([a]) == pytest.approx([0.1, 0.5, 0.1, 0.3, 0.1])
-    assert workloads.gaps_after_join([failed]) == [] and workloads.last_join([]) is None
+    a.sent_at = b.sent_at = failed.sent_at = 10.0
+    streams = [a, b, failed]
+    assert stream_gaps.last_join(streams, 10.0) == pytest.approx(1.09)
+    assert stream_gaps.last_first_token(streams, 10.0) == pytest.approx(1.0)
+    assert sorted(stream_gaps.gaps_after_join(streams)) == pytest.approx([0.1, 0.1, 0.1, 0.1, 0.2])
+    # After the first texts alone: a's stall in the join step and b's first decode gap are in.
+    assert sorted(stream_gaps.gaps_after_first_tokens(streams)) == pytest.approx([0.09, 0.1, 0.1, 0.1, 0.1, 0.2, 0.3])
+    assert stream_gaps.arrivals([a, failed], 10.0) == [pytest.approx([0.1, 0.2, 0.7, 0.8, 1.1, 1.2, 1.3, 1.5]), []]
+    # One stream alone: every gap from its second text on.
+    assert stream_gaps.gaps_after_join([a]) == pytest.approx([0.5, 0.1, 0.3, 0.1, 0.1, 0.2])
+    # A stream that ended at its first text never decodes: the others' join counts.
+    one = _fake(0.3, [])
+    one.sent_at = 10.0
+    assert stream_gaps.last_join([a, one], 10.0) == pytest.approx(0.2)
+    assert stream_gaps.gaps_after_join([failed]) == [] and stream_gaps.last_join([]) is None
 
 
 def test_interference_after_join_in_ratios_and_table():
     def system(name, after):
         quiet = {"ok": 4, "error_count": 0, "ttft_p50_s": 0.1, "itl_p50_s": 0.01, "itl_p99_s": 0.05,
-                 "itl_p99_after_join_s": after}
+                 "itl_p99_after_first_tokens_s": 0.05, "itl_p99_after_join_s": after}
         loud = {**quiet, "itl_p99_s": 0.08, "itl_max_s": 0.2, "itl_p99_during_long_s": 0.1}
         return {"name": name, "error": None, "memory": None,
                 "results": {"interference": {"streams": 4, "stream_tokens": 8, "quiet": quiet, "loud": loud,
@@ -286,8 +294,9 @@ def test_interference_after_join_in_ratios_and_table():
     (r,) = rep["ratios"]
     assert r["interference_quiet_after_join_itl_p99"] == pytest.approx(1.1)
     assert r["interference_quiet_itl_p99"] == pytest.approx(1.0)
+    assert r["interference_quiet_after_first_tokens_itl_p99"] == pytest.approx(1.0)
     text = report.render(rep)
-    assert "after join p99" in text and "0.033" in text
+    assert "after join p99" in text and "after 1st tokens p99" in text and "0.033" in text
     assert "interference quiet ITL p99 after join" in text and "1.10x" in text
 
 
@@ -327,8 +336,9 @@ def test_bench_command_json_report(scripted, tmp_path, capsys):
     assert res["interference"]["quiet"]["ok"] == 2 and loud["long_prompts_sent"] == 1
     assert loud["gaps_during_long"] > 0 and loud["itl_p99_during_long_s"] < 1.0
     quiet = res["interference"]["quiet"]
-    assert quiet["gaps_after_join"] > 0 and quiet["itl_p99_after_join_s"] <= quiet["itl_p99_s"] + 1e-9
-    assert [len(a) for a in quiet["arrivals_s"]] == [4, 4] and quiet["last_join_s"] > 0
+    assert quiet["gaps_after_join"] > 0 and quiet["itl_p99_after_join_s"] > 0
+    assert [len(a) for a in quiet["arrivals_s"]] == [4, 4]
+    assert quiet["last_join_s"] > quiet["last_first_token_s"] > 0 and quiet["itl_p99_after_first_tokens_s"] > 0
     assert res["prefix"]["warm_cached_tokens"] == 3 and res["prefix"]["cold_ttft_s"] > 0
     assert res["swarm"]["turns_ok"] == 4 and res["swarm"]["computed_prompt_tokens"] == 4 * (10 - 3)
     assert res["swarm"]["metrics_computed_prompt_tokens"] == 4 * (10 - 3)

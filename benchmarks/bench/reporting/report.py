@@ -43,8 +43,10 @@ JSON (--json PATH), schema "tandem-bench/1":
                              "quiet": {"ok", "error_count", "errors", "output_tokens", "itl_p50_s", "itl_p99_s",
                                        "itl_max_s", "ttft_p50_s", "wall_s", "first_error",
                                        "itl_p50_after_join_s", "itl_p99_after_join_s", "gaps_after_join"
-                                       (the gaps whose text came after the last stream's first text),
-                                       "last_join_s" (that first text, seconds from the run's start),
+                                       (the gaps that begin once every stream decodes: after the last
+                                       stream's second text), "last_join_s" (that text, seconds from
+                                       the run's start), "itl_p99_after_first_tokens_s" (the gaps whose
+                                       text came after the last stream's first text), "last_first_token_s",
                                        "arrivals_s": [[each stream's text arrivals, s from the start]],
                                        "started_unix" (that start, Unix time)},
                              "loud": {...as quiet, "itl_p99_during_long_s", "gaps_during_long",
@@ -150,6 +152,8 @@ def _pair_ratios(t: dict, p: dict) -> dict:
     if "interference" in tr and "interference" in pr:
         tq, pq = tr["interference"]["quiet"], pr["interference"]["quiet"]
         row["interference_quiet_itl_p99"] = ratio(tq["itl_p99_s"], pq["itl_p99_s"])
+        row["interference_quiet_after_first_tokens_itl_p99"] = ratio(tq.get("itl_p99_after_first_tokens_s"),
+                                                                      pq.get("itl_p99_after_first_tokens_s"))
         row["interference_quiet_after_join_itl_p99"] = ratio(tq.get("itl_p99_after_join_s"),
                                                               pq.get("itl_p99_after_join_s"))
         tl, pl = tr["interference"]["loud"], pr["interference"]["loud"]
@@ -225,16 +229,19 @@ def _interference_table(systems: list[dict]) -> list[str]:
         if it:
             q, loud = it["quiet"], it["loud"]
             rows.append([s["name"], it["streams"], num(q["ttft_p50_s"]), num(q["itl_p50_s"]), num(q["itl_p99_s"]),
-                         num(q.get("itl_p99_after_join_s")), num(loud["itl_p99_s"]),
+                         num(q.get("itl_p99_after_first_tokens_s")), num(q.get("itl_p99_after_join_s")),
+                         num(loud["itl_p99_s"]),
                          times(it["itl_p99_ratio"]),
                          num(loud.get("itl_p99_during_long_s")), times(it.get("itl_p99_during_long_ratio")),
                          num(loud["itl_max_s"]), f"{loud.get('long_prompts_ok', 0)}/{loud.get('long_prompts_sent', 0)}",
                          num(loud.get("long_prompt_tokens"), "{:.0f}"), q["error_count"] + loud["error_count"]])
     if not rows:
         return []
-    return ["Interference: decode streams' inter-token latency (s), quiet vs while long prompts arrive; "
-            "quiet after join: the gaps after the last stream's first token\n"
-            + table(["system", "streams", "quiet TTFT p50", "quiet p50", "quiet p99", "after join p99",
+    return ["Interference: decode streams' inter-token latency (s), quiet vs while long prompts arrive; quiet "
+            "after 1st tokens: the gaps ending after every stream's first token; after join: the gaps beginning "
+            "once every stream decodes (after its second token)\n"
+            + table(["system", "streams", "quiet TTFT p50", "quiet p50", "quiet p99", "after 1st tokens p99",
+                     "after join p99",
                      "loud p99", "loud/quiet", "during-long p99", "during/quiet", "loud max", "long ok",
                      "long tokens", "errors"], rows)]
 
@@ -347,6 +354,7 @@ def _memory_table(systems: list[dict]) -> list[str]:
 
 
 _RATIO_LABELS = (("interference_quiet_itl_p99", "interference quiet ITL p99"),
+                 ("interference_quiet_after_first_tokens_itl_p99", "interference quiet ITL p99 after 1st tokens"),
                  ("interference_quiet_after_join_itl_p99", "interference quiet ITL p99 after join"),
                  ("interference_loud_itl_p99", "interference loud ITL p99"),
                  ("interference_during_long_itl_p99", "interference during-long ITL p99"),

@@ -8,7 +8,7 @@
   Each level of these three also gets the draft tokens the server proposed and
   accepted, where its /metrics counts them (Tandem's speculative decoding).
 - interference: decode streams' inter-token latency, quiet vs while long prompts arrive;
-  quiet also after the last stream has joined (its start-up stalls left out).
+  also once every stream decodes (after its first decode token: the starts left out).
 - prefix: one long system prompt, cold then warm time to first token.
 - swarm: agents sharing a system prompt, each with its own growing history.
 - agents: tool loops over one shared system prompt and tool set
@@ -33,6 +33,8 @@ import httpx
 
 from benchmarks.bench.workloads.loadgen import (Progress, RequestResult, chat_body, closed_loop, percentile,
                                                 stream_chat, summarize)
+from benchmarks.bench.workloads.stream_gaps import (arrivals, gaps_after_first_tokens, gaps_after_join, gaps_during,
+                                                    last_first_token, last_join)
 
 # Common English words: most are one token in BPE vocabularies, so N words ~ N tokens.
 _WORDS = """time year people way day man thing woman life child world school state family student group country
@@ -201,9 +203,9 @@ async def interference(target: Target, cfg: WorkloadConfig) -> dict:
         quiet = await _stream_run(client, target, cfg, "quiet", inject=False)
         loud = await _stream_run(client, target, cfg, "loud", inject=True)
     out = {"streams": cfg.streams, "stream_tokens": cfg.stream_tokens, "quiet": quiet, "loud": loud}
-    # The streams arrive together; a server that starts each as soon as its own prompt is
-    # prefilled gives first tokens sooner, and its first streams' gaps take the later
-    # prompts' prefills: "after join" is the steady state that follows.
+    # The streams arrive together. A server that starts each as soon as its own prompt is
+    # prefilled (Tandem) gives first tokens sooner, and its streams' first gaps take the
+    # later prompts' prefills and hand-offs: "after join" is the steady state that follows.
     q, noisy = quiet["itl_p99_s"], loud["itl_p99_s"]
     out["itl_p99_ratio"] = noisy / q if q and noisy else None
     d = loud.get("itl_p99_during_long_s")
@@ -234,6 +236,8 @@ async def _stream_run(client, target: Target, cfg: WorkloadConfig, salt: str, in
     run["itl_p99_after_join_s"] = percentile(after, 99)
     run["gaps_after_join"] = len(after)
     run["last_join_s"] = last_join(results, t0)
+    run["itl_p99_after_first_tokens_s"] = percentile(gaps_after_first_tokens(results), 99)
+    run["last_first_token_s"] = last_first_token(results, t0)
     # Each stream's text arrivals, seconds from the run's start: which gaps the tail is
     # made of (a stream's first or last, a join, a long prompt) can be read back.
     run["arrivals_s"] = arrivals(results, t0)
@@ -250,48 +254,6 @@ async def _stream_run(client, target: Target, cfg: WorkloadConfig, salt: str, in
         run["long_prompt_tokens"] = percentile([r.prompt_tokens for r in ok_longs if r.prompt_tokens], 50)
         run["long_prompt_ttft_p50_s"] = percentile([r.ttft for r in ok_longs if r.ttft is not None], 50)
     return run
-
-
-def gaps_during(streams: list[RequestResult], longs: list[RequestResult]) -> list[float]:
-    """Inter-token gaps of the streams that overlap the time any long prompt was in flight."""
-    if not longs:
-        return []
-    start = min(r.sent_at for r in longs)
-    end = max(r.sent_at + r.latency for r in longs)
-    out = []
-    for r in streams:
-        if not r.ok:
-            continue
-        times = [r.sent_at + t for t in r.chunk_times]
-        out += [b - a for a, b in zip(times, times[1:]) if b >= start and a <= end]
-    return out
-
-
-def last_join(streams: list[RequestResult], t0: float = 0.0) -> float | None:
-    """When the last successful stream's first text arrived (seconds from t0), or None."""
-    firsts = [r.sent_at + r.ttft for r in streams if r.ok and r.ttft is not None]
-    return max(firsts) - t0 if firsts else None
-
-
-def gaps_after_join(streams: list[RequestResult]) -> list[float]:
-    """Inter-token gaps of the successful streams whose text arrived after the last
-    stream's first text: the stalls of later streams' starts (their prefills, their
-    joining the batch) before it are left out, its own first gap is in."""
-    joined = last_join(streams)
-    if joined is None:
-        return []
-    out = []
-    for r in streams:
-        if not r.ok:
-            continue
-        times = [r.sent_at + t for t in r.chunk_times]
-        out += [b - a for a, b in zip(times, times[1:]) if b > joined]
-    return out
-
-
-def arrivals(streams: list[RequestResult], t0: float) -> list[list[float]]:
-    """Each stream's text arrival times, seconds from t0 to 0.1 ms ([] for a failed one)."""
-    return [[round(r.sent_at + t - t0, 4) for t in r.chunk_times] if r.ok else [] for r in streams]
 
 
 async def _inject_long_prompts(client, target: Target, cfg: WorkloadConfig, streams: list[asyncio.Task],
