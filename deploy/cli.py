@@ -34,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     convert_ane_cmd.add_arguments(ane)
     service = sub.add_parser("service", help="run `tandem serve` as a launchd or systemd service (install, status, logs...)")
     service_cmd.add_arguments(service)
+    # Models from the Hugging Face Hub: pull, list, rm (deploy/models/).
+    from deploy.models import models_cmd, pull_cmd
+    pull_cmd.add_arguments(sub.add_parser("pull", help="download a model from the Hugging Face Hub: REPO[:FILE][@REVISION]"))
+    models_cmd.add_list_arguments(sub.add_parser("list", help="the downloaded models, their kinds and sizes"))
+    models_cmd.add_rm_arguments(sub.add_parser("rm", help="delete a downloaded model"))
     # Remote workers: keys, and a worker on another host joining a router (deploy/keys_cmd.py, worker_cmd.py).
     from deploy import keys_cmd, worker_cmd
     keys_cmd.add_arguments(sub.add_parser("keys", help="make CURVE keys for workers on other hosts (--out DIR)"))

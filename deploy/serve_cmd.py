@@ -67,7 +67,7 @@ def draft_model_dir(args: argparse.Namespace, model_dir) -> str | None:
         return None
     if args.speculative not in ("draft", "auto"):
         raise ModelError(f"--draft-model drafts only with --speculative draft or auto (not {args.speculative})")
-    draft_dir = resolve_model(args.draft_model)
+    draft_dir = resolve_model(args.draft_model, pull=True)
     why = vocabulary_mismatch(model_dir, draft_dir)
     if why:
         raise ModelError(f"--draft-model {args.draft_model}: {why}")
@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
               "back to MLX here)", file=sys.stderr)
         return 2
     try:
-        model_dir = resolve_model(args.model)
+        model_dir = resolve_model(args.model, pull=True)  # a repo the cache lacks is downloaded
         draft_dir = draft_model_dir(args, model_dir)
     except ModelError as exc:
         print(f"tandem: {exc}", file=sys.stderr)

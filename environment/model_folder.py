@@ -1,7 +1,7 @@
 """Facts about a model folder that every process needs without MLX: is it a
-VLM, how long a context was it trained for, and the error a model problem
-raises. Reads config.json only (stdlib), so the supervisor, the router and
-the workers can all ask."""
+VLM, what kind of model is it, is it whole, how long a context was it trained
+for, and the error a model problem raises. Reads config.json and file names
+only (stdlib), so the supervisor, the router and the workers can all ask."""
 
 from __future__ import annotations
 
@@ -24,6 +24,52 @@ def is_vlm(model_dir: str | Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
+
+
+# Files only a sentence-transformers model has (its pooling and normalising modules).
+EMBEDDING_FILES = ("modules.json", "config_sentence_transformers.json", "sentence_bert_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tekken.json")
+
+
+def model_kind(model_dir: str | Path) -> str:
+    """'vision' (a vision tower), 'embedding' (a sentence-transformers model,
+    or one whose architectures all lack a generation head, e.g. BertModel or
+    MistralModel: no ForCausalLM or ForConditionalGeneration), else 'chat'."""
+    folder = Path(model_dir)
+    if is_vlm(folder):
+        return "vision"
+    if any((folder / name).is_file() for name in EMBEDDING_FILES):
+        return "embedding"
+    try:
+        archs = json.loads((folder / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        archs = []
+    if archs and all(isinstance(a, str) and a.endswith("Model") for a in archs):
+        return "embedding"
+    return "chat"
+
+
+def missing_part(model_dir: str | Path) -> str | None:
+    """What keeps the folder from being a whole model (None: nothing lacks):
+    its config, a weight shard its index names, any weights, a tokenizer. A
+    download cut short leaves one of these out (the Hugging Face cache links a
+    file into a snapshot only once it is complete)."""
+    folder = Path(model_dir)
+    if not (folder / "config.json").is_file():
+        return "no config.json"
+    for index in sorted(folder.glob("*.safetensors.index.json")):
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return f"{index.name} is unreadable"
+        absent = sorted(s for s in shards if not (folder / s).is_file())
+        if absent:
+            return f"no {absent[0]} (which {index.name} names)"
+    if not any(p.is_file() for p in folder.glob("*.safetensors")):
+        return "no weights (*.safetensors)"
+    if not any((folder / n).is_file() for n in TOKENIZER_FILES) and not any(folder.glob("*.tiktoken")):
+        return "no tokenizer"
+    return None
 
 
 def context_length(folder: str | os.PathLike) -> int | None:

@@ -1,10 +1,13 @@
 """Find the local MLX model folder for what the user asked to serve.
 
 A model spec is one of: nothing (the embedded SmolLM2 GGUF), a local MLX
-folder, a .gguf file, or a Hugging Face repo id. GGUF files are converted
+folder, a .gguf file, or a Hugging Face repo `REPO[:FILE][@REVISION]`
+(environment/hub_cache.py). GGUF files, a GGUF repo's too, are converted
 once into `<cache>/models/<sha256 of the file>/`; the content hash means a
-renamed or moved copy of the same file reuses the conversion. Tandem never
-downloads: a repo id must already be in the local Hugging Face cache.
+renamed or moved copy of the same file reuses the conversion. A repo is taken
+from the local Hugging Face cache when all of it is there; else `pull=True`
+(`tandem serve`) downloads what is missing (workers/models/hub_pull.py), and
+without it resolution stays offline.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import re
 from pathlib import Path
 
 from environment.generation_defaults import write_generation_defaults
+from environment.hub_cache import QUANT_SUFFIX, cached, parse_ref
 from environment.model_folder import ModelError
 from environment.settings import default_cache_dir
 
@@ -51,8 +55,9 @@ def models_dir() -> Path:
     return Path(default_cache_dir()) / "models"
 
 
-def resolve_model(spec: str | None) -> Path:
-    """The local MLX model folder for `spec`, converting a GGUF if needed."""
+def resolve_model(spec: str | None, pull: bool = False) -> Path:
+    """The local MLX model folder for `spec`, converting a GGUF if needed;
+    `pull`: download a repo the local cache lacks (unless HF_HUB_OFFLINE)."""
     if spec is None:
         folder = _from_gguf(embedded_gguf())
         write_generation_defaults(folder, EMBEDDED_SAMPLING, replace=True)  # the conversion is ours
@@ -68,35 +73,45 @@ def resolve_model(spec: str | None) -> Path:
         raise ModelError(f"{path}: not a model (expected an MLX model folder or a .gguf file)")
     if _looks_like_path(spec):
         raise ModelError(f"{spec}: no such file or folder")
-    return _from_hf_cache(spec)
+    return _from_hub(spec, pull)
+
+
+def pull_model(spec: str) -> Path:
+    """`tandem pull`: ask the Hub for the revision's files (a newer commit,
+    files missing), download what the cache lacks, convert a GGUF."""
+    from workers.models.hub_pull import pull
+
+    return _model_folder(pull(parse_ref(spec)))
 
 
 def _looks_like_path(spec: str) -> bool:
-    """A repo id is `name` or `owner/name`; anything else is a path."""
+    """A repo id is `name` or `owner/name` (with `:FILE`, `@REVISION`); anything else is a path."""
     return (
-        spec.lower().endswith(".gguf")
+        spec.lower().endswith(".gguf") and ":" not in spec
         or spec.startswith((".", "/", "~"))
         or spec.count("/") > 1
         or os.sep != "/" and os.sep in spec
     )
 
 
-def _from_hf_cache(repo: str) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError
+def _from_hub(spec: str, pull: bool) -> Path:
+    ref = parse_ref(spec)
+    local = cached(ref)
+    if local is None:
+        if not pull:
+            raise ModelError(
+                f"{spec}: not in the local Hugging Face cache (or not all of it), and this command runs "
+                f"offline: `tandem pull {spec}` downloads it (or pass a local path)"
+            )
+        from workers.models.hub_pull import pull as pull_ref
 
-    try:
-        folder = Path(snapshot_download(repo, local_files_only=True))
-    except HFValidationError:
-        raise ModelError(f"{repo}: neither a local path nor a valid Hugging Face repo id") from None
-    except Exception:  # LocalEntryNotFoundError and kin: nothing usable cached
-        raise ModelError(
-            f"{repo}: not in the local Hugging Face cache, and Tandem runs offline "
-            f"(download it first, e.g. `hf download {repo}`, or pass a local path)"
-        ) from None
-    if not (folder / "config.json").is_file():
-        raise ModelError(f"{repo}: the cached snapshot at {folder} has no config.json")
-    return folder
+        local = pull_ref(ref)
+    return _model_folder(local)
+
+
+def _model_folder(local: Path) -> Path:
+    """A snapshot folder as it is; a .gguf file converted."""
+    return _from_gguf(local) if local.suffix.lower() == ".gguf" else local
 
 
 def _from_gguf(gguf: Path) -> Path:
@@ -138,10 +153,6 @@ def gguf_digest(path: Path) -> str:
     return digest
 
 
-# "Foo.Q4_1", "Foo-q8_0", "Foo.F16", "Foo-Q4_K_M" → "Foo"
-_QUANT_SUFFIX = re.compile(r"[.-](?:[QqIi][QqNn]?\d\w*|[Ff]16|[Ff]32|[Bb][Ff]16)$")
-
-
 def model_id_for(spec: str | None, folder: str | os.PathLike) -> str:
     """The name clients see in /v1/models: the repo id for a Hugging Face
     model, else the file or folder name without extension or quant suffix."""
@@ -153,5 +164,5 @@ def model_id_for(spec: str | None, folder: str | os.PathLike) -> str:
         name = Path(spec).expanduser().resolve().name
     if name.lower().endswith(".gguf"):
         name = name[: -len(".gguf")]
-    return _QUANT_SUFFIX.sub("", name) or name
+    return QUANT_SUFFIX.sub("", name) or name
 
