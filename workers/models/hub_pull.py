@@ -109,7 +109,7 @@ def hub_error(exc: Exception, ref: HubRef) -> ModelError:
     """One line for the user, naming the repo and what went wrong."""
     from huggingface_hub import constants
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, OfflineModeIsEnabled,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+                                        RepositoryNotFoundError, RevisionNotFoundError, RevisionResolutionError)
 
     hub = constants.ENDPOINT
     if isinstance(exc, GatedRepoError):
@@ -123,7 +123,11 @@ def hub_error(exc: Exception, ref: HubRef) -> ModelError:
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return ModelError(f"{ref}: the disk filled while downloading; the unfinished file was deleted and "
                           "the finished ones kept: free some space and pull again")
+    if isinstance(exc, RevisionResolutionError) and exc.__cause__ is not None:
+        exc = exc.__cause__  # the Hub unreachable, and nothing cached to fall back on
     first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    if type(exc).__module__.split(".")[0] in ("httpx", "httpx2"):  # huggingface_hub's transport: no answer at all
+        return ModelError(f"{ref}: cannot reach {hub} ({type(exc).__name__}: {first})")
     status = getattr(getattr(exc, "response", None), "status_code", None)
     if isinstance(exc, HfHubHTTPError) and status:
         return ModelError(f"{ref}: {hub} answered {status}: {first}")
