@@ -15,14 +15,16 @@ from functools import lru_cache
 
 @lru_cache(maxsize=4)
 def ll_tokenizer(tokenizer, n_vocab: int | None = None):
-    """llguidance's view of `tokenizer` (mlx-lm's TokenizerWrapper, or a
-    Hugging Face fast tokenizer), with the model's end-of-sequence ids.
+    """llguidance's view of `tokenizer` (anything with a `tokenizers`
+    `backend_tokenizer`: the router's ModelTokenizer, mlx-lm's
+    TokenizerWrapper, a Hugging Face fast tokenizer), with the model's
+    end-of-sequence ids.
     `n_vocab`: the width of the model's logits when it exceeds the
     tokenizer's (padded embeddings). Building one takes ~0.5 s (serializing
     the tokenizer alone ~60 ms): cached by the tokenizer object."""
     import llguidance
 
-    backend = tokenizer.backend_tokenizer  # TokenizerWrapper forwards it to the HF tokenizer
+    backend = tokenizer.backend_tokenizer  # TokenizerWrapper forwards it to the HF tokenizer's
     eos = getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id]
     return llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=sorted(int(t) for t in eos))
 

@@ -48,8 +48,7 @@ from router.api.openai_format import ChatFormat, CompletionFormat
 from router.api.responses_format import ResponsesFormat
 from router.api.response_store import ResponseStore
 from router.api.responses_request import responses_turn
-from router.api.text_stream import TextStream, TokenBytes
-from router.media.vision_prompt import VisionPrompter
+from router.text.text_stream import TextStream, TokenBytes
 
 log = logging.getLogger("tandem.router")
 
@@ -62,8 +61,9 @@ COUNT_ANY_LENGTH = 2**31  # the context count_tokens parses under
 
 
 def create_app(engine: Engine, tokenizer, settings: Settings) -> Starlette:
-    """`tokenizer`: mlx-lm's TokenizerWrapper for the served model (chat template,
-    EOS ids, streaming detokenizer)."""
+    """`tokenizer`: the served model's (router/text/tokenizer.py ModelTokenizer,
+    or mlx-lm's TokenizerWrapper, whose names it keeps): chat template, EOS
+    ids, token bytes."""
     api = _Api(engine, tokenizer, settings)
     routes = [
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
@@ -92,7 +92,7 @@ class _Api:
         self.created = int(time.time())
         self.answers = AnswerTokens(self.token_bytes)  # recent answers' tokens, for the next turn's prompt
         self.stored_responses = ResponseStore.from_settings(settings)  # for the Responses API's previous_response_id
-        self.vision = VisionPrompter(settings.model_dir) if settings.model_dir and is_vlm(settings.model_dir) else None
+        self.vision = _vision_prompter(settings.model_dir) if settings.model_dir and is_vlm(settings.model_dir) else None
         # The model's recommended sampling, for every field a request leaves out.
         self.defaults = generation_defaults(settings.model_dir) if settings.model_dir else GenerationDefaults()
         self.media_limits = MediaLimits.from_settings(settings)
@@ -286,6 +286,15 @@ class _Api:
     async def metrics(self, request: Request) -> Response:
         text = await self.engine.metrics_text() + self.admission_metrics.text()
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _vision_prompter(model_dir: str):
+    """A VLM's prompter: imported only for one, since it brings MLX and
+    mlx-vlm (its processor, the placeholders' layout), which a text model's
+    router does without."""
+    from router.media.vision_prompt import VisionPrompter
+
+    return VisionPrompter(model_dir)
 
 
 def _has_media(body) -> bool:

@@ -1,7 +1,7 @@
 """The router process: the OpenAI-compatible HTTP API under uvicorn.
 
-Owns the tokenizer (chat template, incremental detokenizer) and the
-Dispatcher that talks to the workers. SIGTERM or Ctrl-C starts uvicorn's
+Owns the tokenizer (router/text/: chat template, detokenizer; no MLX, no
+transformers) and the Dispatcher that talks to the workers. SIGTERM or Ctrl-C starts uvicorn's
 graceful shutdown: no new connections, in-flight streams get up to
 `drain_timeout_s` to finish. A dispatcher loop that ends (it never should)
 stops the process with exit code 1, so the supervisor starts a fresh one.
@@ -19,7 +19,6 @@ import os
 import resource
 import sys
 import threading
-from pathlib import Path
 
 import uvicorn
 
@@ -30,6 +29,7 @@ from protos.grammar import ll_tokenizer
 from router.app import create_app
 from router.routing.dispatcher import Dispatcher
 from router.guards.slow_clients import BodyDeadline, client_deadline_protocol
+from router.text.tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +113,8 @@ def run(settings: Settings, sockets: list | None = None) -> None:
     """Process main for the router (a `spawn` target); `sockets`: the
     supervisor's listening sockets, passed through multiprocessing."""
     setup_logging(settings.log_level, "router")
-    from mlx_lm.utils import load_tokenizer
-
     raise_open_files_limit()
-    tokenizer = load_tokenizer(Path(settings.model_dir))
+    tokenizer = ModelTokenizer.load(settings.model_dir)
     # llguidance's view of it (~0.5 s) is built now, not by the first request with a schema.
     threading.Thread(target=ll_tokenizer, args=(tokenizer,), name="grammar-tokenizer", daemon=True).start()
     dispatcher = Dispatcher(settings, max_context=context_length(settings.model_dir))

@@ -4,11 +4,14 @@ processes, the launcher on top), no import circle (not even one made by an
 import for types only), the router apart from the workers, folders in rooms,
 small modules and functions.
 
-Static: the modules are parsed, not imported."""
+Static: the modules are parsed, not imported (but for one check, in a child
+interpreter: what importing the router and the supervisor brings in)."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -164,6 +167,18 @@ def test_no_folder_holds_more_than_15_modules_flat():
             if n > MAX_MODULES_FLAT and "__pycache__" not in folder.parts and where not in FLAT_SCRIPTS:
                 crowded[where] = n
     assert crowded == {}
+
+
+def test_the_router_and_the_supervisor_import_no_mlx():
+    """The router tokenizes without MLX or transformers (router/text/), and a
+    VLM's prompter is imported only for one: importing the router and the
+    supervisor maps neither. Imported, unlike the checks above: in a fresh
+    interpreter, where nothing else has brought them in."""
+    code = ("import sys, deploy.supervisor, router.main, router.app; "
+            "print(sorted({m.split('.')[0] for m in sys.modules if m.startswith(('mlx', 'transformers'))}))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_test_files_import_no_other_test_file():

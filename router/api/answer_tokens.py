@@ -14,11 +14,11 @@ assistant message, puts those tokens in its place; the text around it is
 tokenized piece by piece, each piece checked to give its text back. The
 model sees the same text, tokenized as it wrote it, with one exception: a
 chat answer's first token often carries a word-separating space that the
-client never saw (router/api/text_stream.py trims it); the prompt then has it
+client never saw (router/text/text_stream.py trims it); the prompt then has it
 again, as the model generated it.
 
 Texts are compared through the tokens' exact bytes (TokenBytes), as
-router/api/text_stream.py made the answer from them: `tokenizer.decode` may
+router/text/text_stream.py made the answer from them: `tokenizer.decode` may
 clean up spaces or differ on broken UTF-8.
 """
 
@@ -30,7 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
-from router.api.text_stream import TokenBytes
+from router.text.text_stream import TokenBytes
 
 MIN_CHARS = 16  # shorter answers: little to gain, more chances to match the wrong text
 CALLS_KEPT = 4096  # answers that made tool calls, by their call ids

@@ -1,7 +1,7 @@
 """A chat answer's text split into what clients see apart: content, reasoning
 and tool calls.
 
-The text arrives a piece at a time (router/api/text_stream.py). Markers (the
+The text arrives a piece at a time (router/text/text_stream.py). Markers (the
 tool-call start and end, a reasoning model's think start and end) may span
 pieces, so text that could begin one is held back until it is whole or ruled
 out: no marker ever leaks into `content`. A call in the JSON convention

@@ -15,7 +15,7 @@ from protos.messages import TokenLogprob
 from router.api.answer_tokens import AnswerTokens
 from router.api.chat_output import ChatOutput, Split, ToolCall, ToolCallDelta
 from router.routing.engine_api import Engine, EngineError, GenerationRequest
-from router.api.text_stream import TextStream
+from router.text.text_stream import TextStream
 
 
 @dataclass

@@ -10,7 +10,7 @@ from router.api.errors import ApiError
 from router.api.generation import Generation, Piece
 from router.api.http_stream import sse
 from router.parsed_request import ParsedRequest
-from router.api.text_stream import TokenBytes
+from router.text.text_stream import TokenBytes
 
 
 def _finite(logprob: float) -> float:

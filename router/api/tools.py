@@ -3,11 +3,11 @@
 is forced) turned into a grammar the workers decode under.
 
 Where the model's chat template has a tools section, the tools go to its
-`tools` argument and the calls are parsed with the parser mlx-lm picked for
-it (`TokenizerWrapper.tool_parser`). A model without one (the embedded
-SmolLM2) gets Tandem's default rendering: the tools as JSON in the system
-message and calls written as `<tool_call>{"name": ..., "arguments": ...}
-</tool_call>`, the Hermes/Qwen convention, parsed by mlx-lm's `json_tools`.
+`tools` argument and the calls are parsed with the tokenizer's parser
+(router/text/tool_calls.py, as mlx-lm infers it). A model without one (the
+embedded SmolLM2) gets Tandem's default rendering: the tools as JSON in the
+system message and calls written as `<tool_call>{"name": ..., "arguments": ...}
+</tool_call>`, the Hermes/Qwen convention, parsed as mlx-lm's `json_tools` does.
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mlx_lm.tool_parsers import json_tools
-
 from router.api.errors import ApiError, invalid, only
 from router.guards.json_nesting import check_nesting
+from router.text.tool_calls import TOOL_CALL_END, TOOL_CALL_START, parse_json_tool_call
 
 MAX_TOOLS = 128
 TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
@@ -125,7 +124,7 @@ def local_refs(schema) -> set[str]:
 @dataclass(frozen=True)
 class ToolFormat:
     """How the served model writes a tool call: the markers around one call,
-    the parser of the text between them (mlx-lm's), whether that text is
+    the parser of the text between them, whether that text is
     `{"name": ..., "arguments": {...}}` (json: its arguments stream as they
     are generated and a call can be forced by a grammar), and whether the
     chat template renders tools itself (native) or Tandem does."""
@@ -141,9 +140,8 @@ class ToolFormat:
         template = getattr(tokenizer, "chat_template", None) or ""
         if getattr(tokenizer, "has_tool_calling", False) and "tools" in template:
             parse = tokenizer.tool_parser
-            return cls(tokenizer.tool_call_start, tokenizer.tool_call_end, parse,
-                       parse is json_tools.parse_tool_call, True)
-        return cls(json_tools.tool_call_start, json_tools.tool_call_end, json_tools.parse_tool_call, True, False)
+            return cls(tokenizer.tool_call_start, tokenizer.tool_call_end, parse, parse is parse_json_tool_call, True)
+        return cls(TOOL_CALL_START, TOOL_CALL_END, parse_json_tool_call, True, False)
 
 
 @dataclass

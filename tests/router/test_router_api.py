@@ -16,7 +16,7 @@ import pytest
 from protos.messages import SamplingParams
 from router.api.generation import Generation
 from router.routing.engine_api import EngineError, GenerationRequest
-from router.api.text_stream import TextStream, TokenBytes
+from router.text.text_stream import TextStream, TokenBytes
 from tests.support.fake_engine import FakeEngine
 from tests.support.router_server import serve_app, wait_for
 

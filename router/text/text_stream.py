@@ -82,13 +82,17 @@ class TokenBytes:
     """The exact bytes of single tokens, for logprobs ("bytes" and "token" fields).
 
     `tokenizer.decode([id])` cannot tell the bytes of a partial UTF-8 character (it gives
-    U+FFFD), so read the detokenizer's token map: byte-level BPE stores tokens as
-    byte-alphabet strings, SentencePiece as raw bytes with U+2581 for spaces.
+    U+FFFD), so read the token's piece: byte-level BPE stores tokens as byte-alphabet
+    strings, SentencePiece as raw bytes with U+2581 for spaces. The router's
+    ModelTokenizer reads them itself (`piece_bytes`); mlx-lm's TokenizerWrapper (the
+    tests' small tokenizer) holds them in its detokenizer's token map.
     """
 
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
-        self._tokenmap = getattr(tokenizer.detokenizer, "tokenmap", None)
+        self._piece_bytes = getattr(tokenizer, "piece_bytes", None)
+        detokenizer = getattr(tokenizer, "detokenizer", None) if self._piece_bytes is None else None
+        self._tokenmap = getattr(detokenizer, "tokenmap", None)
         self._cache: dict[int, bytes] = {}
 
     def __call__(self, token: int) -> bytes:
@@ -101,6 +105,9 @@ class TokenBytes:
         return self(token).decode("utf-8", errors="replace")
 
     def _lookup(self, token: int) -> bytes:
+        if self._piece_bytes is not None:
+            found = self._piece_bytes(token)
+            return found if found is not None else self._tokenizer.decode([token]).encode("utf-8")
         piece = self._tokenmap[token] if self._tokenmap and token < len(self._tokenmap) else None
         if isinstance(piece, bytes):
             return piece.replace("\u2581".encode(), b" ")
