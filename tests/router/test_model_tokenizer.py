@@ -20,7 +20,7 @@ import pytest
 from mlx_lm.tool_parsers import json_tools
 from mlx_lm.tokenizer_utils import _infer_tool_parser
 from mlx_lm.utils import load_tokenizer
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from benchmarks.random_models import text as random_text
 from benchmarks.random_models import vlm as random_vlm
@@ -83,6 +83,7 @@ QWEN3_STYLE = """{%- if tools %}
 {%- if add_generation_prompt %}
   {{- '<|im_start|>assistant\\n' }}
   {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
+  {%- if enable_thinking is not defined %}{{- '(unset)' }}{%- endif %}
 {%- endif %}"""
 
 TOOLS = [{"type": "function", "function": {
@@ -108,6 +109,8 @@ CHATS = {
                   {"role": "assistant", "content": "4", "reasoning_content": "Two and two make four."},
                   {"role": "user", "content": "3 + 3?"},
                   {"role": "assistant", "content": "<think>\nsix\n</think>\n\n6"}],
+    "reasoning alias": [{"role": "user", "content": "2 + 2?"},
+                        {"role": "assistant", "content": "4", "reasoning": "A quick sum."}],
     "parts": [{"role": "user", "content": [{"type": "text", "text": "Describe"}, {"type": "image"},
                                            {"type": "text", "text": " this."}]}],
     "bad role": [{"role": "user", "content": "hi"}, {"role": "narrator", "content": "meanwhile"}],
@@ -124,11 +127,15 @@ def _spm_folder(folder: Path) -> None:
     specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     bpe.train_from_iterator(["Hello world. The capital of France is Paris.", "the quick brown fox"] * 5,
                             trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False))
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])  # BOS
     bpe.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
         "chat_template": "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}"
-                         "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"}))
+                         "{% endfor %}{% if add_generation_prompt %}[assistant]{{ pad_token }}{% endif %}"}))
+    # The config lists no added tokens, so this file's tokens win; a pad token the vocabulary lacks gets a new id.
+    pad = {"content": "<pad>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+    (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": pad}))
 
 
 def _qwen3_style_folder(folder: Path, small: Path) -> None:
@@ -199,6 +206,9 @@ def test_the_same_backend_special_tokens_and_markers(pairs):
             assert getattr(ours, attr) == getattr(theirs, attr), (name, attr)
         assert (ours.tool_parser is None) == (theirs.tool_parser is None), name
     assert pairs["chatml-thinking"][0].has_thinking and pairs["qwen3-style"][0].has_thinking
+    spm = pairs["spm"][0]
+    assert spm.special_tokens_map["pad_token"] == "<pad>" and spm.convert_tokens_to_ids("<pad>") == len(spm) - 1
+    assert spm.encode("Hello")[0] == 1 and spm.encode("Hello", add_special_tokens=False)[0] != 1
     qwen = ToolFormat.of(pairs["qwen3-style"][0])
     assert qwen.native and qwen.json and qwen.parse is parse_json_tool_call
 
@@ -234,6 +244,8 @@ def test_the_qwen3_style_prompt_renders_what_it_should(pairs):
     assert "<|im_start|>user\n<tool_response>\nSunny, 21 °C\n</tool_response>\n<tool_response>\n3" in text
     reasoning = ours.apply_chat_template(CHATS["reasoning"], tokenize=False)
     assert "<think>\nsix\n</think>\n\n6" in reasoning and "Two and two" not in reasoning  # before the last query
+    assert "<think>\nA quick sum.\n</think>\n\n4" in ours.apply_chat_template(CHATS["reasoning alias"], tokenize=False)
+    assert "(unset)" not in ours.apply_chat_template(CHATS["one turn"], add_generation_prompt=True, tokenize=False)
     off = ours.apply_chat_template(CHATS["one turn"], add_generation_prompt=True, enable_thinking=False)
     assert ours.decode(off).endswith("<think>\n\n</think>\n\n") and ours.think_start_tokens[0] in off
 
