@@ -75,7 +75,10 @@ class Turns:
         return bool(self.queue or self.started)
 
     def add(self, req: PrefillRequest) -> None:
+        """`req` arrived: queued, numbered in arrival order."""
         self.queue.append(req)
+        self._arrival.setdefault(req.request_id, self._arrivals)
+        self._arrivals += 1
 
     # ------------------------------------------------------------ the pick --
     def pick(self) -> PrefillRequest | Turn:
@@ -115,7 +118,6 @@ class Turns:
     # ------------------------------------------------------------- moves --
     def start(self, req: PrefillRequest, job) -> Turn:
         """`req` leaves the queue with its `job` (made, its prefix maybe loaded)."""
-        self._arrived(req)
         for i, r in enumerate(self.queue):
             if r is req:
                 del self.queue[i]
@@ -151,15 +153,5 @@ class Turns:
         return c.request_id
 
     def _arrived(self, c: PrefillRequest | Turn) -> int:
-        """`c`'s arrival number: numbered when first seen, so requests put in
-        the queue directly are numbered in queue order."""
-        rid = self._id(c)
-        if rid not in self._arrival:
-            for req in self.queue:  # the queue's order is the arrival order
-                if req.request_id not in self._arrival:
-                    self._arrival[req.request_id] = self._arrivals
-                    self._arrivals += 1
-            if rid not in self._arrival:
-                self._arrival[rid] = self._arrivals
-                self._arrivals += 1
-        return self._arrival[rid]
+        """`c`'s arrival number (given by `add`)."""
+        return self._arrival[self._id(c)]

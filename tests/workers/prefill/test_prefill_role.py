@@ -178,7 +178,7 @@ def test_a_colocated_prompts_blocks_are_stored_by_the_store_thread(model, tiny_d
     prefix.write_store = lambda prepared, client=None: writes.append(threading.current_thread().name) or \
         real_write(prepared, client)
     prompt = prompt_of(45, 77)
-    w.queue.append(PrefillRequest("c", prompt, greedy(4), "prefill-0"))
+    w.handle(PrefillRequest("c", prompt, greedy(4), "prefill-0"))
     w.prefill_chunk()
     w.stores.close()
     (done,) = w.outbox.sent
@@ -211,7 +211,7 @@ def test_the_prefill_worker_batches_within_an_eighth_of_the_arena_in_handoffs(mo
     w = _prefill_worker(engine, fake, Settings(prefill_batch=8, prefill_chunk=64,
                                                cache_memory_bytes=8 * (2 * handoff + handoff // 2)))
     for i, p in enumerate(prompts):
-        w.queue.append(PrefillRequest(f"r{i}", p, greedy(4), ""))
+        w.handle(PrefillRequest(f"r{i}", p, greedy(4), ""))
 
     def done():
         return {m.request_id: m.first_token for m in w.outbox.sent if isinstance(m, PrefillDone)}
