@@ -45,6 +45,14 @@ def default_cache_memory(ram: int | None = None, weights: int = 0, copies: int =
     return max(MIN_CACHE_MEMORY, min(MAX_CACHE_MEMORY, ram // 10, left // 4 if copies else ram))
 
 
+def default_models_memory(ram: int | None = None, cache_bytes: int = 0) -> int:
+    """Bytes loaded models' weights may take together: three quarters of
+    physical memory (on a Mac the GPU's share of unified memory is about
+    that) less the KV arena, at least 1 GiB."""
+    ram = physical_memory() if ram is None else ram
+    return max(1 << 30, ram * 3 // 4 - cache_bytes)
+
+
 def default_block_size() -> int:
     """Tokens per KV block: 4 where MLX runs on the CPU, 8 on a GPU.
 
@@ -84,6 +92,21 @@ class Settings:
     model: str | None = None  # as given: None (embedded default), folder, .gguf, or HF repo id
     model_dir: str = ""  # the resolved local MLX model folder
     model_id: str = ""  # the id clients see in /v1/models
+    # Many models on one endpoint (router/models/, protos/model_messages.py): a
+    # request naming another downloaded model loads it (its own workers, its own
+    # socket to the router); an idle one goes after its keep-alive (the request's
+    # `keep_alive` or `ttl`, else this; the --model one stays unless told), and
+    # the least recently used idle one makes room when a load would pass
+    # `max_loaded_models` or `models_memory_bytes` (weights times the processes
+    # holding them; None: sized by the machine, default_models_memory).
+    model_keep_alive_s: float = 300.0  # < 0: forever
+    max_loaded_models: int = 3
+    models_memory_bytes: int | None = None
+    model_load_timeout_s: float = 300.0  # a request waits this long for its model to be ready
+    # The ipc name this model's workers and the router's dispatcher for it meet
+    # on (protos/transport.py ipc_address): "router" for the --model one,
+    # "router-m1", ... for those loaded on demand; a slot's settings say its own.
+    router_socket: str = "router"
     # HTTP
     host: str = "127.0.0.1"
     port: int = 8000

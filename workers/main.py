@@ -34,7 +34,7 @@ def run(settings: Settings, roles: list[str], worker_id: str, make_runner=None) 
     hello = WorkerHello(worker_id=worker_id, roles=list(roles), pid=os.getpid(), state="loading",
                         model_id=settings.model_id, kv_host=settings.kv_host)
     # A remote worker (`tandem worker`) joins over tcp with CURVE keys; the rest over this host's ipc socket.
-    loop = SocketLoop(ctx, settings.router_address or transport.ipc_address(settings.run_dir, "router"), hello,
+    loop = SocketLoop(ctx, settings.router_address or transport.ipc_address(settings.run_dir, settings.router_socket), hello,
                       settings.heartbeat_interval_s, join_timeout_s=settings.router_join_timeout_s,
                       curve=transport.worker_keys(settings.router_keys) if settings.router_keys else None)
     runner = make_runner(ctx, hello) if make_runner else Alone()

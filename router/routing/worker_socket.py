@@ -77,7 +77,7 @@ class WorkerSockets:
     def __init__(self, ctx, settings: Settings):
         self.local = transport.make_socket(ctx, zmq.ROUTER)
         self.local.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.local.bind(transport.ipc_address(settings.run_dir, "router"))
+        self.local.bind(transport.ipc_address(settings.run_dir, settings.router_socket))
         self.remote, self.key_check = None, None
         self.names = RemoteNames()
         self._ready: list = []  # sockets the last poll found readable, not yet read
