@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from protos import cache_messages, kv_handoff, worker_messages
+from protos import cache_messages, kv_handoff, model_messages, worker_messages
 from protos.budget import TokenBudget
 from protos.messages import ALL_MESSAGES, DecodeRequest, KVHandoff, PrefillRequest, SamplingParams
 
@@ -61,7 +61,7 @@ def test_a_budget_counts_from_zero():
 
 
 def test_every_message_of_every_pair_is_on_the_list_once():
-    defined = [obj for module in (worker_messages, kv_handoff, cache_messages) for obj in vars(module).values()
+    defined = [obj for module in (worker_messages, kv_handoff, cache_messages, model_messages) for obj in vars(module).values()
                if dataclasses.is_dataclass(obj) and obj.__module__ == module.__name__]
     assert sorted(c.__name__ for c in defined) == sorted(c.__name__ for c in ALL_MESSAGES)
     assert len({c.__name__ for c in ALL_MESSAGES}) == len(ALL_MESSAGES)  # known on the wire by name alone
