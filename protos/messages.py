@@ -1,7 +1,7 @@
 """Every message that crosses a process boundary, one dataclass each, by
 the pair of processes it travels between:
 
-  protos/worker_messages.py   router <-> model workers (requests, tokens, hellos)
+  protos/worker_messages.py   router <-> model workers (requests, tokens, embeddings, hellos)
   protos/kv_handoff.py        a prompt's KV, prefill -> router -> decode
   protos/cache_messages.py    anyone <-> the cache service (arena, prefix-cache blocks)
   protos/model_messages.py    router <-> supervisor (models loaded and unloaded)
@@ -25,9 +25,9 @@ from protos.cache_messages import (BlockRef, CacheAlloc, CacheAllocReply, CacheF
                                    KVCommit, KVLookup, KVLookupReply, KVRelease, KVReserve, KVReserveReply)
 from protos.kv_handoff import ArenaSlice, HeldBlocks, KVHandoff, KVShard
 from protos.model_messages import ListModels, LoadModel, ModelRefused, ModelSlot, ModelsState, UnloadModel
-from protos.worker_messages import (Cancel, DecodeRequest, ImageInput, PrefillDone, PrefillRequest, RequestFailed,
-                                    SamplingParams, TokenBatch, TokenLogprob, TokenUpdate, VisionDone, VisionRequest,
-                                    WorkerHello, WorkerLimits)
+from protos.worker_messages import (Cancel, DecodeRequest, EmbedRequest, EmbedResult, ImageInput, PrefillDone,
+                                    PrefillRequest, RequestFailed, SamplingParams, TokenBatch, TokenLogprob, TokenUpdate,
+                                    VisionDone, VisionRequest, WorkerHello, WorkerLimits)
 
 VERSION = 1
 
@@ -44,6 +44,8 @@ ALL_MESSAGES = [
     ImageInput,
     VisionRequest,
     VisionDone,
+    EmbedRequest,
+    EmbedResult,
     PrefillDone,
     DecodeRequest,
     TokenUpdate,

@@ -162,6 +162,29 @@ class VisionDone:
 
 
 @dataclass
+class EmbedRequest:
+    """Router -> embed worker (workers/embed/): one vector per input, each
+    input's token ids as the router tokenized them (special tokens included)."""
+
+    request_id: str
+    inputs: list[list[int]]
+    # Matryoshka: the first `dimensions` components, renormalised (a model
+    # trained for it: environment/embedding_config.py); 0: the model's own width.
+    dimensions: int = 0
+
+
+@dataclass
+class EmbedResult:
+    """Embed worker -> router: every input's vector, L2-normalised, row i for
+    input i, as one out-of-band frame. A failure is a RequestFailed."""
+
+    request_id: str
+    vectors: np.ndarray  # float32 [len(inputs), dimensions or the model's width]
+    prompt_tokens: int = 0  # tokens embedded, every input's together
+    passes: int = 0  # forward passes its inputs ran in (shared with other requests' inputs)
+
+
+@dataclass
 class PrefillDone:
     """Prefill worker -> router: the first token, sent the moment it exists.
 
