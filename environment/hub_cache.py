@@ -1,7 +1,7 @@
 """The models in huggingface_hub's local cache: which files a model needs,
 whether a repo's snapshot holds all of them, which cached repos can be
 served, and deleting one. No network: the pull itself is
-workers/models/hub_pull.py.
+environment/hub_pull.py.
 
 huggingface_hub finds its cache itself (HF_HOME, HF_HUB_CACHE); nothing here
 passes a folder of ours. A reference is `REPO[:FILE][@REVISION]`: FILE names

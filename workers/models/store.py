@@ -6,7 +6,7 @@ folder, a .gguf file, or a Hugging Face repo `REPO[:FILE][@REVISION]`
 once into `<cache>/models/<sha256 of the file>/`; the content hash means a
 renamed or moved copy of the same file reuses the conversion. A repo is taken
 from the local Hugging Face cache when all of it is there; else `pull=True`
-(`tandem serve`) downloads what is missing (workers/models/hub_pull.py), and
+(`tandem serve`) downloads what is missing (environment/hub_pull.py), and
 without it resolution stays offline.
 """
 
@@ -79,7 +79,7 @@ def resolve_model(spec: str | None, pull: bool = False) -> Path:
 def pull_model(spec: str) -> Path:
     """`tandem pull`: ask the Hub for the revision's files (a newer commit,
     files missing), download what the cache lacks, convert a GGUF."""
-    from workers.models.hub_pull import pull
+    from environment.hub_pull import pull
 
     return _model_folder(pull(parse_ref(spec)))
 
@@ -103,7 +103,7 @@ def _from_hub(spec: str, pull: bool) -> Path:
                 f"{spec}: not in the local Hugging Face cache (or not all of it), and this command runs "
                 f"offline: `tandem pull {spec}` downloads it (or pass a local path)"
             )
-        from workers.models.hub_pull import pull as pull_ref
+        from environment.hub_pull import pull as pull_ref
 
         local = pull_ref(ref)
     return _model_folder(local)

@@ -16,6 +16,10 @@ Nothing half-written may later look whole:
   a small file's git blob id): huggingface_hub checks sizes only. One that
   differs is deleted, so the snapshot lacks it and is never taken as whole
   (hub_cache.cached).
+
+Progress: `pull(ref, progress)` reports each file's bytes as they land in
+the cache (for /api/pull's stream, router/ollama/pull.py); the terminal's
+bars stay huggingface_hub's own.
 """
 
 from __future__ import annotations
@@ -25,15 +29,41 @@ import glob
 import hashlib
 import os
 import shutil
+import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from environment.hub_cache import HubRef, cached, repo_folder, select_files, size_text
 from environment.model_folder import ModelError
 
 
-def pull(ref: HubRef) -> Path:
+PROGRESS_EVERY_S = 0.25  # how often a watched pull reports its files' bytes
+
+
+@dataclass(frozen=True)
+class FileProgress:
+    """One file of a pull: `digest` names its blob in the cache (the LFS
+    sha256, or a small file's git blob id), `sha256` says which it is."""
+
+    path: str
+    digest: str
+    sha256: bool
+    total: int
+    completed: int
+
+
+# progress(stage, files): stage "listing" (asking the Hub), "files" (bytes
+# landed so far, every PROGRESS_EVERY_S while they change), "verifying"
+# (checksums); files empty but for "files".
+Progress = Callable[[str, list[FileProgress]], None]
+
+
+def pull(ref: HubRef, progress: Progress | None = None) -> Path:
     """Download what `ref` lacks; returns its snapshot folder, or its .gguf
-    file. Raises ModelError with one line saying what went wrong."""
+    file. Raises ModelError with one line saying what went wrong. With
+    `progress`, huggingface_hub's bars are silent and `progress` is told
+    (from this thread and a watcher's) what has landed."""
     from huggingface_hub import HfApi, is_offline_mode, snapshot_download
     from huggingface_hub.hf_api import RepoFile
 
@@ -43,7 +73,9 @@ def pull(ref: HubRef) -> Path:
             raise ModelError(f"{ref}: not downloaded (or not all of it), and HF_HUB_OFFLINE is set (unset it to pull)")
         return local
     api = HfApi()
+    report = progress or (lambda stage, files: None)
     try:
+        report("listing", [])
         revision = api.resolve_revision(ref.repo, revision=ref.revision)
         listing = [f for f in api.list_repo_tree(ref.repo, revision=revision.resolved, recursive=True)
                    if isinstance(f, RepoFile)]
@@ -52,12 +84,14 @@ def pull(ref: HubRef) -> Path:
         blobs = repo_folder(ref.repo) / "blobs"
         _check_space(ref, files, blobs)
         before = set(os.listdir(blobs)) if blobs.is_dir() else set()
-        folder = Path(snapshot_download(ref.repo, revision=revision,
-                                        allow_patterns=[glob.escape(p) for p in wanted]))
+        with _Watcher(files, blobs, progress):
+            folder = Path(snapshot_download(ref.repo, revision=revision, allow_patterns=[glob.escape(p) for p in wanted],
+                                            tqdm_class=_silent_tqdm() if progress else None))
     except ModelError:
         raise
     except Exception as exc:  # huggingface_hub's errors and the network's, said in one line
         raise hub_error(exc, ref) from None
+    report("verifying", [])
     _verify(ref, folder, files, before)
     return folder / wanted[0] if wanted[0].lower().endswith(".gguf") else folder
 
@@ -65,6 +99,60 @@ def pull(ref: HubRef) -> Path:
 def _blob_name(f) -> str:
     """huggingface_hub names a blob by its ETag: the sha256 of an LFS file, the git blob id of another."""
     return f.lfs.sha256 if f.lfs else f.blob_id
+
+
+class _Watcher:
+    """Reports each file's bytes in the cache while a download runs:
+    huggingface_hub writes a blob as `<name>.incomplete` and renames it once
+    whole. A thread of its own, stopped (and joined, with a deadline) when
+    the download ends, with one last report."""
+
+    def __init__(self, files: list, blobs: Path, progress: Progress | None):
+        self.files, self.blobs, self.progress = files, blobs, progress
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="pull-progress", daemon=True)
+        self.last: list[FileProgress] | None = None
+
+    def __enter__(self) -> "_Watcher":
+        if self.progress is not None:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.done.set()
+            self.thread.join(5.0)
+            if exc[0] is None:
+                self._report()
+
+    def _run(self) -> None:
+        while not self.done.wait(PROGRESS_EVERY_S):
+            self._report()
+
+    def _report(self) -> None:
+        now = [FileProgress(f.path, _blob_name(f), f.lfs is not None, f.size, self._landed(f)) for f in self.files]
+        if now != self.last:
+            self.last = now
+            self.progress("files", now)
+
+    def _landed(self, f) -> int:
+        blob = self.blobs / _blob_name(f)
+        try:
+            return blob.stat().st_size if blob.exists() else (self.blobs / (blob.name + ".incomplete")).stat().st_size
+        except OSError:
+            return 0
+
+
+def _silent_tqdm():
+    """huggingface_hub's bars, drawn nowhere (a server's log is no terminal)."""
+    from huggingface_hub.utils import tqdm
+
+    class Silent(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+    return Silent
 
 
 def _check_space(ref: HubRef, files: list, blobs: Path) -> None:
