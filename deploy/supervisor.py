@@ -12,6 +12,13 @@ launchd or systemd socket activation) and hands the socket to every router it
 starts, so while a crashed router restarts, new connections wait in the
 kernel's backlog instead of being refused (deploy/service/listen_socket.py).
 
+Models (deploy/models/): the --model one is slot "", started with the
+server; the router asks for others on the control socket (control.py, a
+thread that hands commands to this loop), and each gets its own workers
+(slots.py). A model loaded on demand whose workers keep dying fails alone
+(its slot says why); the cache service, the router and the --model one's
+workers dying too often still stop the server.
+
 Exit codes, for launchd's KeepAlive and systemd's Restart=on-failure: 0 only
 after a requested stop (SIGTERM, Ctrl-C, SIGHUP); 1 whenever it gives up (the
 port in use, a child dying too often).
@@ -23,7 +30,6 @@ the next start (deploy/run_dir.py).
 
 from __future__ import annotations
 
-import importlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -33,15 +39,18 @@ import signal
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from cache_service.arena import unlink_arena
 from deploy.blas import calm_blas_threads
 from deploy.run_dir import RunDir, sweep_leftovers
 from deploy.service.listen_socket import Listeners, ListenError, open_listeners
-from deploy.group_plan import is_remote, local_index, rank_environment, write_group_plan, write_hostfile
+from deploy.group_plan import write_group_plan, write_hostfile
+from deploy.models.children import KILL_WAIT_S, Child, Retiring, child_main, stop_all
+from deploy.models.control import ModelControl
+from deploy.models.slots import WORKER_TARGET, GROUP_TARGET, Slots, hostfile_path
 from environment.settings import Settings
-from protos.group_plan import RankSpec
+from protos.model_messages import LoadModel, ModelRefused, UnloadModel
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +60,6 @@ RESTART_WINDOW_S = 60.0
 # Stopping: the router gets the drain plus STOP_GRACE_S, the rest STOP_GRACE_S;
 # a child still alive then is killed and waited for KILL_WAIT_S more.
 STOP_GRACE_S = 5.0
-KILL_WAIT_S = 2.0
 GROUP_STOP_GRACE_S = 1.0  # the rest of a group that lost a rank, before SIGKILL
 EXIT_STOPPED = 0  # a requested stop
 EXIT_GAVE_UP = 1  # launchd and systemd restart the service on it
@@ -63,54 +71,8 @@ def longest_stop_s(drain_timeout_s: float) -> float:
     return (drain_timeout_s + STOP_GRACE_S + KILL_WAIT_S) + (STOP_GRACE_S + KILL_WAIT_S)
 
 
-def _watch_parent(parent: int) -> None:
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(5)
-            os._exit(1)
-
-
-def _child_main(target: str, args: tuple, env: dict | None = None) -> None:
-    """Entry of every child: its environment (`env`, before anything imports
-    MLX), own process group, parent watchdog, then the role's main."""
-    os.environ.update(env or {})
-    os.setpgrp()
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
-    module, func = target.rsplit(":", 1)
-    getattr(importlib.import_module(module), func)(*args)
-
-
-def _stop_all(procs: list, grace_s: float, warn: bool = False) -> None:
-    """SIGTERM to every live one of `procs`, then SIGKILL to those still
-    alive `grace_s` later; every wait bounded."""
-    procs = [p for p in procs if p is not None and p.is_alive()]
-    for p in procs:
-        p.terminate()
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            if warn:
-                log.warning("%s (pid %d) did not stop in %.0fs; killing", p.name, p.pid, grace_s)
-            p.kill()
-            p.join(timeout=KILL_WAIT_S)
-
-
-@dataclass
-class Child:
-    name: str  # "cache", "router", "prefill-0", "decode-1", "worker-0" (colocated)
-    target: str  # "module:function"
-    args_fn: object  # () -> args tuple; called at every (re)start so settings are current
-    process: mp.Process | None = None
-    restarts: list = field(default_factory=list)
-    group: str | None = None  # a tensor-parallel group's name (its rank 0's): its ranks live and die together
-    env: dict = field(default_factory=dict)  # set in the child before its main is imported
-
-
 class Supervisor:
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, worker_targets: tuple[str, str] = (WORKER_TARGET, GROUP_TARGET)):
         self.settings = settings
         self.ctx = mp.get_context("spawn")
         self.children: list[Child] = []
@@ -119,6 +81,10 @@ class Supervisor:
         self.run_dir: RunDir | None = None  # the one this supervisor made (settings.run_dir unset)
         self.listeners: Listeners | None = None  # the HTTP port, handed to every router
         self._new_arena_name()
+        # The models (deploy/models/): slot "" is the --model one; the router asks for others.
+        self.slots = Slots(lambda: self.settings, worker_targets)
+        self.control: ModelControl | None = None
+        self.retiring = Retiring()  # an unloaded or failed model's workers, stopping
 
     def _new_arena_name(self) -> None:
         # A fresh name per cache-service start: stale handles can never read new data.
@@ -126,26 +92,8 @@ class Supervisor:
 
     def _plan(self) -> None:
         self.children.append(Child("cache", "cache_service.main:run", lambda: (self.settings,)))
-        for name, roles in self.settings.worker_plan():
-            self._worker(name, roles)
+        self.children += self.slots.startup()
         self.children.append(Child("router", "router.main:run", lambda: (self.settings, self.listeners.sockets)))
-
-    def _worker(self, name: str, roles: list[str]) -> None:
-        size = self.settings.group_size
-        if size <= 1:
-            self.children.append(Child(name, "workers.main:run", lambda: (self.settings, roles, name)))
-            return
-        # A group (tensor or pipeline parallel): rank 0 takes the name the router knows,
-        # the followers "<name>.r<rank>" (workers/group/). With --hosts, a rank on another
-        # host is an ssh client here (deploy/remote_rank.py): its exit is that rank's death.
-        hosts = self.settings.group_hosts
-        for rank in range(size):
-            spec = RankSpec(name, rank, size, os.path.join(self.settings.run_dir, f"{name}.hosts.json"))
-            target = "deploy.remote_rank:run" if is_remote(hosts, rank) else "workers.group.main:run"
-            env = {} if is_remote(hosts, rank) else {**rank_environment(local_index(hosts, rank), os.environ),
-                                                     **dict(e.split("=", 1) for e in self.settings.group_envs)}
-            self.children.append(Child(spec.name, target, lambda spec=spec: (self.settings, roles, spec),
-                                       group=name, env=env))
 
     def _spawn(self, child: Child) -> None:
         if child.name == "cache":
@@ -154,12 +102,12 @@ class Supervisor:
             if self.run_dir is not None:
                 self.run_dir.record_arena(self.settings.arena_name)
         if child.group is not None and child.name == child.group:  # a group's start: fresh ports for its ranks
-            hostfile = os.path.join(self.settings.run_dir, f"{child.group}.hosts.json")
+            hostfile = hostfile_path(self.settings.run_dir, child.group)
             if self.settings.group_hosts:
                 write_group_plan(hostfile, self.settings.group_hosts, self.settings.group_backend)
             else:
                 write_hostfile(hostfile, self.settings.group_size)
-        child.process = self.ctx.Process(target=_child_main, args=(child.target, child.args_fn(), child.env),
+        child.process = self.ctx.Process(target=child_main, args=(child.target, child.args_fn(), child.env),
                                          name=f"tandem-{child.name}", daemon=False)
         child.process.start()
         log.info("started %s (pid %d)", child.name, child.process.pid)
@@ -181,21 +129,65 @@ class Supervisor:
         self._stop_on_hangup()
         try:
             self._plan()
+            self.control = ModelControl(self.settings.run_dir, self.slots)  # the router's: models loaded on demand
+            self.control.start()
             if calm_blas_threads():
                 log.info("OpenBLAS: idle threads sleep at once (OPENBLAS_THREAD_TIMEOUT=4)")
             for child in self.children:
                 self._spawn(child)
             self._announce()
             while not self.stopping.is_set():
-                sentinels = {c.process.sentinel: c for c in self.children if c.process is not None}
-                ready = mp.connection.wait(list(sentinels), timeout=0.5)
-                for sentinel in ready:
-                    if self.stopping.is_set():
-                        break
-                    self._on_exit(sentinels[sentinel])
+                self._step()
         finally:
             self.shutdown()
         return EXIT_GAVE_UP if self.failed else EXIT_STOPPED
+
+    def _step(self) -> None:
+        """One turn of the loop: the children that died, the restarts due, the
+        models' workers stopping, the control socket's commands; waits 0.5 s at most."""
+        now = time.monotonic()
+        due = [c.restart_at - now for c in self.children if c.restart_at is not None]
+        sentinels = {c.process.sentinel: c for c in self.children if c.process is not None and c.restart_at is None}
+        retiring = self.retiring.next_s()
+        timeout = min([0.5, *due] + ([] if retiring is None else [retiring]))
+        ready = mp.connection.wait([*sentinels, self.control.wakeup, *self.retiring.sentinels()], max(0.0, timeout))
+        for obj in ready:
+            if self.stopping.is_set():
+                return
+            child = sentinels.get(obj) if isinstance(obj, int) else None
+            if child is not None and child.restart_at is None and any(c is child for c in self.children):
+                self._on_exit(child)  # (a slot that failed just now took its other children away)
+        for child in self.children:
+            if child.restart_at is not None and child.restart_at <= time.monotonic() and not self.stopping.is_set():
+                child.restart_at = None
+                self._spawn(child)
+        self.retiring.tick()
+        for cmd in self.control.take():
+            self._command(cmd)
+
+    def _command(self, cmd) -> None:
+        """A control socket command (deploy/models/control.py), carried out here,
+        the one thread that touches children; an unload is answered once its
+        workers are gone, without holding up the loop."""
+        if isinstance(cmd.msg, (LoadModel, UnloadModel)):
+            load = isinstance(cmd.msg, LoadModel)
+            changed = (self.slots.load(cmd.msg.name, cmd.resolved) if load else self.slots.unload(cmd.msg.name))
+            if isinstance(changed, ModelRefused):
+                cmd.answer(changed)
+                return
+            if load:
+                for child in changed:
+                    self.children.append(child)
+                    self._spawn(child)
+            else:
+                self._retire(changed, then=lambda: cmd.answer(self.slots.state()))
+                return
+        cmd.answer(self.slots.state())
+
+    def _retire(self, children: list, then=None) -> None:
+        """Stop these children (SIGTERM, SIGKILL after the grace) and forget them."""
+        self.children = [c for c in self.children if not any(c is x for x in children)]
+        self.retiring.add([c.process for c in children], STOP_GRACE_S, then)
 
     def _announce(self) -> None:
         log.info("tandem serving %s on http://%s (%s; run dir %s)", self.settings.model_id,
@@ -238,16 +230,10 @@ class Supervisor:
             return
         child.process.join(timeout=1)
         code = child.process.exitcode  # after join: negative is the signal that killed it
-        now = time.monotonic()
-        child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW_S] + [now]
-        if len(child.restarts) > MAX_RESTARTS:
-            self.failed = f"{child.name} died {len(child.restarts)} times in {RESTART_WINDOW_S:.0f}s (last exit code {code})"
-            log.error("%s; stopping", self.failed)
-            self.stopping.set()
+        if self._gave_up(child, [child], lambda n: f"{child.name} died {n} times in {RESTART_WINDOW_S:.0f}s "
+                                                   f"(last exit code {code})"):
             return
         log.warning("%s (pid %d) exited with code %s; restarting", child.name, child.process.pid, code)
-        time.sleep(min(0.2 * 2 ** (len(child.restarts) - 1), 5.0))
-        self._spawn(child)
 
     def _restart_group(self, dead: Child) -> None:
         """One rank of a group died: the others would hang in their next
@@ -259,22 +245,32 @@ class Supervisor:
         members = [c for c in self.children if c.group == dead.group]
         dead.process.join(timeout=1)
         code = dead.process.exitcode
-        _stop_all([c.process for c in members], GROUP_STOP_GRACE_S)
-        leader = members[0]
-        now = time.monotonic()
-        leader.restarts = [t for t in leader.restarts if now - t < RESTART_WINDOW_S] + [now]
-        if len(leader.restarts) > MAX_RESTARTS:
-            self.failed = (f"group {dead.group} lost a rank {len(leader.restarts)} times in {RESTART_WINDOW_S:.0f}s "
-                           f"(last: {dead.name}, exit code {code})")
-            log.error("%s; stopping", self.failed)
-            self.stopping.set()
+        stop_all([c.process for c in members], GROUP_STOP_GRACE_S)
+        if self._gave_up(members[0], members, lambda n: f"group {dead.group} lost a rank {n} times in "
+                                                        f"{RESTART_WINDOW_S:.0f}s (last: {dead.name}, exit code {code})"):
             return
         # How each rank ended: a rank 0 ended here, not by its unit deadline (-14), went within the grace.
         log.warning("%s (pid %d) exited with code %s; restarting group %s (%s)", dead.name, dead.process.pid, code,
                     dead.group, ", ".join(f"{c.name}: {c.process.exitcode}" for c in members))
-        time.sleep(min(0.2 * 2 ** (len(leader.restarts) - 1), 5.0))
-        for c in members:
-            self._spawn(c)
+
+    def _gave_up(self, record: Child, members: list, why) -> bool:
+        """Counts a death on `record`: `members` start again after a back-off
+        (the loop goes on meanwhile), or, past MAX_RESTARTS in the window, a
+        model loaded on demand fails alone (its workers stopped; the router
+        tells its requests) while any other child stops the server."""
+        now = time.monotonic()
+        record.restarts = [t for t in record.restarts if now - t < RESTART_WINDOW_S] + [now]
+        if len(record.restarts) <= MAX_RESTARTS:
+            for c in members:
+                c.restart_at = now + min(0.2 * 2 ** (len(record.restarts) - 1), 5.0)
+            return False
+        if record.slot:  # "m1", ...: the --model one (slot "") gives up the server as before
+            self._retire(self.slots.fail(record.slot, why(len(record.restarts))))
+            return True
+        self.failed = why(len(record.restarts))
+        log.error("%s; stopping", self.failed)
+        self.stopping.set()
+        return True
 
     def request_stop(self, *_args) -> None:
         self.stopping.set()
@@ -289,9 +285,11 @@ class Supervisor:
             self.listeners.close()
         drain = self.settings.drain_timeout_s
         router = [c for c in self.children if c.name == "router"]
-        rest = [c for c in self.children if c.name != "router"]
-        for group, grace in ((router, drain + STOP_GRACE_S), (rest, STOP_GRACE_S)):
-            _stop_all([c.process for c in group], grace, warn=True)
+        if self.control is not None:
+            self.control.close()  # a command waiting is told the server stops
+        rest = [c.process for c in self.children if c.name != "router"] + self.retiring.processes()
+        stop_all([c.process for c in router], drain + STOP_GRACE_S, warn=True)
+        stop_all(rest, STOP_GRACE_S, warn=True)
         self._cleanup_arena()
         if self.run_dir is not None:
             self.run_dir.remove()
