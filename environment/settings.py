@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from environment.backend import on_cpu
-from environment.model_folder import is_vlm
+from environment.model_folder import is_vlm, model_kind
 
 
 def default_cache_dir() -> str:
@@ -273,6 +273,8 @@ class Settings:
         """The model worker processes these settings ask for: (name, roles),
         what the supervisor starts, /health waits for, and each worker sizes
         its share of the accelerator's memory by."""
+        if self.model_dir and model_kind(self.model_dir) == "embedding":
+            return [("embed-0", ["embed"])]  # its own role (workers/embed/): no prefill or decode
         vlm = bool(self.model_dir) and is_vlm(self.model_dir)
         if self.colocate:
             return [(f"worker-{i}", ["prefill", "decode"] + (["vision"] if vlm else []))

@@ -25,10 +25,12 @@ from cache_service.client import CacheClient
 from environment.backend import on_cpu, on_cuda
 from environment.model_folder import context_length, is_vlm
 from environment.settings import Settings
-from protos.messages import DecodeRequest, PrefillRequest, VisionRequest
+from protos.messages import DecodeRequest, EmbedRequest, PrefillRequest, VisionRequest
 from workers.decode.engine import DecodeEngine
 from workers.decode.role import DecodeRole
 from workers.decode.speculation import speculation_for
+from workers.embed.engine import EmbedEngine
+from workers.embed.role import EmbedRole
 from workers.grammar import Grammars, logits_width
 from workers.group.prefix_agreement import group_prefix, min_and_max, rank_shard
 from workers.kv.block_hash import Shard
@@ -58,7 +60,7 @@ HANDOFF_SEND_S = 5.0
 
 class WorkerParts:
     """The parts of a process with `names` (roles: "prefill", "decode",
-    "vision"), answering through `outbox`, its heartbeat `hello`. `group`: a
+    "vision"; or "embed" alone), answering through `outbox`, its heartbeat `hello`. `group`: a
     group's mx.distributed.Group (None: a worker alone, the whole model);
     `prefix_here`: False on a rank whose host has no cache service (its
     cache is built, as its probe runs the collectives every rank's does,
@@ -86,6 +88,8 @@ class WorkerParts:
         t0 = time.perf_counter()
         names = self.names
         size_buffer_cache(len(self.settings.worker_plan()))
+        if "embed" in names:  # an embedding model's worker: this role alone, no KV, no cache service
+            return self.load_embed(t0)
         self.cache = CacheClient(self.settings)
         self.prefix_client = self.prefix_cache_client()
         grammars = None
@@ -114,6 +118,16 @@ class WorkerParts:
         self.hello.state = "ready"
         log.info("worker %s %s ready in %.1fs (pid %d)", self.worker_id, "+".join(names),
                  time.perf_counter() - t0, os.getpid())
+
+    def load_embed(self, t0: float) -> None:
+        """The embed role (workers/embed/): inputs batched a pass of
+        --prefill-chunk tokens at a time."""
+        engine = EmbedEngine(self.settings.model_dir, self.settings.prefill_chunk)
+        role = EmbedRole(engine, worker_id=self.worker_id, outbox=self.outbox, clock=self.clock)
+        self.roles, self.takes[EmbedRequest] = [role], role
+        self.hello.max_context = context_length(self.settings.model_dir) or 0
+        self.hello.state = "ready"
+        log.info("worker %s embed ready in %.1fs (pid %d)", self.worker_id, time.perf_counter() - t0, os.getpid())
 
     def load_model(self) -> Grammars:
         """The model (a group's: this rank's shard) and its prefix cache; the
