@@ -6,9 +6,11 @@ PrefillDone (the first token, streamed at once) -> KVHandoff (the KV is in
 the arena, or in the message when it must leave its host; with --colocate it
 stays in the worker and PrefillDone carries the handoff: router/routing/handoff_route.py)
 -> DecodeRequest to the least-loaded decode worker -> TokenBatch
-updates until finish. Any worker silent for `heartbeat_timeout_s`, or replaced
-by a new process, is dead (router/routing/worker_table.py): each of its requests
-resumes on a live or restarted worker (`_move`: the prompt and the answer so
+updates until finish. An embedding model's request (`embed`): EmbedRequest to
+the least-loaded embed worker -> EmbedResult. Any worker silent for
+`heartbeat_timeout_s`, or replaced by a new process, is dead
+(router/routing/worker_table.py): each of its requests (an embed call: sent
+again) resumes on a live or restarted worker (`_move`: the prompt and the answer so
 far prefilled again, the stream going on where it was), and fails only if no
 worker comes back within migrate_timeout_s. A request's record:
 router/routing/request_state.py; its moves: router/routing/request_moves.py.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import OrderedDict
 from typing import AsyncIterator, Optional
 
@@ -27,8 +30,8 @@ import zmq.asyncio
 
 from cache_service.client import AsyncCacheClient, CacheUnavailable
 from environment.settings import Settings
-from protos.messages import (Cancel, DecodeRequest, KVHandoff, PrefillDone, PrefillRequest, RequestFailed, TokenBatch,
-                             VisionDone, VisionRequest, WorkerHello)
+from protos.messages import (Cancel, DecodeRequest, EmbedRequest, EmbedResult, KVHandoff, PrefillDone, PrefillRequest,
+                             RequestFailed, TokenBatch, VisionDone, VisionRequest, WorkerHello)
 from router.routing.engine_api import EngineError, EngineEvent, GenerationRequest
 from router.routing.handoff_route import HandoffRoute
 from router.metrics import Metrics
@@ -43,6 +46,7 @@ from router.routing.worker_table import WorkerState, WorkerTable
 log = logging.getLogger(__name__)
 
 ORPHANS_KEPT = 4096  # wire ids of unknown requests already cancelled
+EMBED_LOST = object()  # an embed call's answer when its worker died under it
 
 
 class Dispatcher(RequestMoves):
@@ -68,6 +72,7 @@ class Dispatcher(RequestMoves):
         self._stored_images = StoredImages()
         # Wire ids no request here has (client gone, moved, router restarted): cancelled once.
         self._orphans: OrderedDict[str, None] = OrderedDict()
+        self._embeds: dict[str, tuple[str, asyncio.Future]] = {}  # wire id -> (its embed worker, its answer)
 
     @property
     def workers(self) -> dict[str, WorkerState]:
@@ -238,6 +243,69 @@ class Dispatcher(RequestMoves):
             st.phase = "prefill"
             w.assigned.discard(st.wire_id)
 
+    async def embed(self, inputs: list[list[int]], dimensions: int, deadline: float):
+        """(vectors: float32 [len(inputs), d], tokens embedded) from the
+        least-loaded embed worker, by `deadline` (time.monotonic(); past it
+        504). A worker that dies under it: sent again to another (or to it,
+        restarted within migrate_timeout_s), up to max_migrations times; none
+        ready: 503. A worker's refusal is its status (400 for bad input)."""
+        base = f"embd-{uuid.uuid4().hex}"
+        for attempt in range(self.settings.max_migrations + 1):
+            w = await self._ready_worker("embed", deadline)
+            wid, wire_id = w.hello.worker_id, f"{base}~{attempt}" if attempt else base
+            answer = asyncio.get_running_loop().create_future()
+            self._embeds[wire_id] = (wid, answer)
+            w.assigned.add(wire_id)
+            try:
+                if not await self._send(wid, EmbedRequest(wire_id, inputs, dimensions)):
+                    answer.set_result(EMBED_LOST)
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    result = await answer
+            except TimeoutError:
+                raise EngineError(504, "the embed worker did not answer in time", code="timeout") from None
+            finally:
+                self._embeds.pop(wire_id, None)
+                self.table.unassign(wire_id, wid)
+                # The client left, or the deadline passed (either cancels the future awaited).
+                if (not answer.done() or answer.cancelled()) and wid in self.workers:
+                    await self._send(wid, Cancel(wire_id), quiet=True)
+            if isinstance(result, EmbedResult):
+                self.metrics.prompt_tokens.inc(result.prompt_tokens)
+                return result.vectors, result.prompt_tokens
+            if isinstance(result, RequestFailed):
+                raise EngineError(result.status, result.message)
+            log.info("embeddings %s: its worker %s went away; sending it again (attempt %d)", base, wid, attempt + 2)
+        raise EngineError(502, f"{self.settings.max_migrations + 1} embed workers died running this request, "
+                               "so it is not sent again")
+
+    async def _ready_worker(self, role: str, deadline: float) -> WorkerState:
+        """The least-loaded ready worker of `role`; while one restarts, wait
+        for it (up to migrate_timeout_s, and `deadline`) rather than refuse (503)."""
+        try:
+            return self.table.pick(role)
+        except EngineError:
+            until = min(deadline, time.monotonic() + self.settings.migrate_timeout_s)
+            if not await self.table.wait_ready((role,), until):
+                raise
+            return self.table.pick(role)
+
+    def _embed_answer(self, wid: str, msg) -> bool:
+        """An embed worker's EmbedResult or RequestFailed for a call waiting
+        on it (whether one was)."""
+        wid_answer = self._embeds.get(msg.request_id)
+        if wid_answer is None or wid_answer[0] != wid or wid_answer[1].done():
+            return False
+        wid_answer[1].set_result(msg)
+        return True
+
+    def _moved_off(self, wid: str, w: WorkerState, why: str) -> None:
+        """A worker is gone: its embed calls are sent again (`embed`), its
+        generations move (RequestMoves)."""
+        for wire_id, (owner, answer) in list(self._embeds.items()):
+            if owner == wid and not answer.done():
+                answer.set_result(EMBED_LOST)
+        super()._moved_off(wid, w, why)
+
     async def _finish(self, st: RequestState) -> None:
         self.requests.pop(st.wire_id, None)
         self.table.unassign(st.wire_id, st.prefill_worker, st.decode_worker)
@@ -284,7 +352,11 @@ class Dispatcher(RequestMoves):
             await self._on_prefill_done(wid, msg)
         elif isinstance(msg, KVHandoff):
             await self._on_handoff(wid, msg)
+        elif isinstance(msg, EmbedResult):
+            self._embed_answer(wid, msg)
         elif isinstance(msg, RequestFailed):
+            if self._embed_answer(wid, msg):
+                return
             st = self.requests.get(msg.request_id)
             if st is not None and wid in (st.prefill_worker, st.decode_worker, st.vision_worker):
                 st.events.put_nowait(EngineError(msg.status, msg.message))

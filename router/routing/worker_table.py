@@ -212,7 +212,7 @@ class WorkerTable:
                 w.assigned.discard(wire_id)
 
 
-ROLES = frozenset({"prefill", "decode", "vision"})
+ROLES = frozenset({"prefill", "decode", "vision", "embed"})  # embed: an embedding model's (workers/embed/)
 STATES = frozenset({"loading", "ready", "stopping"})
 
 
