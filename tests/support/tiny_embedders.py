@@ -69,19 +69,26 @@ def write_sentence_transformers(path: Path, pooling: str, width: int) -> None:
 
 
 def make_tiny_qwen3_embedder(path, seed: int = 0) -> Path:
+    path = make_tiny_model(path, TINY_QWEN3_EMBEDDER, seed)
+    write_embedder_tokenizer(path)
+    write_sentence_transformers(path, "last", TINY_QWEN3_EMBEDDER["hidden_size"])
+    return path
+
+
+def write_embedder_tokenizer(path) -> Path:
+    """The embedded model's tokenizer in `path`, appending <|endoftext|> to
+    every text (as Qwen3-Embedding's tokenizer.json does since June 2025)."""
     from tokenizers import Tokenizer, processors
 
     from benchmarks.random_models.embedded import embedded_model_dir
 
-    path = make_tiny_model(path, TINY_QWEN3_EMBEDDER, seed)
-    source = embedded_model_dir()
+    path, source = Path(path), embedded_model_dir()
+    path.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer.from_file(str(source / "tokenizer.json"))
-    eot = tok.token_to_id(EOT)
-    tok.post_processor = processors.TemplateProcessing(single=f"$A:0 {EOT}:0", pair=f"$A:0 {EOT}:0 $B:1 {EOT}:1",
-                                                       special_tokens=[(EOT, eot)])
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"$A:0 {EOT}:0", pair=f"$A:0 {EOT}:0 $B:1 {EOT}:1", special_tokens=[(EOT, tok.token_to_id(EOT))])
     tok.save(str(path / "tokenizer.json"))
     shutil.copyfile(source / "tokenizer_config.json", path / "tokenizer_config.json")
-    write_sentence_transformers(path, "last", TINY_QWEN3_EMBEDDER["hidden_size"])
     return path
 
 
