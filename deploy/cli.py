@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     pull_cmd.add_arguments(sub.add_parser("pull", help="download a model from the Hugging Face Hub: REPO[:FILE][@REVISION]"))
     models_cmd.add_list_arguments(sub.add_parser("list", help="the downloaded models, their kinds and sizes"))
     models_cmd.add_rm_arguments(sub.add_parser("rm", help="delete a downloaded model"))
+    from deploy.models import loaded_cmd  # the running server's loaded models, as `ollama ps` / `ollama stop`
+    loaded_cmd.add_ps_arguments(sub.add_parser("ps", help="the models the running server has loaded"))
+    loaded_cmd.add_stop_arguments(sub.add_parser("stop", help="unload a model from the running server now"))
     # Remote workers: keys, and a worker on another host joining a router (deploy/keys_cmd.py, worker_cmd.py).
     from deploy import keys_cmd, worker_cmd
     keys_cmd.add_arguments(sub.add_parser("keys", help="make CURVE keys for workers on other hosts (--out DIR)"))
