@@ -1,5 +1,6 @@
 """Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, and under
-/v1/messages in Anthropic's: {"type": "error", "error": {"type", "message"}}.
+/v1/messages in Anthropic's: {"type": "error", "error": {"type", "message"}}, under /api/ in Ollama's:
+{"error": "message"}.
 
 Every error the API returns goes through `ApiError.body` (or `anthropic_body`), so clients
 (the openai and anthropic packages among them) read the same shape for a bad parameter, a
@@ -21,6 +22,11 @@ ANTHROPIC_PATH = "/v1/messages"
 ANTHROPIC_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                          413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
                          504: "timeout_error", 529: "overloaded_error"}
+
+
+def is_ollama_path(path: str) -> bool:
+    """Whether `path` is Ollama's API (router/ollama/: its errors {"error": "message"})."""
+    return path.startswith("/api/")
 
 
 def is_anthropic_path(path: str) -> bool:
@@ -84,7 +90,10 @@ class ApiError(Exception):
     def anthropic_status(self) -> int:
         return 400 if self.status == 422 else self.status  # Anthropic: a missing or mistyped field is a 400
 
-    def response(self, anthropic: bool = False) -> JSONResponse:
+    def response(self, anthropic: bool = False, ollama: bool = False) -> JSONResponse:
+        if ollama:  # a missing or mistyped field is a bad request there too
+            return JSONResponse({"error": self.message}, status_code=400 if self.status == 422 else self.status,
+                                headers=self.headers)
         if anthropic:
             return JSONResponse(self.anthropic_body(), status_code=self.anthropic_status, headers=self.headers)
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -92,6 +101,10 @@ class ApiError(Exception):
 
 def _anthropic(request: Request) -> bool:
     return is_anthropic_path(request.url.path)
+
+
+def _shaped(error: ApiError, request: Request) -> JSONResponse:
+    return error.response(_anthropic(request), is_ollama_path(request.url.path))
 
 
 def invalid(param: str, message: str, status: int = 400, code: str = "invalid_value") -> ApiError:
@@ -114,23 +127,23 @@ def only(obj: dict, honoured: frozenset, path: str = "") -> None:
 
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return exc.response(_anthropic(request))
+    return _shaped(exc, request)
 
 
 async def _engine_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, EngineError)
-    return ApiError.from_engine(exc).response(_anthropic(request))
+    return _shaped(ApiError.from_engine(exc), request)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     # Starlette's own 404 (unknown route) and 405 (wrong method).
     assert isinstance(exc, HTTPException)
-    return ApiError(exc.status_code, str(exc.detail), headers=exc.headers).response(_anthropic(request))
+    return _shaped(ApiError(exc.status_code, str(exc.detail), headers=exc.headers), request)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     # Starlette re-raises after this, so uvicorn logs the traceback; the client gets none.
-    return ApiError(500, "Internal server error").response(_anthropic(request))
+    return _shaped(ApiError(500, "Internal server error"), request)
 
 
 def exception_handlers() -> dict:

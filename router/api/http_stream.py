@@ -115,7 +115,8 @@ class GenerationResponse:
                 await self._error_response(exc)(scope, receive, send)
                 return
             headers = [
-                (b"content-type", b"text/event-stream; charset=utf-8"),
+                # SSE, or the endpoint's own (Ollama's NDJSON lines)
+                (b"content-type", getattr(self.shapes, "media_type", "text/event-stream; charset=utf-8").encode()),
                 (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no"),  # no proxy buffering of the stream
             ]

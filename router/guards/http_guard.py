@@ -37,7 +37,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from environment.settings import Settings
-from router.api.errors import ApiError, is_anthropic_path
+from router.api.errors import ApiError, is_anthropic_path, is_ollama_path
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # supervisors and scrapers: no key, still Host and Origin
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
@@ -197,7 +197,7 @@ class HttpGuard:
                     return
             error = self.key_error(scope, headers) or self.content_type_error(headers, method)
         if error is not None:
-            await error.response(is_anthropic_path(path))(scope, receive, send)
+            await error.response(is_anthropic_path(path), is_ollama_path(path))(scope, receive, send)
             return
         await self.app(scope, receive, send)
 

@@ -70,15 +70,15 @@ class OllamaCall:
         return self.body is None
 
 
-def _error(message: str, param: str | None = None) -> ApiError:
+def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
-def _unknown_fields(body: dict, honoured: frozenset, path: str = "") -> None:
+def refuse_unknown(body: dict, honoured: frozenset, path: str = "") -> None:
     unknown = sorted(k for k, v in body.items() if k not in honoured and v is not None)
     if unknown:
         names = ", ".join(f"'{path}{k}'" for k in unknown[:8])
-        raise _error(f"unsupported field{'s' if len(unknown) > 1 else ''} {names}: Tandem does not honour "
+        raise bad_request(f"unsupported field{'s' if len(unknown) > 1 else ''} {names}: Tandem does not honour "
                      f"{'them' if len(unknown) > 1 else 'it'} and will not ignore it silently; supported: "
                      f"{', '.join(sorted(honoured))}", path + unknown[0])
 
@@ -86,19 +86,19 @@ def _unknown_fields(body: dict, honoured: frozenset, path: str = "") -> None:
 def read_call(body: dict, endpoint: str) -> OllamaCall:
     """The fields every chat or generate request is routed by (model,
     stream, keep_alive), checked before its model is taken from the pool."""
-    _unknown_fields(body, CHAT_FIELDS if endpoint == "chat" else GENERATE_FIELDS)
+    refuse_unknown(body, CHAT_FIELDS if endpoint == "chat" else GENERATE_FIELDS)
     name = body.get("model")
     if not isinstance(name, str) or not name.strip():
-        raise _error("model is required", "model")
+        raise bad_request("model is required", "model")
     stream = body.get("stream", True)
     if stream is None:
         stream = True
     if not isinstance(stream, bool):
-        raise _error("'stream' must be a boolean", "stream")
+        raise bad_request("'stream' must be a boolean", "stream")
     try:
         keep_alive = parse_keep_alive(body.get("keep_alive"))
     except KeepAliveError as exc:
-        raise _error(str(exc), "keep_alive") from None
+        raise bad_request(str(exc), "keep_alive") from None
     return OllamaCall(name, tandem_name(name), stream, keep_alive, body)
 
 
@@ -109,7 +109,7 @@ def translate(call: OllamaCall, endpoint: str, facts: ModelFacts) -> OllamaCall:
     if endpoint == "chat":
         messages = body.get("messages")
         if messages is not None and not isinstance(messages, list):
-            raise _error("'messages' must be an array", "messages")
+            raise bad_request("'messages' must be an array", "messages")
         if not messages:
             return call
         out = {"messages": chat_messages(messages, facts)}
@@ -123,7 +123,7 @@ def translate(call: OllamaCall, endpoint: str, facts: ModelFacts) -> OllamaCall:
     if "messages" in out:
         call.template_kwargs = _think(body.get("think"), facts)
     elif body.get("think") is not None:
-        raise _error("'think' needs the model's chat template: it has no effect on a raw prompt", "think")
+        raise bad_request("'think' needs the model's chat template: it has no effect on a raw prompt", "think")
     out.update(sampling_of(body.get("options")))
     out.update(_format(body.get("format")))
     out.update(_logprobs(body, completion="prompt" in out))
@@ -139,25 +139,25 @@ def _generate(body: dict, facts: ModelFacts, call: OllamaCall) -> dict | None:
         if body.get(name):
             why = ("Tandem has no fill-in-the-middle" if name == "suffix" else
                    "Tandem renders the model's own chat template (send raw: true with the whole prompt instead)")
-            raise _error(f"'{name}' is not supported: {why}", name)
+            raise bad_request(f"'{name}' is not supported: {why}", name)
     if body.get("context"):
-        raise _error("'context' is not supported (Ollama deprecated it): send the conversation to /api/chat "
+        raise bad_request("'context' is not supported (Ollama deprecated it): send the conversation to /api/chat "
                      "as messages", "context")
     prompt, system, images = body.get("prompt"), body.get("system"), body.get("images") or []
     for name, value in (("prompt", prompt), ("system", system)):
         if value is not None and not isinstance(value, str):
-            raise _error(f"'{name}' must be a string", name)
+            raise bad_request(f"'{name}' must be a string", name)
     raw = body.get("raw")
     if raw is not None and not isinstance(raw, bool):
-        raise _error("'raw' must be a boolean", "raw")
+        raise bad_request("'raw' must be a boolean", "raw")
     if not prompt and not images:
         return None
     if raw or not facts.template:
         why = "with raw: true" if raw else f"for {facts.name}, which has no chat template"
         if system:
-            raise _error(f"'system' has no effect {why} (the prompt is sent as it is): put it in the prompt", "system")
+            raise bad_request(f"'system' has no effect {why} (the prompt is sent as it is): put it in the prompt", "system")
         if images:
-            raise _error(f"'images' need the chat template: send them without raw ({why})", "images")
+            raise bad_request(f"'images' need the chat template: send them without raw ({why})", "images")
         return {"prompt": prompt}
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": prompt or "", "images": images}]
@@ -171,13 +171,13 @@ def chat_messages(messages: list, facts: ModelFacts, paths: list[str] | None = N
     for i, message in enumerate(messages):
         at = paths[i] if paths else f"messages[{i}]"
         if not isinstance(message, dict):
-            raise _error(f"'{at}' must be an object", at)
-        _unknown_fields(message, MESSAGE_FIELDS, at + ".")
+            raise bad_request(f"'{at}' must be an object", at)
+        refuse_unknown(message, MESSAGE_FIELDS, at + ".")
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str):
-            raise _error(f"'{at}.role' is required", at + ".role")
+            raise bad_request(f"'{at}.role' is required", at + ".role")
         if content is not None and not isinstance(content, str):
-            raise _error(f"'{at}.content' must be a string", at + ".content")
+            raise bad_request(f"'{at}.content' must be a string", at + ".content")
         converted = {"role": role, "content": content or ""}
         images = message.get("images") or []
         if images:
@@ -191,16 +191,16 @@ def chat_messages(messages: list, facts: ModelFacts, paths: list[str] | None = N
         if role == "tool":
             converted["tool_call_id"] = _call_id_of(message, pending, at)
         elif message.get("tool_name") or message.get("tool_call_id"):
-            raise _error(f"'{at}': only 'tool' messages carry tool_name or tool_call_id", at)
+            raise bad_request(f"'{at}': only 'tool' messages carry tool_name or tool_call_id", at)
         out.append(converted)
     return out
 
 
 def _image_parts(text: str, images, facts: ModelFacts, at: str) -> list[dict]:
     if not facts.vision:
-        raise _error(f"{facts.name} does not support images (it is not a vision model)", at)
+        raise bad_request(f"{facts.name} does not support images (it is not a vision model)", at)
     if not isinstance(images, list) or not all(isinstance(image, str) for image in images):
-        raise _error(f"'{at}' must be an array of base64 strings", at)
+        raise bad_request(f"'{at}' must be an array of base64 strings", at)
     parts = [{"type": "text", "text": text}] if text else []
     # The router reads a data URL's bytes and tells the image's format from them.
     return parts + [{"type": "image_url", "image_url": {"url": f"data:;base64,{image}"}} for image in images]
@@ -208,18 +208,18 @@ def _image_parts(text: str, images, facts: ModelFacts, at: str) -> list[dict]:
 
 def _assistant_calls(calls, at: str) -> list[dict]:
     if not isinstance(calls, list):
-        raise _error(f"'{at}.tool_calls' must be an array", at + ".tool_calls")
+        raise bad_request(f"'{at}.tool_calls' must be an array", at + ".tool_calls")
     out = []
     for j, call in enumerate(calls):
         where = f"{at}.tool_calls[{j}]"
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise _error(f"'{where}' must be {{\"function\": {{\"name\", \"arguments\"}}}}", where)
-        _unknown_fields(call, frozenset(("id", "type", "function")), where + ".")
-        _unknown_fields(fn, frozenset(("name", "arguments", "index", "description")), where + ".function.")
+            raise bad_request(f"'{where}' must be {{\"function\": {{\"name\", \"arguments\"}}}}", where)
+        refuse_unknown(call, frozenset(("id", "type", "function")), where + ".")
+        refuse_unknown(fn, frozenset(("name", "arguments", "index", "description")), where + ".function.")
         arguments = fn.get("arguments") or {}
         if not isinstance(arguments, (dict, str)):
-            raise _error(f"'{where}.function.arguments' must be an object", where + ".function.arguments")
+            raise bad_request(f"'{where}.function.arguments' must be an object", where + ".function.arguments")
         # Ids by position: the same conversation sent again renders the same prompt (its cached prefix).
         call_id = call.get("id") or f"call_{re.sub(r'[^0-9]+', '_', at).strip('_')}_{j}"
         out.append({"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": arguments}})
@@ -233,7 +233,7 @@ def _call_id_of(message: dict, pending: list[dict], at: str) -> str:
     given = message.get("tool_call_id")
     if given is not None:
         if not isinstance(given, str):
-            raise _error(f"'{at}.tool_call_id' must be a string", at + ".tool_call_id")
+            raise bad_request(f"'{at}.tool_call_id' must be a string", at + ".tool_call_id")
         return given
     name = message.get("tool_name")
     match = next((c for c in pending if c["function"]["name"] == name), pending[0] if pending else None)
@@ -250,9 +250,9 @@ def _think(think, facts: ModelFacts) -> dict:
         return {"enable_thinking": False}
     if think is True or think in THINK_LEVELS:
         if not facts.thinking:
-            raise _error(f'"{facts.name}" does not support thinking', "think")
+            raise bad_request(f'"{facts.name}" does not support thinking', "think")
         return {"enable_thinking": True} | ({} if think is True else {"reasoning_effort": think})
-    raise _error(f"'think' must be true, false or one of {', '.join(THINK_LEVELS)}", "think")
+    raise bad_request(f"'think' must be true, false or one of {', '.join(THINK_LEVELS)}", "think")
 
 
 def _format(fmt) -> dict:
@@ -262,7 +262,7 @@ def _format(fmt) -> dict:
         return {"response_format": {"type": "json_object"}}
     if isinstance(fmt, dict):
         return {"response_format": {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}}
-    raise _error("'format' must be \"json\" or a JSON schema object", "format")
+    raise bad_request("'format' must be \"json\" or a JSON schema object", "format")
 
 
 def _logprobs(body: dict, completion: bool) -> dict:
@@ -270,9 +270,9 @@ def _logprobs(body: dict, completion: bool) -> dict:
     if want is None and top is None:
         return {}
     if want is not None and not isinstance(want, bool):
-        raise _error("'logprobs' must be a boolean", "logprobs")
+        raise bad_request("'logprobs' must be a boolean", "logprobs")
     if top is not None and (isinstance(top, bool) or not isinstance(top, int)):
-        raise _error("'top_logprobs' must be an integer", "top_logprobs")
+        raise bad_request("'top_logprobs' must be an integer", "top_logprobs")
     if completion:  # the legacy completion field: the number of alternatives
         return {"logprobs": top or 0} if want or top else {}
     return {"logprobs": bool(want or top), "top_logprobs": top or 0}
