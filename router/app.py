@@ -23,8 +23,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from environment.generation_defaults import GenerationDefaults, generation_defaults
-from environment.model_folder import is_vlm
 from environment.settings import Settings
 from router.guards.admission import Admission, Ticket
 from router.api.anthropic_format import MessagesFormat
@@ -38,17 +36,21 @@ from router.api.errors import ApiError, exception_handlers
 from router.api.generation import Generation
 from router.guards.http_guard import HttpGuard
 from router.api.http_stream import GenerationResponse
-from router.media.decode import MediaLimits, RecentImages
+from router.media.decode import MediaLimits
 from router.media.parts import load_media_parts
 from router.media.video import DecodedVideo
 from router.metrics import AdmissionMetrics
+from router.models.keep_alive import KeepAliveError, parse_keep_alive, parse_ttl
+from router.models.catalog import model_key
+from router.models.pool import ModelPool
+from router.models.served import ServedModel
 from router.api.openai_request import (MODEL_ALIAS, ParsedRequest, check_chat_fields, parse_chat, parse_completion,
                             parse_json, read_body)
 from router.api.openai_format import ChatFormat, CompletionFormat
 from router.api.responses_format import ResponsesFormat
 from router.api.response_store import ResponseStore
 from router.api.responses_request import responses_turn
-from router.text.text_stream import TextStream, TokenBytes
+from router.text.text_stream import TextStream
 
 log = logging.getLogger("tandem.router")
 
@@ -60,11 +62,12 @@ DEADLINE_BACKSTOP_S = 5.0
 COUNT_ANY_LENGTH = 2**31  # the context count_tokens parses under
 
 
-def create_app(engine: Engine, tokenizer, settings: Settings) -> Starlette:
-    """`tokenizer`: the served model's (router/text/tokenizer.py ModelTokenizer,
-    or mlx-lm's TokenizerWrapper, whose names it keeps): chat template, EOS
-    ids, token bytes."""
-    api = _Api(engine, tokenizer, settings)
+def create_app(engine: Engine, tokenizer, settings: Settings, models: ModelPool | None = None) -> Starlette:
+    """`engine` and `tokenizer`: the served model's (router/text/tokenizer.py
+    ModelTokenizer, or mlx-lm's TokenizerWrapper, whose names it keeps);
+    `models`: the pool that loads others on demand (router/models/pool.py;
+    None: that one model alone)."""
+    api = _Api(models or ModelPool(settings, ServedModel.of(engine, tokenizer, settings.model_dir)), settings)
     routes = [
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -84,27 +87,46 @@ def create_app(engine: Engine, tokenizer, settings: Settings) -> Starlette:
 
 
 class _Api:
-    def __init__(self, engine: Engine, tokenizer, settings: Settings):
-        self.engine = engine
-        self.tokenizer = tokenizer
+    def __init__(self, models: ModelPool, settings: Settings):
+        self.models = models
+        self.engine = models.default_model.engine  # the server's own model's: power, admission room, /metrics
         self.settings = settings
-        self.token_bytes = TokenBytes(tokenizer)  # shared: a cache over the vocabulary
         self.created = int(time.time())
-        self.answers = AnswerTokens(self.token_bytes)  # recent answers' tokens, for the next turn's prompt
         self.stored_responses = ResponseStore.from_settings(settings)  # for the Responses API's previous_response_id
-        self.vision = _vision_prompter(settings.model_dir) if settings.model_dir and is_vlm(settings.model_dir) else None
-        # The model's recommended sampling, for every field a request leaves out.
-        self.defaults = generation_defaults(settings.model_dir) if settings.model_dir else GenerationDefaults()
         self.media_limits = MediaLimits.from_settings(settings)
-        self.recent_images = RecentImages() if self.vision is not None else None
         self.admission = Admission.from_settings(settings)  # before any heavy work; that work off the loop
-        power = getattr(engine, "power", None)  # the dispatcher's PowerWatch; a test's engine may have none
+        power = getattr(self.engine, "power", None)  # the dispatcher's PowerWatch; a test's engine may have none
         if power is not None:
             self.admission.follow(power)
-        table = getattr(engine, "table", None)  # the dispatcher's workers: remote ones add room
+        table = getattr(self.engine, "table", None)  # the dispatcher's workers: remote ones add room
         if table is not None:
             self.admission.remote_rows = table.remote_rows
         self.admission_metrics = AdmissionMetrics(self.admission, power, self.stored_responses)
+
+    async def model_of(self, ticket: Ticket, body, kind: str = "chat") -> ServedModel:
+        """The model `body` names, loaded if need be and held until the request
+        ends (its ticket's release); `keep_alive` (Ollama) and `ttl` (LM
+        Studio) taken out of the body: how long it stays loaded after."""
+        if not isinstance(body, dict):
+            return self.models.default_model  # the body's parse says what is wrong with it
+        try:
+            keep_alive = parse_keep_alive(body.pop("keep_alive", None))
+            ttl = parse_ttl(body.pop("ttl", None))
+        except KeepAliveError as exc:
+            raise ApiError(400, str(exc), param="keep_alive" if "keep_alive" in str(exc) else "ttl") from None
+        name = body.get("model")
+        if name is not None and not isinstance(name, str):
+            raise ApiError(400, "'model' must be a string", param="model")
+        lease = await self.models.acquire(name, keep_alive if keep_alive is not None else ttl)
+        ticket.also_release(lease.release)
+        served = lease.model
+        if (served.kind == "embedding") != (kind == "embedding"):
+            what = "an embedding model: use /v1/embeddings" if served.kind == "embedding" else \
+                f"a {served.kind} model: it makes no embeddings"
+            raise ApiError(400, f"The model '{served.model_id}' is {what}", param="model", code="model_not_supported")
+        if name is not None:
+            body["model"] = served.model_id  # named by an alias or a tag: the endpoint checks the served id
+        return served
 
     async def _admit(self, request: Request) -> tuple[Ticket, dict]:
         """The request admitted (429 past capacity) as soon as its body is
@@ -119,55 +141,59 @@ class _Api:
         ticket, body = await self._admit(request)
         with ticket:
             t_read = time.perf_counter()
-            parsed = await self.parse_chat_body(ticket, body)
+            served = await self.model_of(ticket, body)
+            parsed = await self.parse_chat_body(ticket, body, served)
             log.debug("chat request of %d prompt tokens: body read and decoded in %.2f ms, parsed in %.2f ms",
                       len(parsed.prompt_tokens), (t_read - t0) * 1000, (time.perf_counter() - t_read) * 1000)
-            return self._generation_response(ticket, parsed, ChatFormat, request)
+            return self._generation_response(ticket, parsed, ChatFormat, request, served)
 
-    async def parse_chat_body(self, ticket: Ticket, body: dict, max_context: int | None = None) -> ParsedRequest:
+    async def parse_chat_body(self, ticket: Ticket, body: dict, served: ServedModel,
+                              max_context: int | None = None) -> ParsedRequest:
         """An OpenAI chat body parsed (every chat-like endpoint's) off the event
         loop: checked, its media fetched and decoded (a VLM's), then templated and
-        tokenized. `max_context`: the engine's unless given."""
-        max_context = max_context or self.engine.max_context
-        parsed = await ticket.off_loop(self._parse_text_chat, body, max_context)
-        return parsed if parsed is not None else await self._parse_vision_chat(ticket, body, max_context)
+        tokenized. `max_context`: the model's unless given."""
+        max_context = max_context or served.max_context
+        parsed = await ticket.off_loop(self._parse_text_chat, body, served, max_context)
+        return parsed if parsed is not None else await self._parse_vision_chat(ticket, body, served, max_context)
 
-    def _parse_text_chat(self, body: dict, max_context: int) -> ParsedRequest | None:
+    def _parse_text_chat(self, body: dict, served: ServedModel, max_context: int) -> ParsedRequest | None:
         """(In a thread.) The chat parsed; None, its fields checked, when it has
-        media for the served VLM, which are fetched before it is templated."""
-        if self.vision is not None and _has_media(body):
+        media for a VLM, which are fetched before it is templated."""
+        if served.vision is not None and _has_media(body):
             check_chat_fields(body)  # a field Tandem does not honour: refused before any fetch
             return None
-        return parse_chat(body, self.tokenizer, self.engine.model_id, max_context, answers=self.answers,
-                          defaults=self.defaults)
+        return parse_chat(body, served.tokenizer, served.model_id, max_context, answers=served.answers,
+                          defaults=served.defaults)
 
     async def messages(self, request: Request) -> GenerationResponse:
         """Anthropic's Messages API: the body as its OpenAI chat equivalent
         (router/api/anthropic_request.py), the answer in Anthropic's shapes."""
         ticket, body = await self._admit(request)
         with ticket:
+            served = await self.model_of(ticket, body)
             # Anthropic clients must send max_tokens and send large ones (32000)
             # whatever the model: here it is a ceiling, and the answer ends at the
             # context's end (stop_reason "max_tokens") rather than a 400.
             chat = await ticket.off_loop(anthropic_chat_body, body)
-            parsed = await self.parse_chat_body(ticket, chat, COUNT_ANY_LENGTH)
-            room = self.engine.max_context - len(parsed.prompt_tokens)
+            parsed = await self.parse_chat_body(ticket, chat, served, COUNT_ANY_LENGTH)
+            room = served.max_context - len(parsed.prompt_tokens)
             if room < 1:
                 raise ApiError(400, f"prompt is too long: {len(parsed.prompt_tokens)} tokens, and this model's "
-                               f"context is {self.engine.max_context} tokens", param="messages",
+                               f"context is {served.max_context} tokens", param="messages",
                                code="context_length_exceeded")
             parsed.sampling.max_tokens = min(parsed.sampling.max_tokens, room)
             message_id = MessagesFormat.id_prefix + uuid.uuid4().hex
-            generation = self.generation(parsed, message_id, request)
-            fmt = MessagesFormat(message_id, self.engine.model_id, generation)
+            generation = self.generation(parsed, message_id, request, served)
+            fmt = MessagesFormat(message_id, served.model_id, generation)
             return GenerationResponse(generation, fmt, parsed.stream, ticket)
 
     async def count_tokens(self, request: Request) -> JSONResponse:
         ticket, body = await self._admit(request)
         try:  # admitted while it is tokenized
+            served = await self.model_of(ticket, body)
             chat = await ticket.off_loop(anthropic_chat_body, body, count_only=True)
             # Counted whatever the context: a prompt too long to answer still has a length.
-            parsed = await self.parse_chat_body(ticket, chat, COUNT_ANY_LENGTH)
+            parsed = await self.parse_chat_body(ticket, chat, served, COUNT_ANY_LENGTH)
         finally:
             ticket.release()
         return JSONResponse({"input_tokens": len(parsed.prompt_tokens)})
@@ -179,16 +205,18 @@ class _Api:
         ticket, body = await self._admit(request)
         stored = self.stored_responses.of(tenant_of(request))  # another API key's responses are not found
         with ticket:
-            turn = await ticket.off_loop(responses_turn, body, stored, images=self.vision is not None)
+            served = await self.model_of(ticket, body)
+            turn = await ticket.off_loop(responses_turn, body, stored, images=served.vision is not None)
             try:
-                parsed = await self.parse_chat_body(ticket, turn.chat)
+                parsed = await self.parse_chat_body(ticket, turn.chat, served)
             except ApiError as exc:
                 raise turn.rename(exc)
             turn.echo.update(temperature=parsed.sampling.temperature, top_p=parsed.sampling.top_p)  # as served
             response_id = ResponsesFormat.id_prefix + uuid.uuid4().hex
-            fmt = ResponsesFormat(response_id, self.engine.model_id, turn, stored,
-                                  lambda text: len(self.tokenizer.encode(text, add_special_tokens=False)))
-            return GenerationResponse(self.generation(parsed, response_id, request), fmt, parsed.stream, ticket)
+            fmt = ResponsesFormat(response_id, served.model_id, turn, stored,
+                                  lambda text: len(served.tokenizer.encode(text, add_special_tokens=False)))
+            return GenerationResponse(self.generation(parsed, response_id, request, served), fmt, parsed.stream,
+                                      ticket)
 
     async def get_response(self, request: Request) -> JSONResponse:
         stored = self.stored_responses.of(tenant_of(request))
@@ -201,18 +229,19 @@ class _Api:
         stored.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
-    async def _parse_vision_chat(self, ticket: Ticket, body: dict, max_context: int) -> ParsedRequest:
+    async def _parse_vision_chat(self, ticket: Ticket, body: dict, served: ServedModel,
+                                 max_context: int) -> ParsedRequest:
         """Fetch and decode the request's images and videos (router/media/decode.py:
         400 naming the part on any refusal), then template and tokenize in a
         thread."""
-        media = await load_media_parts(body["messages"], self.media_limits, self.recent_images)
-        return await ticket.off_loop(self._parse_with_media, body, media, max_context)
+        media = await load_media_parts(body["messages"], self.media_limits, served.recent_images)
+        return await ticket.off_loop(self._parse_with_media, body, media, served, max_context)
 
-    def _parse_with_media(self, body: dict, media: list, max_context: int) -> ParsedRequest:
+    def _parse_with_media(self, body: dict, media: list, served: ServedModel, max_context: int) -> ParsedRequest:
         """(In a thread.) The chat with its decoded media in place. A video
         stays one video where the model takes video (Qwen-VL), else it becomes
         its frames, each an image."""
-        native = self.vision.native_video
+        native = served.vision.native_video
         items, it = [], iter(media)
         for message in body["messages"]:
             content = message.get("content") if isinstance(message, dict) else None
@@ -227,74 +256,86 @@ class _Api:
                     else:
                         part["_frames"] = 1
                         items.append(item)
-        return parse_chat(body, self.tokenizer, self.engine.model_id, max_context, (self.vision, items),
-                          defaults=self.defaults)
+        return parse_chat(body, served.tokenizer, served.model_id, max_context, (served.vision, items),
+                          defaults=served.defaults)
 
     async def completions(self, request: Request) -> "GenerationResponse":
         ticket, body = await self._admit(request)
         with ticket:
-            parsed = await ticket.off_loop(parse_completion, body, self.tokenizer, self.engine.model_id,
-                                           self.engine.max_context, self.defaults)
-            return self._generation_response(ticket, parsed, CompletionFormat, request)
+            served = await self.model_of(ticket, body)
+            parsed = await ticket.off_loop(parse_completion, body, served.tokenizer, served.model_id,
+                                           served.max_context, served.defaults)
+            return self._generation_response(ticket, parsed, CompletionFormat, request, served)
 
     def _generation_response(self, ticket: Ticket, parsed: ParsedRequest, format_class: type,
-                             request: Request) -> GenerationResponse:
+                             request: Request, served: ServedModel) -> GenerationResponse:
         request_id = format_class.id_prefix + uuid.uuid4().hex
-        generation = self.generation(parsed, request_id, request)
-        fmt = format_class(request_id, self.engine.model_id, parsed, self.token_bytes)
+        generation = self.generation(parsed, request_id, request, served)
+        fmt = format_class(request_id, served.model_id, parsed, served.token_bytes)
         return GenerationResponse(generation, fmt, parsed.stream, ticket)
 
-    def generation(self, parsed: ParsedRequest, request_id: str, request: Request) -> Generation:
-        """A parsed request's run through the engine (every endpoint's), in
-        the prefix cache of its tenant and `cache_salt` (router/guards/cache_salt.py)."""
+    def generation(self, parsed: ParsedRequest, request_id: str, request: Request,
+                   served: ServedModel) -> Generation:
+        """A parsed request's run through its model's engine (every endpoint's),
+        in the prefix cache of its tenant and `cache_salt` (router/guards/cache_salt.py)."""
         return Generation(
-            self.engine,
+            served.engine,
             GenerationRequest(request_id, parsed.prompt_tokens, parsed.sampling, parsed.images,
                               cache_salt=request_salt(request, parsed.cache_salt)),
-            TextStream(self.tokenizer, parsed.stop, keep_leading_space=parsed.kind == "completion"),
+            TextStream(served.tokenizer, parsed.stop, keep_leading_space=parsed.kind == "completion"),
             self.settings.request_timeout_s + DEADLINE_BACKSTOP_S,
-            self.answers if parsed.kind == "chat" else None,
+            served.answers if parsed.kind == "chat" else None,
             ChatOutput(parsed.output) if parsed.output is not None else None,
         )
 
-    def _model_card(self) -> dict:
-        return {
-            "id": self.engine.model_id,
+    def _model_card(self, model: dict) -> dict:
+        served = self.models.default_model if model.get("default") else None
+        card = {
+            "id": model["name"],
             "object": "model",
-            "created": self.created,
+            "created": int(model.get("loaded_at") or model.get("modified_at") or self.created),
             "owned_by": "tandem",
-            "max_model_len": self.engine.max_context,
+            "kind": model.get("kind") or "chat",
+            "loaded": bool(model.get("loaded")),
+        }
+        if served is not None:
+            card["max_model_len"] = served.max_context
             # What a request gets for the sampling fields it leaves out (the
             # model's generation_config.json; the API's own defaults otherwise).
-            "generation_defaults": self.defaults.given(),
-        }
+            card["generation_defaults"] = served.defaults.given()
+        return card
+
+    async def _models(self) -> list[dict]:
+        default = self.models.default_model
+        own = {"name": default.model_id, "kind": default.kind, "loaded": self.models.default.state == "ready",
+               "default": True, "loaded_at": self.created}
+        rest = [m for m in await self.models.available() if m["name"] != default.model_id]
+        return [own] + rest
 
     async def list_models(self, request: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return JSONResponse({"object": "list", "data": [self._model_card(m) for m in await self._models()]})
 
     async def get_model(self, request: Request) -> JSONResponse:
-        model = request.path_params["model"]
-        if model not in (self.engine.model_id, MODEL_ALIAS):
-            raise ApiError(404, f"The model '{model}' does not exist. Served models: {self.engine.model_id}",
-                           param="model", code="model_not_found")
-        return JSONResponse(self._model_card())
+        name = request.path_params["model"]
+        if name == MODEL_ALIAS:
+            name = self.models.default_model.model_id
+        for model in await self._models():
+            if model_key(model["name"]) == model_key(name):
+                return JSONResponse(self._model_card(model))
+        raise ApiError(404, f"The model '{name}' does not exist or is not downloaded. Served models: GET /v1/models",
+                       param="model", code="model_not_found")
 
     async def health(self, request: Request) -> JSONResponse:
-        ready, body = self.engine.health()
+        if self.models.default.state == "ready" or self.models.control is None:
+            ready, body = self.engine.health()
+        else:  # the server's own model unloaded while idle: it loads on the next request
+            ready, body = True, {"status": "ok", "model": self.engine.model_id, "workers": []}
+        body["models"] = [{k: v for k, v in m.items() if k != "model_dir"} for m in self.models.loaded()]
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def metrics(self, request: Request) -> Response:
-        text = await self.engine.metrics_text() + self.admission_metrics.text()
+        text = await self.engine.metrics_text() + self.admission_metrics.text() + self.models.metrics_text()
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
-
-
-def _vision_prompter(model_dir: str):
-    """A VLM's prompter: imported only for one, since it brings MLX and
-    mlx-vlm (its processor, the placeholders' layout), which a text model's
-    router does without."""
-    from router.media.vision_prompt import VisionPrompter
-
-    return VisionPrompter(model_dir)
 
 
 def _has_media(body) -> bool:

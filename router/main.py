@@ -25,11 +25,12 @@ import uvicorn
 from environment.logs import setup_logging
 from environment.model_folder import context_length
 from environment.settings import Settings
-from protos.grammar import ll_tokenizer
 from router.app import create_app
+from router.models.control import ModelControl
+from router.models.pool import ModelPool
+from router.models.served import ServedModel
 from router.routing.dispatcher import Dispatcher
 from router.guards.slow_clients import BodyDeadline, client_deadline_protocol
-from router.text.tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def raise_open_files_limit(wanted: int = OPEN_FILES) -> None:
             continue
 
 
-async def watch_loops(dispatcher: Dispatcher, server: uvicorn.Server, exit_backstop_s: float | None,
+async def watch_loops(dispatcher, server: uvicorn.Server, exit_backstop_s: float | None,
                       interval_s: float = WATCH_INTERVAL_S) -> list[str]:
     """Until one of the dispatcher's background loops ends (a bug no handler
     caught: without its receive loop the router hears no worker again), then
@@ -95,18 +96,35 @@ async def watch_loops(dispatcher: Dispatcher, server: uvicorn.Server, exit_backs
 
 
 async def serve(dispatcher: Dispatcher, server: uvicorn.Server, exit_backstop_s: float | None = None,
-                interval_s: float = WATCH_INTERVAL_S, sockets: list | None = None) -> list[str]:
+                interval_s: float = WATCH_INTERVAL_S, sockets: list | None = None,
+                models: ModelPool | None = None) -> list[str]:
     """Serve until shutdown (on `sockets` when given, else on the config's
-    host:port); returns the dispatcher loops that ended, if that is why."""
+    host:port); returns the dispatcher loops that ended, if that is why.
+    `models`: the pool of other models, started and stopped with it."""
     await dispatcher.start()
-    watchdog = asyncio.create_task(watch_loops(dispatcher, server, exit_backstop_s, interval_s))
+    if models is not None:
+        await models.start()
+    watched = _Watched(dispatcher, models)
+    watchdog = asyncio.create_task(watch_loops(watched, server, exit_backstop_s, interval_s))
     try:
         await server.serve(sockets=sockets)
     finally:
         watchdog.cancel()  # a no-op if it ended the serving
         outcome = (await asyncio.gather(watchdog, return_exceptions=True))[0]
+        if models is not None:
+            await models.stop()
         await dispatcher.stop()
     return outcome if isinstance(outcome, list) else []
+
+
+class _Watched:
+    """The server's own dispatcher's loops and the pool's, as one."""
+
+    def __init__(self, dispatcher: Dispatcher, models: ModelPool | None):
+        self.dispatcher, self.models = dispatcher, models
+
+    def dead_loops(self) -> list[str]:
+        return self.dispatcher.dead_loops() + (self.models.dead_loops() if self.models is not None else [])
 
 
 def run(settings: Settings, sockets: list | None = None) -> None:
@@ -114,13 +132,13 @@ def run(settings: Settings, sockets: list | None = None) -> None:
     supervisor's listening sockets, passed through multiprocessing."""
     setup_logging(settings.log_level, "router")
     raise_open_files_limit()
-    tokenizer = ModelTokenizer.load(settings.model_dir)
-    # llguidance's view of it (~0.5 s) is built now, not by the first request with a schema.
-    threading.Thread(target=ll_tokenizer, args=(tokenizer,), name="grammar-tokenizer", daemon=True).start()
     dispatcher = Dispatcher(settings, max_context=context_length(settings.model_dir))
-    app = create_app(dispatcher, tokenizer, settings)
+    served = ServedModel.load(dispatcher, settings.model_dir)
+    models = ModelPool(settings, served, ModelControl(settings))
+    app = create_app(dispatcher, served.tokenizer, settings, models)
     server = uvicorn.Server(uvicorn_config(app, settings))
-    dead = asyncio.run(serve(dispatcher, server, settings.drain_timeout_s + EXIT_BACKSTOP_S, sockets=sockets))
+    dead = asyncio.run(serve(dispatcher, server, settings.drain_timeout_s + EXIT_BACKSTOP_S, sockets=sockets,
+                             models=models))
     if dead:
         sys.exit(1)
     log.info("router stopped")

@@ -22,11 +22,10 @@ from dataclasses import dataclass, field
 import zmq
 
 from protos import transport
-from protos.model_messages import ListModels, LoadModel, ModelRefused, UnloadModel
+from protos.model_messages import CONTROL_SOCKET, ListModels, LoadModel, ModelRefused, UnloadModel
 
 log = logging.getLogger(__name__)
 
-CONTROL_SOCKET = "models"  # the ipc name: transport.ipc_address(run_dir, CONTROL_SOCKET)
 ANSWER_S = 30.0  # the loop's answer to one command, at most (an unload: grace + kill wait)
 POLL_MS = 200  # how often the thread looks at its stop flag
 START_S = 5.0

@@ -153,6 +153,11 @@ class Ticket:
         self._body_bytes = body_bytes
         self._released = False
         self._busy: Future | None = None  # a thread still working for a request that gave up on it
+        self._also: list[Callable[[], None]] = []  # what else the request holds until it ends (its model's lease)
+
+    def also_release(self, fn: Callable[[], None]) -> None:
+        """`fn` is called once, when the ticket is released."""
+        self._also.append(fn)
 
     async def off_loop(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """fn(*args, **kwargs) in a thread: its result, or its exception as
@@ -176,6 +181,8 @@ class Ticket:
         if self._released:
             return
         self._released = True
+        for fn in self._also:
+            fn()
         busy = self._busy
         if busy is None or busy.done():
             self._admission._end(self._body_bytes)
