@@ -9,7 +9,8 @@ another host, deploy/group_plan.py); a record is a list of ops:
 - ("m", n): a message rank 0 handled, in its n protos/codec.py frames
   (after the op list, in order);
 - ("u", name, wait[, costs]): a unit of MLX work (workers/role.py `Unit`,
-  by its name), a decode step with rank 0's speculative step costs;
+  by its name), a decode step with rank 0's speculative step costs, a
+  prefill step with its turns' times (workers/prefill/turns.py);
 - ("ready",): rank 0 has loaded; ("stop",): rank 0 stops.
 
 Messages wait in the recorder until the next unit (or beat) sends them

@@ -6,8 +6,9 @@ units of MLX work, and each call runs one chunk of one prompt
 pass over several short prompts together (workers/prefill/batch.py). Which
 prompt is workers/prefill/turns.py's: several may be started at once, each
 with its own cache, and the one with the fewest tokens left runs its next
-chunk (an earlier prompt overtaken too often runs first), so a short prompt
-waits for about one chunk of a long one, not for all of it. A
+chunk (an earlier prompt that later ones have taken more than a share of
+its own time from runs first), so a short prompt waits for about one chunk
+of a long one, not for all of it. A
 finished prompt's first token goes out at once (PrefillDone); then its KV
 is handed off through the arena (workers/kv/handoff.py write_handoff, after
 the blocks the prefix cache holds for it, which go by reference), or in
@@ -64,7 +65,8 @@ class PrefillRole(Role):
         self.vision = vision
         self.turns = Turns(engine.chunk_size if engine is not None else settings.prefill_chunk)
         self.held: dict[str, Optional[HeldBlocks]] = {}  # request id -> its held blocks, before a batched pass
-        self.chunk_unit = Unit("prefill", self.timed_step)
+        # A group's followers take rank 0's step times (turns.py): every rank picks alike.
+        self.chunk_unit = Unit("prefill", self.timed_step, shared=lambda: self.turns)
 
     # ------------------------------------------------------------ the loop --
     def handle(self, msg: PrefillRequest) -> None:
@@ -115,14 +117,13 @@ class PrefillRole(Role):
         """The oldest queued prompt started when there is room, then one
         chunk of the prompt whose turn it is (or one batched pass); a failure
         fails that prompt."""
+        since = self.turns.clock()  # a start's time is the step's (charged once the step is picked)
         req = self.turns.next_to_start()
         if req is not None:
             self.guarded(req.request_id, self.start_turn, req)
             if not self.turns:  # it failed, and nothing else waits
                 return
-        turn = self.turns.pick()
-        self.turns.took(turn)
-        self.guarded(turn.request_id, self.prefill_chunk, turn)
+        self.prefill_chunk(since=since)
 
     def cancel(self, request_id: str, save: bool = True) -> None:
         self.turns.drop(request_id)  # its job, and the KV it holds so far, with it
@@ -130,12 +131,15 @@ class PrefillRole(Role):
         self.unhold(request_id)
 
     # ------------------------------------------------------------- prompts --
-    def prefill_chunk(self, turn=None) -> None:
+    def prefill_chunk(self, turn=None, since: Optional[float] = None) -> None:
         """One chunk of `turn` (a Turn, or a queued request to start; None:
-        whose turn it is)."""
+        whose turn it is, timed for the turns from `since` (None: now) and
+        failing that prompt alone)."""
         if turn is None:
             turn = self.turns.pick()
-            self.turns.took(turn)
+            with self.turns.timed(turn, since):
+                self.guarded(turn.request_id, self.prefill_chunk, turn)
+            return
         if not isinstance(turn, Turn):
             turn = self.start_turn(turn)
         if self.batch_limit > 1 and self.prefill_batch(turn):

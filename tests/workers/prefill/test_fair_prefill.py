@@ -1,6 +1,7 @@
 """Fair prefill (workers/prefill/turns.py, driven by workers/prefill/role.py):
 a short prompt that arrives while a long one prefills waits for at most one
-of the long one's chunks, counted in steps, and both prompts' KV and greedy
+of the long one's chunks, counted in steps (the turns' clock stands still
+unless a test says otherwise: `_WorkClock`), and both prompts' KV and greedy
 answers are those of each prompt prefilled alone (mlx-lm's); colocated and
 split (with prefix-cache hits and batched passes), with a prompt with
 images, cancelled midway, and on a worker group's ranks in lockstep."""
@@ -25,7 +26,7 @@ from workers.kv import handoff as kv_handoff
 from workers.loop_clock import LoopClock
 from workers.prefill.engine import PrefillEngine
 from workers.prefill.role import PrefillRole
-from workers.prefill.turns import OVERTAKE_LIMIT, Turns
+from workers.prefill.turns import OVERTAKE_SHARE, Turns
 
 CHUNK = 16
 LONG = 150  # ten chunks
@@ -40,12 +41,35 @@ class Sent(list):
         pass
 
 
-def _role(engine, *, fake=None, batch=1, colocated=True, vision=None, outbox=None) -> PrefillRole:
+def _role(engine, *, fake=None, batch=1, colocated=True, vision=None, outbox=None, clock=None) -> PrefillRole:
+    """A prefill role whose turns time steps on `clock` (None: one that
+    stands still, so no prompt is ever owed time and the order is the
+    shortest remaining first)."""
     settings = Settings(prefill_batch=batch, prefill_chunk=CHUNK)
-    return PrefillRole(settings, engine, worker_id="w", prefix=engine.prefix, cache=fake,
+    role = PrefillRole(settings, engine, worker_id="w", prefix=engine.prefix, cache=fake,
                        arena_buf=fake.buffer if fake else None, outbox=outbox if outbox is not None else Sent(),
                        clock=LoopClock("test"), hello=WorkerHello("w", ["prefill"], 1, "ready"), local_kv={},
                        colocated=colocated, vision=vision)
+    role.turns.clock = clock or (lambda: 0.0)
+    return role
+
+
+class _WorkClock:
+    """The turns' clock for a test: time passes only as `engine` computes,
+    PASS units a chunk plus one a token (a short prompt's pass costs about
+    half a long one's chunk, as on a GPU), whatever the machine."""
+
+    PASS = 16
+
+    def __init__(self, engine, rate: float = 1.0):
+        self.now = 0.0
+        engine.observe_compute = lambda tokens, seconds: self.advance(rate * (self.PASS + tokens))
+
+    def advance(self, units: float) -> None:
+        self.now += units
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def _request(rid: str, prompt, colocated=True, **kw) -> PrefillRequest:
@@ -99,23 +123,31 @@ def test_a_short_prompt_waits_for_one_chunk_of_a_long_one_colocated(model, batch
 def test_long_prompts_run_one_after_the_other_and_a_passed_over_one_is_not_starved(model):
     """Two long prompts run in the order they came, not alternately (the
     first would be as late as the second). Short prompts that keep coming
-    overtake a long one at most OVERTAKE_LIMIT steps in a row."""
+    take at most OVERTAKE_SHARE of a long one's own time (on the turns'
+    clock), plus the one overtake that crossed the line: the long one
+    earns each overtake back before the next, a short prompt meanwhile
+    waiting for those chunks (at most one overtake's time / the share)."""
     engine = PrefillEngine(model, chunk_size=CHUNK)
-    role = _role(engine)
+    clock = _WorkClock(engine)
+    role = _role(engine, clock=clock)
     role.handle(_request("a", prompt_of(4 * CHUNK, 3)))
     role.handle(_request("b", prompt_of(4 * CHUNK, 4)))
     assert _steps_until(role, "a") == 4 and _steps_until(role, "b") == 4
 
     role.handle(_request("long", prompt_of(8 * CHUNK, 5)))
     role.step()
-    order = []
-    for i in range(2 * OVERTAKE_LIMIT + 2):  # a new short prompt before every step
-        role.handle(_request(f"s{i}", prompt_of(5, 10 + i)))
-        before = role.turns.started["long"].job.processed if "long" in role.turns.started else None
+    start, order = clock.now - (_WorkClock.PASS + CHUNK), []
+    while "long" not in _done(role):
+        role.handle(_request(f"s{len(order)}", prompt_of(5, 10 + len(order))))  # a new short prompt every step
+        before = role.turns.started["long"].job.processed
         role.step()
-        after = role.turns.started["long"].job.processed if "long" in role.turns.started else None
-        order.append("long" if before != after else "short")
-    assert order == (["short"] * OVERTAKE_LIMIT + ["long"]) * 2
+        order.append("long" if "long" in _done(role) or role.turns.started["long"].job.processed != before
+                     else "short")
+    own, short = 8 * (_WorkClock.PASS + CHUNK), _WorkClock.PASS + 5
+    # A chunk costs 32, a short prompt 21: after one chunk a short one goes past (nothing owed yet); the
+    # long one is then owed 21 until its own time x 0.15 covers it (5 chunks: 160), and so on.
+    assert order == ["short"] + ["long"] * 4 + ["short"] + ["long"] * 3
+    assert clock.now - start == own + 2 * short <= (1 + OVERTAKE_SHARE) * own + short
 
 
 # ---------------------------------------------------------------- split --
@@ -211,8 +243,10 @@ def test_a_prompt_with_images_is_interleaved_like_text(tmp_path_factory):
 def test_every_rank_of_a_group_takes_the_same_turns(model, tmp_path):
     """A worker group's rank 0 records each message and unit and a follower
     replays them on a role of its own (workers/group/members.py): the turns
-    depend on nothing but what both see, so both finish the same prompts in
-    the same steps (the follower's engine measured no compute time at all)."""
+    depend on what both see and on rank 0's step times, which the follower
+    loads before each step, so both finish the same prompts in the same steps
+    (the follower's own clock stands still: alone it would run the mid
+    prompt before the tiny one)."""
     import zmq
 
     from protos.group_plan import RankSpec
@@ -238,7 +272,8 @@ def test_every_rank_of_a_group_takes_the_same_turns(model, tmp_path):
         leader = Leader(settings, ctx, WorkerHello("g", ["prefill"], 0, "loading"), group=None, spec=spec)
         stream = RecordStream(ctx, lockstep_address(spec, settings.run_dir, 1))
         lead_out = Sent()
-        lead_role = _role(PrefillEngine(model, chunk_size=CHUNK), outbox=leader.wrap_outbox(lead_out))
+        lead_engine = PrefillEngine(model, chunk_size=CHUNK)
+        lead_role = _role(lead_engine, outbox=leader.wrap_outbox(lead_out), clock=_WorkClock(lead_engine))
         rank0 = loop(lead_role, lead_role.outbox, leader)
         leader.loaded()
         for step in range(12):
@@ -256,9 +291,12 @@ def test_every_rank_of_a_group_takes_the_same_turns(model, tmp_path):
     finally:
         ctx.destroy(linger=0)
     lead = [(m.request_id, m.first_token) for m in lead_out if isinstance(m, PrefillDone)]
-    assert [rid for rid, _ in lead] == ["short", "tiny", "mid"]  # the long one still runs
+    # The short one overtakes the long and the mid one, both then owed its time: the long one earns it
+    # back in 4 chunks, then the mid one (which had run none) runs a chunk, which the long one is owed
+    # in turn: it runs to its end (the tiny one waits for both debts: turns.py).
+    assert [rid for rid, _ in lead] == ["short", "long"]
     assert [(m.request_id, m.first_token) for m in follow_role.outbox if isinstance(m, PrefillDone)] == lead
-    assert follow_role.turns.started["long"].job.processed == lead_role.turns.started["long"].job.processed == 7 * CHUNK
+    assert follow_role.turns.started["mid"].job.processed == lead_role.turns.started["mid"].job.processed == CHUNK
 
 
 # ----------------------------------------------------------- the order --
@@ -270,9 +308,9 @@ class _Job:
 def test_whose_turn_it_is():
     """Turns alone: shortest remaining first (a queued prompt counts its whole
     length), ties in arrival order; the oldest queued prompt starts first;
-    an earlier prompt overtaken OVERTAKE_LIMIT times runs next; past
-    MAX_STARTED started prompts only prompts that fit one chunk may start."""
-    turns = Turns(chunk_size=CHUNK, max_started=2)
+    past MAX_STARTED started prompts only prompts that fit one chunk may
+    start. (Time owed: tests/workers/prefill/test_turns_budget.py.)"""
+    turns = Turns(chunk_size=CHUNK, max_started=2, clock=lambda: 0.0)
     a, b, c = (_request(r, prompt_of(n, 1)) for r, n in (("a", 100), ("b", 100), ("c", 10)))
     for r in (a, b, c):
         turns.add(r)
@@ -283,13 +321,11 @@ def test_whose_turn_it_is():
     assert turns.pick() is ta
     tb = turns.start(b, _Job(60))
     assert turns.pick() is ta  # equal: the first to arrive
-    for _ in range(OVERTAKE_LIMIT):
-        tb.job.remaining = 5
+    tb.job.remaining = 5
+    for _ in range(3):  # steps that take no time owe nothing
         assert turns.pick() is tb
-        turns.took(tb)
-    assert turns.pick() is ta  # overtaken OVERTAKE_LIMIT times: its turn
-    turns.took(ta)
-    assert turns.pick() is tb
+        with turns.timed(tb):
+            pass
     big, small = _request("big", prompt_of(2 * CHUNK, 2)), _request("small", prompt_of(CHUNK, 3))
     turns.add(big), turns.add(small)
     assert turns.may_start(small) and not turns.may_start(big)  # two started already
