@@ -40,6 +40,7 @@ from router.media.decode import MediaLimits
 from router.media.parts import load_media_parts
 from router.media.video import DecodedVideo
 from router.metrics import AdmissionMetrics
+from router.ollama.routes import ollama_routes
 from router.models.keep_alive import KeepAliveError, parse_keep_alive, parse_ttl
 from router.models.catalog import model_key
 from router.models.pool import ModelPool
@@ -80,6 +81,7 @@ def create_app(engine: Engine, tokenizer, settings: Settings, models: ModelPool 
         Route("/v1/models/{model:path}", api.get_model, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
+        *ollama_routes(api),  # Ollama's /api/* (router/ollama/)
     ]
     # Host, Origin, API key and Content-Type checked before any handler reads a body.
     middleware = [Middleware(HttpGuard, settings=settings)]
