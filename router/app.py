@@ -32,6 +32,7 @@ from router.guards.cache_salt import request_salt, tenant_of
 from router.guards.fair_lanes import caller_of
 from router.api.chat_output import ChatOutput
 from router.routing.engine_api import Engine, GenerationRequest
+from router.api.embeddings import serve_embeddings
 from router.api.errors import ApiError, exception_handlers
 from router.api.generation import Generation
 from router.guards.http_guard import HttpGuard
@@ -75,6 +76,7 @@ def create_app(engine: Engine, tokenizer, settings: Settings, models: ModelPool 
         Route("/v1/messages", api.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
         Route("/v1/responses", api.responses, methods=["POST"]),
+        Route("/v1/embeddings", api.embeddings, methods=["POST"]),
         Route("/v1/responses/{response_id}", api.get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", api.delete_response, methods=["DELETE"]),
         Route("/v1/models", api.list_models, methods=["GET"]),
@@ -199,6 +201,15 @@ class _Api:
         finally:
             ticket.release()
         return JSONResponse({"input_tokens": len(parsed.prompt_tokens)})
+
+    async def embeddings(self, request: Request) -> Response:
+        """OpenAI's embeddings, for an embedding model (router/api/embeddings.py)."""
+        ticket, body = await self._admit(request)
+        try:  # admitted, and its model held, until its vectors are back
+            served = await self.model_of(ticket, body, kind="embedding")
+            return await serve_embeddings(ticket, body, served, self.settings.request_timeout_s)
+        finally:
+            ticket.release()
 
     async def responses(self, request: Request) -> GenerationResponse:
         """OpenAI's Responses API: the body as its chat equivalent, after the

@@ -124,23 +124,12 @@ def embeddings_body(vectors: np.ndarray, prompt_tokens: int, model_id: str, as_b
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
-def wrong_kind(model_id: str, kind: str, endpoint: str) -> ApiError:
-    """400 for a request a model of `kind` does not serve: embeddings from a
-    chat model, or a chat from an embedding model."""
-    if endpoint == "embeddings":
-        what = f"The model '{model_id}' is a {kind} model; /v1/embeddings needs an embedding model"
-    else:
-        what = f"The model '{model_id}' is an embedding model; it serves /v1/embeddings, not {endpoint}"
-    return ApiError(400, what, param="model", code="model_not_supported")
-
-
 async def serve_embeddings(ticket, body: dict, model, timeout_s: float) -> Response:
     """One request for `model` (router/models/served.py ServedModel: kind,
     engine, tokenizer, model_dir), its tokenizing and its JSON (2048 vectors
     of 4096 numbers are ~170 MB of text) in `ticket`'s threads
-    (router/guards/admission.py), off the event loop."""
-    if model.kind != "embedding":
-        raise wrong_kind(model.model_id, model.kind, "embeddings")
+    (router/guards/admission.py), off the event loop. Its kind is checked
+    where the pool hands it out (router/app.py model_of)."""
     deadline = time.monotonic() + timeout_s
     parsed = await ticket.off_loop(parse_embeddings, body, model.tokenizer, model.max_context,
                                    _config(model.model_dir))

@@ -143,11 +143,3 @@ def test_bad_bodies_are_4xx_in_openais_shape_naming_the_field(tok, body, status,
         parse_embeddings(body, tok, 64, LAST)
     assert err.value.status == status and err.value.param == param
     assert set(err.value.body()["error"]) == {"message", "type", "param", "code"}
-
-
-def test_an_embeddings_request_to_a_chat_model_is_a_400_saying_so(tok, folder):
-    model = Model(tok, str(folder), kind="chat", model_id="chatty")
-    with pytest.raises(ApiError) as err:
-        call(model, {"input": "x"})
-    assert err.value.status == 400 and "chatty" in err.value.message and "embedding model" in err.value.message
-    assert model.engine.calls == []
