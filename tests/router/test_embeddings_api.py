@@ -143,3 +143,17 @@ def test_bad_bodies_are_4xx_in_openais_shape_naming_the_field(tok, body, status,
         parse_embeddings(body, tok, 64, LAST)
     assert err.value.status == status and err.value.param == param
     assert set(err.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_an_embeddings_request_to_a_chat_model_is_a_400_saying_so(tokenizer):
+    """Through the router's app (its pool's one model a scripted chat engine)."""
+    import httpx
+
+    from tests.support.fake_engine import FakeEngine
+    from tests.support.router_server import serve_app
+
+    engine = FakeEngine(tokenizer)
+    with serve_app(engine, tokenizer) as server:
+        r = httpx.post(server.url + "/v1/embeddings", json={"model": engine.model_id, "input": "hi"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    assert "makes no embeddings" in r.json()["error"]["message"]
