@@ -139,3 +139,21 @@ def test_the_role_refuses_bad_requests_drops_cancelled_ones_and_fails_a_broken_p
                                       "embed": lambda self, rows: 1 / 0})()
     role.step()
     assert failed == ["x", "y"] and not out.sent
+
+
+def test_the_role_runs_a_long_input_a_pass_per_unit_then_the_rest(qwen):
+    out = Outbox()
+    role = EmbedRole(qwen, worker_id="embed-0", outbox=out, clock=None)
+    long = list(range(3, 3 + 70))
+    role.handle(EmbedRequest("a", [ROWS[1], long, ROWS[2]]))
+    role.handle(EmbedRequest("b", [ROWS[0]]))
+    steps = 0
+    while role.has_work():
+        role.step()
+        steps += 1
+    assert steps == 5  # ROWS[1]; the long one's 3 passes; ROWS[2] with b's
+    a, b = sorted(out.sent, key=lambda m: m.request_id)
+    for vector, tokens in zip(a.vectors, [ROWS[1], long, ROWS[2]]):
+        np.testing.assert_allclose(vector, qwen_alone(qwen, tokens), atol=1e-5)
+    assert a.passes == 5 and b.passes == 1
+    np.testing.assert_allclose(b.vectors[0], qwen_alone(qwen, ROWS[0]), atol=1e-5)
