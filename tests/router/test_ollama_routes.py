@@ -119,3 +119,20 @@ def test_api_paths_need_the_key_and_errors_are_ollamas_shape(server, client):
     with pytest.raises(ollama.ResponseError) as info:
         client.delete("tandem-test")
     assert info.value.status_code == 409
+
+
+def test_think_reaches_the_chat_template_through_a_tokenizer_equal_to_the_models(tokenizer):
+    from router.ollama.routes import TemplateArgs
+
+    wrapped = TemplateArgs(tokenizer, {"enable_thinking": False})
+    assert wrapped == tokenizer and hash(wrapped) == hash(tokenizer) and len(wrapped) == len(tokenizer)
+    seen = {}
+    stub = type("Stub", (), {"apply_chat_template": lambda self, messages, **kw: seen.update(kw) or [1]})()
+    assert TemplateArgs(stub, {"enable_thinking": False}).apply_chat_template(HI, tokenize=True) == [1]
+    assert seen == {"tokenize": True, "enable_thinking": False}
+
+
+def test_keep_alive_0_without_a_prompt_unloads_as_ollama_stop_does(client, engine):
+    # Last: with no supervisor behind this app, the model does not load again.
+    assert client.generate("tandem-test", keep_alive=0).done_reason == "unload"
+    assert client.ps().models == []
