@@ -44,6 +44,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _keep_alive(text: str) -> float:
+    """Ollama's keep_alive: '5m', '1h30m', '30s', '0', '-1' -> seconds (-1: forever)."""
+    from router.models.keep_alive import KeepAliveError, parse_keep_alive
+
+    try:
+        return parse_keep_alive(text, "--keep-alive")
+    except KeepAliveError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _names(text: str) -> tuple:
     """'a, b,c' -> ('a', 'b', 'c')."""
     return tuple(part.strip() for part in text.split(",") if part.strip())
@@ -193,7 +203,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--migrate-timeout", type=_seconds, default=d.migrate_timeout_s,
                    help="seconds a request whose worker died waits for another before it fails")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s, help="seconds in-flight streams get on shutdown")
-    p.add_argument("--keep-alive", type=float, default=d.keep_alive_s, help="seconds an idle HTTP connection stays open")
+    p.add_argument("--http-keep-alive", type=float, default=d.keep_alive_s,
+                   help="seconds an idle HTTP connection stays open")
+    p.add_argument("--keep-alive", type=_keep_alive, default=d.model_keep_alive_s, metavar="DURATION",
+                   help="how long a model loaded on demand stays once idle, as Ollama's keep_alive: 5m, 1h, 30s, "
+                        "0 (unload after each answer), -1 (forever); a request's keep_alive or ttl overrides it "
+                        "(default 5m; the --model one stays loaded unless a request says otherwise)")
+    p.add_argument("--max-loaded-models", type=_positive, default=d.max_loaded_models,
+                   help="models loaded at once; a load past it unloads the least recently used idle one")
+    p.add_argument("--models-memory", type=_bytes, default=None, metavar="SIZE",
+                   help="bytes the loaded models' weights may take, all processes together (default: three "
+                        "quarters of physical memory less the KV cache)")
+    p.add_argument("--model-load-timeout", type=_seconds, default=d.model_load_timeout_s,
+                   help="seconds a request waits for its model to load")
     p.add_argument("--allow-local-media", default=None, metavar="DIR",
                    help="VLMs: serve file:// image and video URLs from under DIR (default: refused)")
     p.add_argument("--allow-media-hosts", type=_names, default=d.allow_media_hosts, metavar="HOSTS",
@@ -254,7 +276,9 @@ def run(args: argparse.Namespace) -> int:
         cache_disk_bytes=args.cache_disk_bytes, hot_kv_bytes=args.hot_kv_memory, block_size=args.block_size, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, prefill_batch=args.prefill_batch, warm_up=args.warm_up,
         max_queue=args.max_queue, admitted_body_bytes=args.request_bodies_memory,
         stored_responses_bytes=args.stored_responses_memory,
-        stored_responses_key_bytes=args.stored_responses_memory_per_key, drain_timeout_s=args.drain_timeout, keep_alive_s=args.keep_alive, log_level=args.log_level,
+        stored_responses_key_bytes=args.stored_responses_memory_per_key, drain_timeout_s=args.drain_timeout, keep_alive_s=args.http_keep_alive, log_level=args.log_level,
+        model_keep_alive_s=args.keep_alive, max_loaded_models=args.max_loaded_models,
+        models_memory_bytes=args.models_memory, model_load_timeout_s=args.model_load_timeout,
         allow_local_media=args.allow_local_media, max_images=args.max_images,
         max_image_pixels=args.max_image_pixels, media_fetch_timeout_s=args.media_fetch_timeout,
         max_video_frames=args.max_video_frames,

@@ -23,10 +23,10 @@ LISTING_TTL_S = 5.0  # the cache's scan, reused this long (a client polling /v1/
 
 def model_key(name: str) -> str:
     """What two names of one model share."""
-    return _without_tag(name.strip()).lower()
+    return without_tag(name.strip()).lower()
 
 
-def _without_tag(name: str) -> str:
+def without_tag(name: str) -> str:
     return name[: -len(":latest")] if name.lower().endswith(":latest") else name
 
 
@@ -41,7 +41,7 @@ class Catalog:
         if not isinstance(name, str):
             return None
         try:
-            return cached(parse_ref(_without_tag(name.strip())))
+            return cached(parse_ref(without_tag(name.strip())))
         except (ModelError, ValueError, OSError):
             return None
 

@@ -35,7 +35,7 @@ from environment.model_folder import context_length
 from environment.settings import Settings, default_models_memory
 from protos.model_messages import ModelSlot
 from router.api.errors import ApiError
-from router.models.catalog import Catalog, model_key
+from router.models.catalog import Catalog, model_key, without_tag
 from router.models.control import ModelControl, ModelControlError
 from router.models.keep_alive import FOREVER
 from router.models.served import ServedModel
@@ -194,7 +194,8 @@ class ModelPool:
             folder = await asyncio.to_thread(self.catalog.downloaded, name)
             if folder is None:
                 raise self.catalog.not_found(name)
-            entry = self.entries.setdefault(model_key(name), _Entry(name, cost=self.catalog.cost(self.settings, folder)))
+            entry = self.entries.setdefault(model_key(name), _Entry(without_tag(name.strip()),
+                                                                    cost=self.catalog.cost(self.settings, folder)))
         if entry.task is None or entry.task.done():
             entry.state, entry.error = "loading", ""
             entry.ready.clear()
@@ -370,9 +371,16 @@ class ModelPool:
                         "kind": e.served.kind if e.served is not None else "", "state": e.state,
                         "size": e.cost, "in_flight": e.in_flight, "expires_at": e.expires_at(),
                         "keep_alive_s": e.keep_alive_s, "loaded_at": e.loaded_at,
-                        "workers": list(e.slot.workers) if e.slot is not None else [],
+                        "workers": self._workers_of(e),
                         **({"error": e.error} if e.error else {})})
         return out
+
+    @staticmethod
+    def _workers_of(entry: _Entry) -> list[str]:
+        if entry.slot is not None:
+            return list(entry.slot.workers)
+        table = getattr(entry.served.engine, "table", None) if entry.served is not None else None
+        return sorted(table.workers) if table is not None else []
 
     async def available(self) -> list[dict]:
         """Every model a request may name: the loaded ones and the downloaded
