@@ -64,6 +64,7 @@ class OllamaCall:
     kind: str = "chat"  # "chat" | "completion"
     body: dict | None = None  # the OpenAI body (after `translate`); None: load or unload only
     template_kwargs: dict = field(default_factory=dict)  # enable_thinking, reasoning_effort
+    fields: dict = field(default_factory=dict)  # the OpenAI fields of `options` and `format`, checked
 
     @property
     def load_only(self) -> bool:
@@ -85,7 +86,8 @@ def refuse_unknown(body: dict, honoured: frozenset, path: str = "") -> None:
 
 def read_call(body: dict, endpoint: str) -> OllamaCall:
     """The fields every chat or generate request is routed by (model,
-    stream, keep_alive), checked before its model is taken from the pool."""
+    stream, keep_alive), and its options and format, checked before its
+    model is taken from the pool (a bad one costs no load)."""
     refuse_unknown(body, CHAT_FIELDS if endpoint == "chat" else GENERATE_FIELDS)
     name = body.get("model")
     if not isinstance(name, str) or not name.strip():
@@ -99,7 +101,8 @@ def read_call(body: dict, endpoint: str) -> OllamaCall:
         keep_alive = parse_keep_alive(body.get("keep_alive"))
     except KeepAliveError as exc:
         raise bad_request(str(exc), "keep_alive") from None
-    return OllamaCall(name, tandem_name(name), stream, keep_alive, body)
+    fields = {**sampling_of(body.get("options")), **_format(body.get("format"))}
+    return OllamaCall(name, tandem_name(name), stream, keep_alive, body, fields=fields)
 
 
 def translate(call: OllamaCall, endpoint: str, facts: ModelFacts) -> OllamaCall:
@@ -124,8 +127,7 @@ def translate(call: OllamaCall, endpoint: str, facts: ModelFacts) -> OllamaCall:
         call.template_kwargs = _think(body.get("think"), facts)
     elif body.get("think") is not None:
         raise bad_request("'think' needs the model's chat template: it has no effect on a raw prompt", "think")
-    out.update(sampling_of(body.get("options")))
-    out.update(_format(body.get("format")))
+    out.update(call.fields)
     out.update(_logprobs(body, completion="prompt" in out))
     out["model"] = call.model
     out["stream"] = call.stream

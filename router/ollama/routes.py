@@ -35,9 +35,15 @@ from router.ollama.hub import PullResponse, delete_model
 from router.ollama.listing import ps_entry, show_body, tags_entry
 from router.ollama.names import tandem_name
 from router.ollama.ndjson_format import ChatLines, GenerateLines, TimedGeneration, load_answer
-from router.ollama.request import ModelFacts, read_call, renamed, translate
+from router.ollama.request import ModelFacts, read_call, refuse_unknown, renamed, translate
 
 log = logging.getLogger("tandem.router")
+
+# `name` is the field's old name, which older clients still send; show's `verbose` asks for the
+# whole model_info, which it always is.
+SHOW_FIELDS = frozenset(("model", "name", "verbose"))
+PULL_FIELDS = frozenset(("model", "name", "stream", "insecure"))
+DELETE_FIELDS = frozenset(("model", "name"))
 
 
 def tandem_version() -> str:
@@ -188,6 +194,7 @@ class OllamaApi:
     @ollama_errors
     async def show(self, request: Request):
         body = await self._small_body(request)
+        refuse_unknown(body, SHOW_FIELDS)
         name = body.get("model") or body.get("name")
         if not isinstance(name, str) or not name:
             raise ApiError(400, "model is required", param="model")
@@ -221,10 +228,7 @@ class OllamaApi:
     @ollama_errors
     async def pull(self, request: Request):
         body = await self._small_body(request)
-        unknown = sorted(k for k, v in body.items() if k not in ("model", "name", "stream", "insecure")
-                         and v is not None)
-        if unknown:
-            raise ApiError(400, f"unsupported field '{unknown[0]}' in /api/pull", param=unknown[0])
+        refuse_unknown(body, PULL_FIELDS)
         if body.get("insecure"):
             raise ApiError(400, "'insecure' does not apply: Tandem pulls from the Hugging Face Hub "
                            "(HF_ENDPOINT names another)", param="insecure")
@@ -240,6 +244,7 @@ class OllamaApi:
     @ollama_errors
     async def delete(self, request: Request):
         body = await self._small_body(request)
+        refuse_unknown(body, DELETE_FIELDS)
         name = body.get("model") or body.get("name")
         if not isinstance(name, str) or not name:
             raise ApiError(400, "model is required", param="model")

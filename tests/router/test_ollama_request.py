@@ -149,6 +149,9 @@ def test_no_messages_or_prompt_only_loads_or_unloads():
         assert call.load_only and call.body is None
     assert generate({"keep_alive": 0}).keep_alive == 0
     assert refused(lambda b, f: read_call(b, "chat"), {"messages": []}).param == "model"
+    # options and format are checked before the model is taken from the pool: a bad one costs no load
+    for bad, param in (({"options": {"bogus": 1}}, "options.bogus"), ({"format": "yaml"}, "format")):
+        assert refused(lambda b, f: read_call({"model": "m", **b}, "generate"), bad).param == param
 
 
 def test_a_chat_parsers_error_names_ollamas_fields():
