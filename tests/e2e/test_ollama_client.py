@@ -74,10 +74,11 @@ def test_pull_streams_progress_then_lists_shows_and_deletes(client, hub):
 
 
 def test_greedy_chat_is_v1s_answer_token_for_token(client, server):
-    reply = client.chat(MODEL, ASK, options=GREEDY)
+    reply = client.chat(MODEL, ASK, options=GREEDY, logprobs=True)
     v1 = httpx.post(server.base_url + "/v1/chat/completions", timeout=120, json={
-        "model": "default", "messages": ASK, "temperature": 0, "max_tokens": 8}).json()
+        "model": "default", "messages": ASK, "temperature": 0, "max_tokens": 8, "logprobs": True}).json()
     assert reply.message.content == v1["choices"][0]["message"]["content"] and reply.message.content
+    assert [lp.token for lp in reply.logprobs] == [t["token"] for t in v1["choices"][0]["logprobs"]["content"]]
     assert reply.eval_count == v1["usage"]["completion_tokens"]
     assert reply.prompt_eval_count == v1["usage"]["prompt_tokens"]
     parts = list(client.chat(f"{MODEL}:latest", ASK, options=GREEDY, stream=True))
