@@ -61,6 +61,7 @@ class _Entry:
     cost: int = 0  # bytes of weights it holds, all processes together
     loaded_at: float = field(default_factory=time.time)
     load_s: float = 0.0  # how long its load took
+    stage: str = ""  # where its load is: what a request that gave up waiting is told
     task: asyncio.Task | None = None
 
     def expires_at(self) -> float | None:
@@ -207,8 +208,8 @@ class ModelPool:
         try:
             await asyncio.wait_for(asyncio.shield(entry.ready.wait()), max(0.0, left))
         except asyncio.TimeoutError:
-            raise ApiError(503, f"The model '{entry.name}' did not load within {self.settings.model_load_timeout_s:g} s",
-                           code="model_loading") from None
+            raise ApiError(503, f"The model '{entry.name}' did not load within {self.settings.model_load_timeout_s:g} s "
+                                f"({entry.stage or 'loading'})", code="model_loading") from None
         if entry.state != "ready":
             raise ApiError(503, f"The model '{entry.name}' could not be loaded: {entry.error}", code="model_load_failed")
 
@@ -219,6 +220,7 @@ class ModelPool:
         try:
             if slot is None:
                 await self._make_room(entry)
+                entry.stage = "starting its workers"
                 slot = _slot_named(await self.control.load(entry.name), entry.name)
             entry.slot = slot
             entry.cost = slot.weight_bytes * max(1, slot.processes) or entry.cost
@@ -226,6 +228,7 @@ class ModelPool:
                 engine = self.make_engine(self._settings_for(slot), context_length(slot.model_dir))
                 await engine.start()
                 entry.served = await asyncio.to_thread(ServedModel.load, engine, slot.model_dir)
+            entry.stage = "waiting for its workers to be ready"
             await self._until_workers_ready(entry)
             entry.state, entry.load_s, entry.loaded_at = "ready", time.monotonic() - t0, time.time()
             self.loads += 1
@@ -280,6 +283,7 @@ class ModelPool:
             if idle:
                 await self.unload(idle[0].name, "room for " + entry.name)
                 continue
+            entry.stage = "waiting for room: every loaded model is busy (" + ", ".join(e.name for e in others) + ")"
             self.changed.clear()
             left = deadline - time.monotonic()
             if left <= 0:
