@@ -25,7 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from environment.generation_defaults import generation_defaults
-from environment.model_folder import context_length
+from environment.model_folder import context_length, weight_bytes
 from router.ollama.names import listed_name
 
 DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
@@ -131,7 +131,8 @@ def tags_entry(item: dict) -> dict:
     name = listed_name(item["name"])
     model_dir = item.get("model_dir") or ""
     modified = next((item[k] for k in ("modified_at", "loaded_at") if item.get(k) is not None), None)
-    return {"name": name, "model": name, "modified_at": iso(modified), "size": int(item.get("size") or 0),
+    size = item.get("size") or (weight_bytes(model_dir) if model_dir and Path(model_dir).is_dir() else 0)
+    return {"name": name, "model": name, "modified_at": iso(modified), "size": int(size),
             "digest": digest(model_dir), "details": _public(details(model_dir))}
 
 

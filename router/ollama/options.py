@@ -4,9 +4,10 @@ honours (router/parsed_request.py checks their values).
 Each option is honoured, or accepted because it has nothing to do here
 (named in a log line), or refused with a 400 naming it: never dropped.
 - Sampling: temperature, top_p, top_k, min_p, seed, stop, num_predict
-  (-> max_tokens; -1 and -2, "no limit" and "fill the context", leave the
-  answer to the context's end), repeat_penalty (-> repetition_penalty),
-  presence_penalty, frequency_penalty.
+  (-> max_tokens; -1 and -2, "no limit" and "fill the context", let the
+  answer run to the context's end), repeat_penalty (-> repetition_penalty),
+  presence_penalty, frequency_penalty. Without num_predict, the model's
+  recommended length (generation_config.json), as every endpoint's.
 - repeat_last_n: the penalties look at the last 20 tokens (mlx-lm's window),
   so 20 is honoured, and any value while no penalty is in force (the window
   then changes nothing); another is a 400.
@@ -35,6 +36,7 @@ NOT_APPLYING = frozenset(("num_ctx", "num_gpu", "main_gpu", "num_thread", "num_b
 SWITCHED_OFF = {"mirostat": 0, "tfs_z": 1, "typical_p": 1}
 PENALTY_WINDOW = 20  # tokens mlx-lm's repetition, presence and frequency penalties look back over
 UNLIMITED_PREDICT = (-1, -2)
+TO_THE_CONTEXT = -1  # max_tokens once the prompt's length is known: the rest of the context (routes.py)
 # OpenAI's name of each honoured option, for errors: the client named it in `options`.
 OPTION_OF_FIELD = {**{v: k for k, v in SAMPLING.items()}, "max_tokens": "num_predict"}
 
@@ -61,8 +63,7 @@ def sampling_of(options) -> dict:
                 raise bad_option(name, "expected an integer")
             if value == 0 or value < -2:
                 raise bad_option(name, f"expected a number of tokens > 0, or -1 (no limit), but got {value}")
-            if value not in UNLIMITED_PREDICT:
-                out["max_tokens"] = value
+            out["max_tokens"] = value if value not in UNLIMITED_PREDICT else TO_THE_CONTEXT
         elif name in NOT_APPLYING:
             idle.append(name)
         elif name in SWITCHED_OFF:

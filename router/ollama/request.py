@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from router.api.errors import ApiError
 from router.models.keep_alive import KeepAliveError, parse_keep_alive
 from router.ollama.names import tandem_name
-from router.ollama.options import OPTION_OF_FIELD, sampling_of
+from router.ollama.options import OPTION_OF_FIELD, TO_THE_CONTEXT, sampling_of
 
 COMMON_FIELDS = frozenset(("model", "stream", "keep_alive", "options", "format", "think", "logprobs", "top_logprobs"))
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "tools"}
@@ -65,6 +65,7 @@ class OllamaCall:
     body: dict | None = None  # the OpenAI body (after `translate`); None: load or unload only
     template_kwargs: dict = field(default_factory=dict)  # enable_thinking, reasoning_effort
     fields: dict = field(default_factory=dict)  # the OpenAI fields of `options` and `format`, checked
+    to_the_context: bool = False  # num_predict -1 or -2: the answer may run to the context's end
 
     @property
     def load_only(self) -> bool:
@@ -128,6 +129,9 @@ def translate(call: OllamaCall, endpoint: str, facts: ModelFacts) -> OllamaCall:
     elif body.get("think") is not None:
         raise bad_request("'think' needs the model's chat template: it has no effect on a raw prompt", "think")
     out.update(call.fields)
+    if out.get("max_tokens") == TO_THE_CONTEXT:  # set once the prompt is tokenized (its length known)
+        del out["max_tokens"]
+        call.to_the_context = True
     out.update(_logprobs(body, completion="prompt" in out))
     out["model"] = call.model
     out["stream"] = call.stream

@@ -24,7 +24,7 @@ import uuid
 from importlib.metadata import PackageNotFoundError, version
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from router.api.errors import ApiError
@@ -67,6 +67,7 @@ def ollama_routes(api) -> list[Route]:
         Route("/api/version", o.version, methods=["GET"]),
         Route("/api/pull", o.pull, methods=["POST"]),
         Route("/api/delete", o.delete, methods=["DELETE"]),
+        Route("/", o.root, methods=["GET", "HEAD"]),  # where Ollama's apps look whether a server runs
     ]
 
 
@@ -135,6 +136,8 @@ class OllamaApi:
                 parsed = await self._parse(ticket, call, served)
             except ApiError as exc:
                 raise renamed(exc, endpoint)
+            if call.to_the_context:  # num_predict -1 / -2: whatever room the prompt leaves
+                parsed.sampling.max_tokens = served.max_context - len(parsed.prompt_tokens)
             generation = self.api.generation(parsed, f"ollama-{uuid.uuid4().hex}", request, served)
             timed = TimedGeneration(generation, arrived, loaded)
             lines = (ChatLines if endpoint == "chat" else GenerateLines)(
@@ -214,6 +217,9 @@ class OllamaApi:
             if tandem_name(model["name"]).lower() == wanted.lower():
                 return model
         raise model_not_found(name)
+
+    async def root(self, request: Request):
+        return PlainTextResponse("Tandem is running (Ollama's API is at /api/)")
 
     @ollama_errors
     async def version(self, request: Request):

@@ -57,6 +57,7 @@ def test_chat_defaults_to_a_stream_and_maps_options_format_and_keep_alive():
                  "keep_alive": -1, "options": {"num_predict": -1}})
     assert call.body["response_format"] == {"type": "json_schema", "json_schema": {"name": "format", "schema": schema}}
     assert call.stream is False and call.keep_alive == FOREVER and "max_tokens" not in call.body
+    assert call.to_the_context and not chat({"messages": [{"role": "user", "content": "x"}]}).to_the_context
 
 
 def test_hardware_options_are_accepted_and_logged_and_unknown_ones_refused(caplog):

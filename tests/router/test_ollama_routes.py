@@ -54,6 +54,9 @@ def test_chat_whole_and_streamed_with_options_on_the_engine(client, engine):
     assert reply.prompt_eval_count == len(engine.requests[-1].prompt_tokens)
     assert reply.total_duration >= reply.eval_duration >= 0 and reply.load_duration >= 0
 
+    client.chat("tandem-test", HI, options={"num_predict": -1})  # no limit: the rest of the context
+    assert engine.requests[-1].sampling.max_tokens == 4096 - len(engine.requests[-1].prompt_tokens)
+
     parts = list(client.chat("tandem-test", HI, stream=True))
     assert "".join(p.message.content for p in parts) == "Hello world." and len(parts) > 2
     assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True] and parts[-1].eval_count
@@ -113,6 +116,8 @@ def test_api_paths_need_the_key_and_errors_are_ollamas_shape(server, client):
     assert r.status_code == 401 and set(r.json()) == {"error"} and "API key" in r.json()["error"]
     r = httpx.get(server.url + "/api/version", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
     assert r.status_code == 200 and r.json()["version"]
+    r = httpx.get(server.url + "/", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    assert r.status_code == 200 and "is running" in r.text
     r = httpx.post(server.url + "/api/chat", content=b"{", headers={"Authorization": f"Bearer {KEY}",
                                                                       "Content-Type": "application/json"})
     assert r.status_code == 400 and set(r.json()) == {"error"}
