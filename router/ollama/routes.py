@@ -8,8 +8,9 @@ What each route does is Ollama's (router/ollama/request.py says how bodies
 translate): /api/chat, /api/generate, /api/embed (and the legacy
 /api/embeddings), /api/tags (downloaded and loaded models), /api/ps (loaded
 ones), /api/show, /api/version, /api/pull (streamed progress), /api/delete.
-A model with requests in flight is not deleted (409); an idle loaded one is
-unloaded first. They run behind the same Host, Origin and API key checks as
+/api/delete unloads an idle loaded model first; one with requests in flight
+is a 409 (delete it once they end), and so is the model the server started
+with (--model: it comes back at the next start). They run behind the same Host, Origin and API key checks as
 /v1 (router/guards/http_guard.py: every path but /health and /metrics needs
 the key when one is set).
 """
