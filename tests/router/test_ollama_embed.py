@@ -101,3 +101,32 @@ def test_a_chat_model_and_unknown_fields_are_refused(tok, folder):
         with pytest.raises(ApiError) as info:
             embed(api_for(model), body)
         assert info.value.status == 400 and info.value.param == param
+
+
+class ServedEngine(Engine):
+    """The fake embed engine as the app serves it (its model's id, context, health)."""
+
+    model_id, max_context = "tiny-embedder", 64
+
+    def health(self):
+        return True, {"model": self.model_id, "workers": []}
+
+    async def metrics_text(self):
+        return ""
+
+
+def test_the_ollama_clients_embed_and_embeddings_through_the_app(tok, folder):
+    import ollama
+
+    from tests.support.router_server import serve_app
+
+    engine = ServedEngine()
+    with serve_app(engine, tok, model_dir=str(folder), request_timeout_s=10) as server:
+        client = ollama.Client(host=server.url, timeout=10)
+        out = client.embed("tiny-embedder:latest", ["hello world", "a"])
+        assert [v[0] for v in out.embeddings] == [len(ids) for ids in engine.calls[0]] and out.prompt_eval_count
+        assert client.embeddings("tiny-embedder", "hello").embedding[0] == len(engine.calls[1][0])
+        assert client.show("tiny-embedder").capabilities == ["embedding"]
+        with pytest.raises(ollama.ResponseError) as info:
+            client.chat("tiny-embedder", [{"role": "user", "content": "hi"}])
+        assert info.value.status_code == 400 and "embedding model" in info.value.error
