@@ -135,6 +135,8 @@ def add_remote_worker_arguments(p: argparse.ArgumentParser) -> None:
 def add_client_bound_arguments(p: argparse.ArgumentParser, d: Settings) -> None:
     """How long a client may take, and the router's byte budgets on what it keeps for clients
     (router/guards/slow_clients.py, router/guards/admission.py, router/api/response_store.py)."""
+    p.add_argument("--http-keep-alive", type=float, default=d.keep_alive_s,
+                   help="seconds an idle HTTP connection stays open")
     p.add_argument("--client-timeout", type=_seconds, default=d.client_timeout_s,
                    help="seconds a client has to send its request headers and body, and to take its answer "
                         "(a full write buffer not drained in time closes the connection and cancels the request)")
@@ -144,6 +146,21 @@ def add_client_bound_arguments(p: argparse.ArgumentParser, d: Settings) -> None:
                    help="bytes of stored Responses (previous_response_id) kept in all")
     p.add_argument("--stored-responses-memory-per-key", type=_bytes, default=d.stored_responses_key_bytes,
                    metavar="SIZE", help="bytes of stored Responses kept per API key (its own oldest dropped first)")
+
+
+def add_model_service_arguments(p: argparse.ArgumentParser, d: Settings) -> None:
+    """Other models loaded on demand (router/models/pool.py)."""
+    p.add_argument("--keep-alive", type=_keep_alive, default=d.model_keep_alive_s, metavar="DURATION",
+                   help="how long a model loaded on demand stays once idle, as Ollama's keep_alive: 5m, 1h, 30s, "
+                        "0 (unload after each answer), -1 (forever); a request's keep_alive or ttl overrides it "
+                        "(default 5m; the --model one stays loaded unless a request says otherwise)")
+    p.add_argument("--max-loaded-models", type=_positive, default=d.max_loaded_models,
+                   help="models loaded at once; a load past it unloads the least recently used idle one")
+    p.add_argument("--models-memory", type=_bytes, default=None, metavar="SIZE",
+                   help="bytes the loaded models' weights may take, all processes together (default: three "
+                        "quarters of physical memory less the KV cache)")
+    p.add_argument("--model-load-timeout", type=_seconds, default=d.model_load_timeout_s,
+                   help="seconds a request waits for its model to load")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -200,22 +217,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=_positive, default=d.max_queue,
                    help="requests admitted beyond what the decode batches hold (--max-batch x decode workers); past them 429 with Retry-After")
     add_client_bound_arguments(p, d)
+    add_model_service_arguments(p, d)
     p.add_argument("--migrate-timeout", type=_seconds, default=d.migrate_timeout_s,
                    help="seconds a request whose worker died waits for another before it fails")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s, help="seconds in-flight streams get on shutdown")
-    p.add_argument("--http-keep-alive", type=float, default=d.keep_alive_s,
-                   help="seconds an idle HTTP connection stays open")
-    p.add_argument("--keep-alive", type=_keep_alive, default=d.model_keep_alive_s, metavar="DURATION",
-                   help="how long a model loaded on demand stays once idle, as Ollama's keep_alive: 5m, 1h, 30s, "
-                        "0 (unload after each answer), -1 (forever); a request's keep_alive or ttl overrides it "
-                        "(default 5m; the --model one stays loaded unless a request says otherwise)")
-    p.add_argument("--max-loaded-models", type=_positive, default=d.max_loaded_models,
-                   help="models loaded at once; a load past it unloads the least recently used idle one")
-    p.add_argument("--models-memory", type=_bytes, default=None, metavar="SIZE",
-                   help="bytes the loaded models' weights may take, all processes together (default: three "
-                        "quarters of physical memory less the KV cache)")
-    p.add_argument("--model-load-timeout", type=_seconds, default=d.model_load_timeout_s,
-                   help="seconds a request waits for its model to load")
     p.add_argument("--allow-local-media", default=None, metavar="DIR",
                    help="VLMs: serve file:// image and video URLs from under DIR (default: refused)")
     p.add_argument("--allow-media-hosts", type=_names, default=d.allow_media_hosts, metavar="HOSTS",
