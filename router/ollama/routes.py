@@ -31,6 +31,7 @@ from starlette.routing import Route
 from router.api.errors import ApiError
 from router.api.http_stream import GenerationResponse
 from router.api.openai_request import parse_completion
+from router.ollama.embed import serve_embed
 from router.ollama.errors import model_not_found, ollama_errors
 from router.ollama.hub import PullResponse, delete_model
 from router.ollama.listing import ps_entry, show_body, tags_entry
@@ -171,8 +172,6 @@ class OllamaApi:
         return await self._embed(request, legacy=True)
 
     async def _embed(self, request: Request, legacy: bool):
-        from router.ollama.embed import serve_embed  # the embeddings engine's parts, imported where used
-
         arrived = time.monotonic_ns()
         ticket, body = await self.api._admit(request)
         with ticket:
