@@ -16,6 +16,7 @@ holds up the loop, and `known` reads only a snapshot the loop publishes.
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -37,6 +38,7 @@ GROUP_TARGET = "workers.group.main:run"
 REMOTE_TARGET = "deploy.remote_rank:run"
 LATEST = ":latest"  # what Ollama's clients add to a name
 NAMED_BY_REPO = "models are named by their Hugging Face repo"
+CONVERT_TIMEOUT_S = 900.0  # a GGUF's conversion (a 70B's reads and writes tens of GB)
 
 
 def hostfile_path(run_dir: str, group: str) -> str:
@@ -117,6 +119,16 @@ def _repo_spelling(ref: HubRef) -> HubRef:
     return HubRef(names[0][len("models--"):].replace("--", "/"), ref.revision, ref.file)
 
 
+def resolve_apart(local: Path, timeout_s: float = CONVERT_TIMEOUT_S) -> Path:
+    """The model folder of a cached model. A GGUF's first conversion imports
+    MLX: it runs in a child process, so the supervisor never maps MLX's
+    libraries (1.3 GiB on CUDA) for the rest of its life."""
+    if not str(local).lower().endswith(".gguf"):
+        return resolve_model(str(local))
+    with mp.get_context("spawn").Pool(1) as pool:
+        return Path(pool.apply_async(resolve_model, (str(local),)).get(timeout_s))
+
+
 def _refused(name: str, status: int, message: str) -> ModelRefused:
     log.info("model %r refused (%d): %s", name, status, message)
     return ModelRefused(name, status, message)
@@ -161,9 +173,11 @@ class Slots:
         if local is None:
             return _refused(name, 404, f"model '{asked}' is not downloaded; pull it first: tandem pull {asked}")
         try:
-            folder = resolve_model(str(local))  # an absolute path in the cache; a GGUF is converted
+            folder = resolve_apart(local)  # an absolute path in the cache; a GGUF is converted
         except ModelError as exc:
             return _refused(name, 400, str(exc))
+        except (mp.TimeoutError, OSError) as exc:
+            return _refused(name, 503, f"converting {asked} did not finish: {exc or 'timed out'}")
         why = missing_part(folder)
         if why:
             return _refused(name, 400, f"{asked} is not a whole model ({why}): tandem pull {asked} finishes it")

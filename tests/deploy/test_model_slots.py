@@ -299,3 +299,21 @@ def test_stop_unloads_with_keep_alive_zero(ollama, capsys):
     assert OllamaStandIn.seen == [("POST", "/api/generate", None, {"model": "tests/tiny", "keep_alive": 0})]
     assert tandem("stop", "tests/other", "--port", str(ollama)) == 1
     assert 'couldn\'t find model "tests/other" to stop' in capsys.readouterr().err
+
+
+def test_a_gguf_is_converted_in_a_child_so_the_supervisor_never_maps_mlx(tmp_path):
+    """The conversion imports MLX; the supervisor's process must not (its
+    libraries are 1.3 GiB of address space on CUDA, for the server's life)."""
+    import subprocess
+
+    from tests.support.gguf_fixtures import write_tiny_llama
+
+    write_tiny_llama(tmp_path / "tiny.gguf")
+    code = ("import sys; from pathlib import Path; from deploy.models.slots import resolve_apart; "
+            "folder = resolve_apart(Path(sys.argv[1])); assert (folder / 'config.json').is_file(), folder; "
+            "mlx = sorted(m for m in sys.modules if m == 'mlx' or m.startswith('mlx.')); assert not mlx, mlx")
+    env = {**os.environ, "TANDEM_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "tiny.gguf")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert list((tmp_path / "cache").rglob("config.json"))  # converted, where the store keeps conversions
