@@ -221,3 +221,18 @@ def test_memory_pressure_unloads_idle_models_but_the_most_recently_used(monkeypa
         assert [c for c in control.calls if c[0] == "unload"] == [("unload", "own"), ("unload", "x/a")]
         assert [m["name"] for m in pool.loaded()] == ["x/b"]
     run(main())
+
+
+def test_a_restarted_router_adopts_the_models_the_supervisor_still_runs(monkeypatch):
+    async def main():
+        pool, control, engines = make_pool(monkeypatch)
+        await control.load("x/b")  # loaded for the router before this one
+        control.calls.clear()
+        await pool.start()
+        await asyncio.sleep(0.1)
+        assert [m["name"] for m in pool.loaded() if m["state"] == "ready"] == ["own", "x/b"]
+        assert engines["x/b"].started and control.calls == []  # adopted, not loaded again
+        lease = await pool.acquire("x/b")
+        assert lease.model.model_id == "x/b" and lease.load_s == 0
+        await pool.stop()
+    run(main())
