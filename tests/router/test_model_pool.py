@@ -44,7 +44,7 @@ class FakeControl:
     """The supervisor: loads what it is told, slot by slot; `refuse` maps a name to (status, message)."""
 
     def __init__(self):
-        self.slots: dict[str, ModelSlot] = {}
+        self.table: dict[str, ModelSlot] = {}
         self.calls: list[tuple[str, str]] = []
         self.refuse: dict[str, tuple[int, str]] = {}
         self.n = 0
@@ -54,17 +54,17 @@ class FakeControl:
         if name in self.refuse:
             raise ModelControlError(*self.refuse[name])
         self.n += 1
-        self.slots[name] = ModelSlot(name, name, f"/models/{name}", f"m{self.n}", f"router-m{self.n}", "chat",
+        self.table[name] = ModelSlot(name, name, f"/models/{name}", f"m{self.n}", f"router-m{self.n}", "chat",
                                      GIB, 1, [f"m{self.n}.worker-0"])
-        return list(self.slots.values())
+        return list(self.table.values())
 
     async def unload(self, name):
         self.calls.append(("unload", name))
-        self.slots.pop(name, None)
-        return list(self.slots.values())
+        self.table.pop(name, None)
+        return list(self.table.values())
 
     async def slots(self, timeout_s=None):
-        return list(self.slots.values())
+        return list(self.table.values())
 
 
 class FakeCatalog:
