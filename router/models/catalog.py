@@ -60,6 +60,10 @@ class Catalog:
         plan = replace(settings, model_dir=model_dir).worker_plan()
         return size * max(1, len(plan)) * max(1, settings.group_size)
 
+    def forget(self) -> None:
+        """The cache changed (a pull, a delete): the next listing scans it again."""
+        self._listing = (0.0, [])
+
     def listing(self) -> list[dict]:
         """(Blocking.) The whole downloaded models, as /v1/models lists them."""
         at, models = self._listing
