@@ -21,20 +21,22 @@ short text prompts run as one batched pass: workers/prefill/batch.py), and
   (`next_to_start`; a text prompt's cached prefix is loaded then), so a
   follow-up turn of a long conversation counts only its new tail;
 * overtakes are paid for in time: every step is timed (`timed`; a queued
-  prompt started in it counts with it), its seconds
-  are the own time of the prompt it ran, and they are charged to each
-  waiting prompt that arrived before it (`overtaken`). A prompt overtaken
-  for more than `OVERTAKE_SHARE` of its own time so far runs next (the
-  oldest such first), and runs until its own time pays for what it lost. So
-  a long prompt's TTFT is at most (1 + OVERTAKE_SHARE) x its time alone,
-  plus the one overtake that crossed the line, however many short prompts
-  come, and a batched pass of sixteen short prompts (about one short one's
-  time on a GPU) costs it what one does. A short prompt waits for the step in
-  progress and, only once the long one's budget is spent, for the long one
-  to earn the last overtake back: that overtake's time / OVERTAKE_SHARE of
-  its chunks (short prompts that arrive meanwhile then go in one batched
-  pass). The first overtake of a prompt never waits: the budget is checked
-  before it, not for it;
+  prompt started in it counts with it), its seconds are the own time of
+  the prompt it ran, and they are charged to each waiting prompt that
+  arrived before it. A prompt charged for more than `OVERTAKE_SHARE` of its
+  own time so far is owed (`owed`): it runs next (the oldest such first)
+  until its own time pays for what it lost. So a long prompt's prefill takes
+  at most (1 + OVERTAKE_SHARE) x its time alone, plus the one overtake that
+  crossed the line, however many short prompts come, and a batched pass of
+  sixteen short prompts (about one short one's time on a GPU) costs it what
+  one does. The first overtake of a prompt never waits (the budget is
+  checked before it, not for it), so a short prompt beside a long one waits
+  for the step in progress; once the budget is spent, it also waits for each
+  earlier prompt that is owed to earn its debt back: the last overtake's
+  time / OVERTAKE_SHARE of its chunks (short prompts that arrive meanwhile
+  then go in one batched pass). On an H200 a short prompt costs about what a
+  512-token chunk does (25-45 ms): a long prompt keeps ~6 chunks per short
+  one once its budget is spent (BENCHMARKS.md, "Fair prefill");
 * at most `MAX_STARTED` prompts started at once (each holds its KV so far);
   when that many are, only prompts that fit one chunk whole may start.
 
