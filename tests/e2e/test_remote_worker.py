@@ -7,7 +7,12 @@ restart comes back under its old id; workers with a key the router does not
 know, or the wrong router key, never join. A remote `--role prefill` worker
 serves a split router whose own prefill worker is stopped: the prompt's KV
 comes to this host's decode worker by value, over the socket, and the greedy
-answer is mlx-lm's. Every wait has a deadline."""
+answer is mlx-lm's. Every wait has a deadline.
+
+The servers and workers serve a float32 random tiny llama with the embedded
+tokenizer: what is under test is where the work runs and what crosses the
+socket, which the tokens show as well whatever they mean (~1 ms of model a
+token instead of ~0.1 s, and a smaller load for every start)."""
 
 from __future__ import annotations
 
@@ -29,11 +34,29 @@ from deploy import keys_cmd
 from protos import transport
 from protos.messages import WorkerHello
 from tests.support.embedded_chat import reference
+from tests.support.groups import random_model
 from tests.support.server import free_port, module_server, pid_alive
 from workers.socket_loop import SocketLoop
 
 QUESTION = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
-TOKENS = 24
+# Long enough that the stream still decodes when the remote worker dies after its 3rd piece
+# (~10 ms a token here, a few on a fast Mac): the move is asserted.
+TOKENS = 120
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, embedded_model_dir) -> str:
+    """The session's float32 random tiny llama (tests/support/groups.py), the embedded tokenizer."""
+    return str(random_model(tmp_path_factory, "tiny-llama", embedded_model_dir))
+
+
+@pytest.fixture(scope="module")
+def local_text(tiny) -> str:
+    """mlx-lm's greedy answer to QUESTION on the tiny model, as a chat answer
+    is sent (its leading space left out, as mlx_lm.server's detokenizer does)."""
+    from workers.models.loading import load_model
+
+    return reference(load_model(tiny), QUESTION, TOKENS)[1].lstrip()
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +74,9 @@ def listen():
 
 
 @pytest.fixture(scope="module")
-def srv(request, tmp_path_factory, keys, listen):
-    return module_server(request, tmp_path_factory, "--colocate", "--no-disk-cache", "--worker-listen", listen,
-                         "--worker-keys", str(keys / "ours" / "router"))
+def srv(request, tmp_path_factory, keys, listen, tiny):
+    return module_server(request, tmp_path_factory, "--model", tiny, "--colocate", "--no-disk-cache",
+                         "--worker-listen", listen, "--worker-keys", str(keys / "ours" / "router"))
 
 
 class RemoteWorker:
@@ -141,12 +164,11 @@ def test_workers_with_unknown_keys_or_the_wrong_router_key_never_join(srv, keys,
     assert mine[0].decode() not in log  # the wrong-router worker never got as far as the key check
 
 
-def test_a_remote_worker_serves_and_its_requests_survive_its_death(srv, keys, listen, tmp_path, embedded_model):
+def test_a_remote_worker_serves_and_its_requests_survive_its_death(srv, keys, listen, tmp_path, tiny, local_text):
+    """local_text: what the router's own worker answers (mlx-lm's greedy answer:
+    tests/e2e/test_e2e_pipeline.py)."""
     local_pid = next(w["pid"] for w in workers(srv).values() if "kv_host" not in w)
-    remote = RemoteWorker(listen, keys / "ours" / "mac2", tmp_path / "worker.log").start()
-    # What the router's own worker answers (mlx-lm's greedy answer: tests/e2e/test_e2e_pipeline.py),
-    # computed once a session (the by-value test below compares with it too), while the remote one loads.
-    _, local_text, _ = reference(embedded_model, QUESTION, TOKENS)
+    remote = RemoteWorker(listen, keys / "ours" / "mac2", tmp_path / "worker.log", "--model", tiny).start()
     try:
         ws = wait_workers(srv, lambda ws: any(w.get("kv_host") and w["state"] == "ready" for w in ws.values()),
                           "a ready remote worker")
@@ -177,15 +199,14 @@ def test_a_remote_worker_serves_and_its_requests_survive_its_death(srv, keys, li
 
 
 def test_a_remote_prefill_worker_hands_its_kv_to_this_hosts_decoder_by_value(request, tmp_path_factory, keys,
-                                                                              embedded_model, tmp_path):
+                                                                              tiny, local_text, tmp_path):
     listen = f"tcp://127.0.0.1:{free_port()}"
     # Started first: it loads its model while the server starts, and joins once the router listens
     # (a join timeout longer than that start, so it logs no "no answer" error meanwhile).
-    remote = RemoteWorker(listen, keys / "ours" / "mac2", tmp_path / "worker.log", "--role", "prefill",
-                          "--join-timeout", "60").start()
+    remote = RemoteWorker(listen, keys / "ours" / "mac2", tmp_path / "worker.log", "--model", tiny, "--role",
+                          "prefill", "--join-timeout", "60").start()
     request.addfinalizer(lambda: remote.proc.poll() is not None or os.killpg(remote.proc.pid, signal.SIGKILL))
-    _, want, _ = reference(embedded_model, QUESTION, TOKENS)
-    split = module_server(request, tmp_path_factory, "--no-disk-cache", "--worker-listen", listen,
+    split = module_server(request, tmp_path_factory, "--model", tiny, "--no-disk-cache", "--worker-listen", listen,
                           "--worker-keys", str(keys / "ours" / "router"))
     local_prefill = next(w["pid"] for w in workers(split).values() if w["role"] == "prefill")
     try:
@@ -196,7 +217,7 @@ def test_a_remote_prefill_worker_hands_its_kv_to_this_hosts_decoder_by_value(req
         os.kill(local_prefill, signal.SIGSTOP)  # the router drops it: only the remote one prefills
         try:
             wait_workers(split, lambda ws: "prefill-0" not in ws, "the local prefill worker dropped")
-            assert "".join(greedy_stream(split)) == want
+            assert "".join(greedy_stream(split)) == local_text
             sent = [line for line in httpx.get(split.base_url + "/metrics", timeout=10).text.splitlines()
                     if line.startswith('tandem_kv_handoff_tokens_total{path="sent"}')]
             assert sent and float(sent[0].split()[-1]) > 0, sent  # the prompt's KV came in the message
