@@ -27,7 +27,10 @@ VLM only, see benchmarks/bench/workloads/vision.py), agents (tool calls, see
 benchmarks/bench/workloads/agents.py), soak (many clients for minutes, every
 process's memory over time, see benchmarks/bench/workloads/soak.py), chaos
 (greedy streams while workers are killed, see benchmarks/bench/workloads/chaos.py;
-`--chaos`); copy, chat, fairness, soak and chaos are not in `all`. Output: a progress line
+`--chaos`), two-models (agents alternating between two models: Tandem's one endpoint,
+mlx_lm.server, a Tandem server per model; its own systems, see
+benchmarks/bench/workloads/two_models.py); copy, chat, fairness, soak, chaos and
+two-models are not in `all`. Output: a progress line
 on stderr while it runs, tables on stdout at the end, --json for machines
 (fields in benchmarks/bench/reporting/report.py), --plot for a PNG. Energy: where the
 machine exposes it (RAPL, nvidia-smi, powermetrics as root; see
@@ -64,12 +67,13 @@ from benchmarks.bench.workloads import copy_heavy as copy_workload
 from benchmarks.bench.workloads import fairness as fairness_workload
 from benchmarks.bench.workloads import core as wl
 from benchmarks.bench.workloads import soak as soak_workload
+from benchmarks.bench.workloads import two_models as two_models_workload
 from benchmarks.bench.workloads import vision as vision_workload
 from environment.model_folder import is_vlm
 from workers.models.store import models_dir, resolve_model
 
 TEXT_WORKLOADS = ("sweep", "interference", "prefix", "swarm")
-WORKLOADS = (*TEXT_WORKLOADS, "copy", "chat", "fairness", "vision", "agents", "soak", "chaos")
+WORKLOADS = (*TEXT_WORKLOADS, "copy", "chat", "fairness", "vision", "agents", "soak", "chaos", "two-models")
 PEERS = ("mlx_lm", "mlx_vlm", "vllm-mlx")
 
 
@@ -158,6 +162,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--vision-max-tokens", type=int, default=d.vision_max_tokens, help="vision: answer length")
     soak_workload.add_arguments(p)
     chaos_workload.add_arguments(p)
+    two_models_workload.add_arguments(p)
     e = p.add_argument_group("energy")
     e.add_argument("--energy", choices=("auto", "off"), default="auto",
                    help="auto: measure with every meter the machine has (RAPL, nvidia-smi, powermetrics as root)")
@@ -218,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
     if (args.tandem_power_policies or args.tandem_speculative) and not any(s.startswith("tandem") for s in systems):
         print("tandem bench: --tandem-power-policies and --tandem-speculative apply to the Tandem systems started, "
               "and none is", file=sys.stderr)
+    if "two-models" in workloads:  # its own systems and servers (benchmarks/bench/workloads/two_models.py)
+        return two_models_workload.run(args, cfg, run_dir)
     recorder, no_energy = _energy_recorder(args)
     results: list[dict] = []
     try:
