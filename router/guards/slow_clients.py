@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 
 import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -73,6 +74,7 @@ class ClientDeadlineProtocol(H11Protocol):
         self._phase: str | None = None  # "headers", "body" or None (nothing owed)
         self._timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None  # armed while writes are paused
+        no_delay(transport)
         super().connection_made(transport)
         self._set_phase("headers")
 
@@ -137,6 +139,20 @@ class ClientDeadlineProtocol(H11Protocol):
         if self._phase == "headers":
             self.transport.write(REQUEST_TIMEOUT)
         self.transport.close()
+
+
+def no_delay(transport) -> None:
+    """TCP_NODELAY on a client's connection. asyncio sets it only where the
+    listening socket says IPPROTO_TCP, and the supervisor's (made with
+    protocol 0, then handed over pickled) does not: a response's body then
+    waited for the client's delayed ACK of its headers, ~40 ms on every
+    small answer (measured on the H200: GET /health 44 ms)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
 
 
 def _peer(client: tuple[str, int] | None) -> str:
