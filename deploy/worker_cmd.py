@@ -30,6 +30,7 @@ from environment.logs import setup_logging
 from environment.model_folder import ModelError, weight_bytes
 from deploy.serve_cmd import _bytes, _positive
 from environment.settings import Settings, default_cache_memory
+from deploy.models.slots import worker_children
 from deploy.supervisor import Child, Supervisor
 from protos.transport import KeysError, worker_keys
 from workers.models.store import model_id_for, resolve_model
@@ -77,7 +78,7 @@ class WorkerSupervisor(Supervisor):
 
     def _plan(self) -> None:
         self.children.append(Child("cache", "cache_service.main:run", lambda: (self.settings,)))
-        self._worker(self.worker_id, self.roles)
+        self.children += worker_children(self.settings, lambda: self.settings, self.worker_id, self.roles, "")
 
     def _announce(self) -> None:
         log.info("tandem worker %s serving %s for the router at %s (run dir %s)", self.worker_id,
