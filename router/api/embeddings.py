@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import functools
 import json
+import logging
 import time
 from dataclasses import dataclass
 
@@ -27,6 +28,8 @@ from starlette.responses import Response
 
 from environment.embedding_config import EmbeddingConfig, embedding_config
 from router.api.errors import ApiError, invalid, only
+
+log = logging.getLogger("tandem.router")
 
 MAX_INPUTS = 2048  # OpenAI's limit per request
 HONOURED = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
@@ -130,11 +133,16 @@ async def serve_embeddings(ticket, body: dict, model, timeout_s: float) -> Respo
     of 4096 numbers are ~170 MB of text) in `ticket`'s threads
     (router/guards/admission.py), off the event loop. Its kind is checked
     where the pool hands it out (router/app.py model_of)."""
-    deadline = time.monotonic() + timeout_s
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
     parsed = await ticket.off_loop(parse_embeddings, body, model.tokenizer, model.max_context,
                                    _config(model.model_dir))
+    t1 = time.monotonic()
     vectors, tokens = await model.engine.embed(parsed.inputs, parsed.dimensions, deadline)
+    t2 = time.monotonic()
     out = await ticket.off_loop(_render, vectors, tokens, model.model_id, parsed.base64)
+    log.debug("embeddings of %d inputs (%d tokens): parsed in %.1f ms, embedded in %.1f ms, written in %.1f ms",
+              len(parsed.inputs), tokens, (t1 - t0) * 1000, (t2 - t1) * 1000, (time.monotonic() - t2) * 1000)
     return Response(out, media_type="application/json")
 
 

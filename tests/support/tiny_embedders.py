@@ -75,14 +75,14 @@ def make_tiny_qwen3_embedder(path, seed: int = 0) -> Path:
     return path
 
 
-def write_embedder_tokenizer(path) -> Path:
-    """The embedded model's tokenizer in `path`, appending <|endoftext|> to
-    every text (as Qwen3-Embedding's tokenizer.json does since June 2025)."""
+def write_embedder_tokenizer(path, source: Path | None = None) -> Path:
+    """The embedded model's tokenizer (or `source`'s) in `path`, appending
+    <|endoftext|> to every text (as Qwen3-Embedding's tokenizer.json does since June 2025)."""
     from tokenizers import Tokenizer, processors
 
     from benchmarks.random_models.embedded import embedded_model_dir
 
-    path, source = Path(path), embedded_model_dir()
+    path, source = Path(path), Path(source) if source else embedded_model_dir()
     path.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer.from_file(str(source / "tokenizer.json"))
     tok.post_processor = processors.TemplateProcessing(

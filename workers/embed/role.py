@@ -14,6 +14,8 @@ a step, with a chat model's decode.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
@@ -23,6 +25,8 @@ import numpy as np
 from protos.messages import EmbedRequest, EmbedResult, RequestFailed
 from workers.embed.engine import EmbedEngine, Long, cut
 from workers.role import Role, Unit
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -109,6 +113,7 @@ class EmbedRole(Role):
     def _run(self, items: list[_Input], forward) -> None:
         """Run one pass; a failure fails every request with an input in it."""
         self.passes += 1
+        t0 = time.perf_counter()
         try:
             vectors = forward()
         except Exception as exc:  # noqa: BLE001 - the requests fail, never the process
@@ -116,6 +121,8 @@ class EmbedRole(Role):
             for rid in dict.fromkeys(i.request_id for i in items):
                 self.fail(rid, exc)
             return
+        log.debug("embed pass of %d input(s), %d tokens: %.1f ms", len(items), sum(len(i.tokens) for i in items),
+                  (time.perf_counter() - t0) * 1000)
         if vectors is None:  # a long input's pass that was not its last
             self.pending[items[0].request_id].passes += 1
             return
