@@ -21,7 +21,8 @@ in the API's error shape, router/api/errors.py):
    share cached KV.
 4. Content-Type: a POST body is taken only as application/json (415). The
    types a page may send without a preflight (text/plain, forms) never reach
-   a handler.
+   a handler. Ollama's API (/api/*) takes any type from a client that is no
+   page (no Origin, no Sec-Fetch-*), as Ollama does: `curl -d` sends a form's.
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ class HttpGuard:
                 if method == "OPTIONS" and "access-control-request-method" in headers:
                     await _preflight(scope, receive, send, headers)
                     return
-            error = self.key_error(scope, headers) or self.content_type_error(headers, method)
+            error = self.key_error(scope, headers) or self.content_type_error(headers, method, path)
         if error is not None:
             await error.response(is_anthropic_path(path), is_ollama_path(path))(scope, receive, send)
             return
@@ -237,14 +238,22 @@ class HttpGuard:
                         headers={"WWW-Authenticate": "Bearer"})
 
     @staticmethod
-    def content_type_error(headers: Headers, method: str) -> ApiError | None:
+    def content_type_error(headers: Headers, method: str, path: str = "") -> ApiError | None:
         types = headers.getlist("content-type")
         content_type = ", ".join(types) if types else None  # two of them: neither is taken
         if method not in BODY_METHODS or json_content_type(content_type):
             return None
+        if is_ollama_path(path) and not _from_a_page(headers):
+            return None  # Ollama takes any type, and its users' curl -d sends a form's: no page sent this
         got = f"'{content_type[:100]}'" if content_type is not None else "none"
         return ApiError(415, f"Unsupported Content-Type {got}: send the body as JSON with "
                         "'Content-Type: application/json'", param="Content-Type", code="unsupported_media_type")
+
+
+def _from_a_page(headers: Headers) -> bool:
+    """Whether a browser sent the request: pages' requests carry Origin (every
+    POST of a page) or the Sec-Fetch-* marks; curl and the SDKs send neither."""
+    return "origin" in headers or any(name in headers for name in ("sec-fetch-site", "sec-fetch-mode"))
 
 
 def _with_cors(send: Send, allow_origin: str) -> Send:

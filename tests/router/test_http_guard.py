@@ -196,6 +196,20 @@ def test_a_body_that_is_not_declared_json_is_415(server, engine):
         assert post_chat(server, {"Content-Type": content_type}, content=body).status_code == 200
 
 
+def test_ollamas_api_takes_curls_form_type_but_never_from_a_page(server, engine):
+    """`curl -d '{...}' .../api/chat` sends application/x-www-form-urlencoded, and
+    Ollama answers it; a page's request (Origin, Sec-Fetch-*) still needs JSON."""
+    body = json.dumps({"model": "default", "messages": [{"role": "user", "content": "Hi"}], "stream": False})
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    response = httpx.post(server.url + "/api/chat", content=body, headers=form, timeout=10)
+    assert response.status_code == 200, response.text
+    assert response.json()["message"]["content"] == "Hello world."
+    for page in ({"Origin": PAGE}, {"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "no-cors"}):
+        response = httpx.post(server.url + "/api/chat", content=body, headers={**form, **page}, timeout=10)
+        assert response.status_code == 415 and "error" in response.json(), page
+    assert post_chat(server, form, content=json.dumps(CHAT).encode()).status_code == 415  # /v1 as before
+
+
 # --------------------------------------------------------------------------- #
 # API keys, each a cache tenant
 # --------------------------------------------------------------------------- #
