@@ -65,6 +65,7 @@ class EmbedEngine:
         self.model = model if model is not None else (_load_decoder(model_dir) if self.config.decoder
                                                        else _load_encoder(model_dir))
         self.width = _width(self.model)
+        self.vocab = _vocab(self.model)  # ids past it would read outside the embedding table
 
     @property
     def matryoshka(self) -> bool:
@@ -116,6 +117,11 @@ class EmbedEngine:
             mx.eval([c.state for c in long.cache])
             return None
         return normalised(np.array(states[:, -1].astype(mx.float32)))
+
+
+def _vocab(model) -> int:
+    args = getattr(model, "args", None) or getattr(model, "config", None)
+    return int(getattr(args, "vocab_size"))
 
 
 def _width(model) -> int:

@@ -65,6 +65,8 @@ class EmbedRole(Role):
     def refusal(self, msg: EmbedRequest) -> str:
         if not msg.inputs or not all(msg.inputs):
             return "every input must have at least one token"
+        if not 0 <= min(min(t) for t in msg.inputs) <= max(max(t) for t in msg.inputs) < self.engine.vocab:
+            return f"token ids must be within the model's vocabulary (0-{self.engine.vocab - 1})"
         if msg.dimensions and not self.engine.matryoshka:
             return "this model does not support 'dimensions'"
         if msg.dimensions < 0 or msg.dimensions > self.engine.width:

@@ -120,7 +120,9 @@ def test_the_role_refuses_bad_requests_drops_cancelled_ones_and_fails_a_broken_p
     role = EmbedRole(bert, worker_id="embed-0", outbox=out, clock=None)
     role.handle(EmbedRequest("dims", [[1, 2]], dimensions=8))  # a BERT is not Matryoshka-trained
     role.handle(EmbedRequest("empty", [[1], []]))
-    assert [(m.request_id, m.status) for m in out.sent] == [("dims", 400), ("empty", 400)] and not role.has_work()
+    role.handle(EmbedRequest("outside", [[1], [bert.vocab]]))  # past its embedding table
+    assert [(m.request_id, m.status) for m in out.sent] == [("dims", 400), ("empty", 400), ("outside", 400)]
+    assert not role.has_work()
 
     out.sent.clear()
     role = EmbedRole(qwen, worker_id="embed-0", outbox=out, clock=None)
@@ -132,7 +134,7 @@ def test_the_role_refuses_bad_requests_drops_cancelled_ones_and_fails_a_broken_p
 
     out.sent.clear()
     role.handle(EmbedRequest("x", [[1, 2]]))
-    role.handle(EmbedRequest("y", [[10**9]]))  # an id past the embedding table: the pass raises
+    role.handle(EmbedRequest("y", [[5]]))
     failed = []
     role.fail = lambda rid, exc: failed.append(rid)
     role.engine = type("Broken", (), {"runs_long": lambda self, n: False, "batch_size": lambda self, ls: len(ls),
