@@ -309,6 +309,16 @@ class ModelPool:
         await self._stop_workers(entry)
         return True
 
+    async def unload_soon(self, name: str, why: str = "asked") -> bool:
+        """Unload now if idle, else once its requests end (Ollama's `ollama stop`
+        on a busy model); False when it is not loaded."""
+        entry = self._find(name)
+        if entry is None or entry.state not in ("ready", "loading"):
+            return False
+        if not await self.unload(name, why):
+            entry.keep_alive_s = 0  # its last request's release unloads it
+        return True
+
     async def _stop_workers(self, entry: _Entry) -> None:
         if self.control is not None:
             try:

@@ -155,11 +155,7 @@ class OllamaApi:
         return await self.api.parse_chat_body(ticket, call.body, served)
 
     async def _unload(self, call, endpoint: str, arrived: int) -> dict:
-        if not await self.api.models.unload(call.model, "keep_alive 0 (Ollama)"):
-            loaded = [m for m in self.api.models.loaded() if tandem_name(m["name"]) == call.model]
-            if any(m["in_flight"] for m in loaded):
-                raise ApiError(409, f'"{call.name}" is answering requests: it is unloaded once they end '
-                               "(send keep_alive 0 with the last one)")
+        await self.api.models.unload_soon(call.model, "keep_alive 0 (Ollama)")  # a busy one once its requests end
         return load_answer(call.name, endpoint, True, arrived)
 
     # ----------------------------------------------------------- embeddings

@@ -236,3 +236,16 @@ def test_a_restarted_router_adopts_the_models_the_supervisor_still_runs(monkeypa
         assert lease.model.model_id == "x/b" and lease.load_s == 0
         await pool.stop()
     run(main())
+
+
+def test_a_busy_model_asked_to_stop_goes_once_its_requests_end(monkeypatch):
+    async def main():
+        pool, control, _ = make_pool(monkeypatch)
+        lease = await pool.acquire("x/a")
+        assert await pool.unload_soon("x/a", "ollama stop")
+        assert ("unload", "x/a") not in control.calls  # never under a request
+        lease.release()
+        await asyncio.sleep(0.05)
+        assert ("unload", "x/a") in control.calls
+        assert not await pool.unload_soon("x/a")  # not loaded any more
+    run(main())
