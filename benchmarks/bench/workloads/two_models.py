@@ -4,9 +4,8 @@
         --two-models-like tiny-llama --two-models-systems tandem,mlx_lm,tandem-pair
 
 Each agent runs `turns` chat requests with its whole history; turn t of agent
-k names model (k + t) % 2, so at every moment both models are asked for (a
-small one routes, a large one reasons: a swarm that mixes models). Three ways
-to serve that, each started in turn:
+k names model (k + t) % 2, so both models are asked for at every moment (a
+swarm that mixes models). Three ways to serve that, each started in turn:
 
 - tandem: one `tandem serve --model A --max-loaded-models 2`; a request's
   `model` names either repo and B is loaded on demand;
@@ -15,10 +14,10 @@ to serve that, each started in turn:
 - tandem-pair: two `tandem serve`, one per model; the client sends each turn
   to the server of its model.
 
-For each: turns/s; peak memory (every process of the system together: the
-peak of the summed RSS and of the summed PSS, sampled, plus GPU memory where
-nvidia-smi reports it); the cold first request per model (load included);
-and memory at rest with no model loaded against memory after an idle unload.
+For each: turns/s; peak memory (the peaks of the summed RSS and PSS of every
+process of the system, sampled, and GPU memory where nvidia-smi reports it);
+the cold first request per model (load included); memory at rest with no
+model loaded against memory after an idle unload.
 Tandem can't start without a model: its rest ("idle baseline") is the
 supervisor, router and cache after the startup model was unloaded with a
 request's keep_alive 0. The turns carry no keep_alive (the servers' defaults:
@@ -43,6 +42,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -54,7 +54,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.bench.measures.memory import pss_bytes, rss_bytes, tree_pids
+from benchmarks.bench.measures.memory import process_name, pss_bytes, rss_bytes, tree_pids
 from benchmarks.bench.reporting.text_table import mib, num, table
 from benchmarks.bench.servers.systems import ManagedServer, ServerSpec, openblas_env, pick_port
 from benchmarks.bench.workloads.agents import post_chat
@@ -76,6 +76,7 @@ class TwoModelsConfig:
     dtype: str = "float32"
     systems: tuple[str, ...] = SYSTEMS
     keep_alive_s: float = 5.0
+    tokenizer_dir: str | None = None  # the random models' tokenizer (None: the embedded model's)
     system_prompt_words: int = 120
     turn_words: int = 40
 
@@ -86,6 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="two repo ids downloaded in HF_HOME (default: two random models in a temporary HF_HOME)")
     g.add_argument("--two-models-like", default="tiny-llama", help="shape of the random models (`--like` names)")
     g.add_argument("--two-models-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    g.add_argument("--two-models-tokenizer", default=None, metavar="DIR",
+                   help="folder the random models borrow their tokenizer from (default: the embedded model's)")
     g.add_argument("--two-models-systems", default=",".join(SYSTEMS),
                    help=f"comma-separated from {','.join(SYSTEMS)}")
     g.add_argument("--two-models-keep-alive", type=float, default=5.0,
@@ -103,12 +106,14 @@ def config(args: argparse.Namespace) -> TwoModelsConfig:
         models = tuple(m.strip() for m in args.two_models.split(","))
         if len(models) != 2 or not all(models):
             raise ValueError("--two-models takes two repo ids: REPO_A,REPO_B")
-    return TwoModelsConfig(models, args.two_models_like, args.two_models_dtype, systems, args.two_models_keep_alive)
+    return TwoModelsConfig(models, args.two_models_like, args.two_models_dtype, systems, args.two_models_keep_alive,
+                           tokenizer_dir=args.two_models_tokenizer)
 
 
 # ---------------------------------------------------------------- the models
 
-def write_hub(home: Path, like: str, dtype: str, repos: tuple[str, str] = RANDOM_REPOS) -> dict[str, Path]:
+def write_hub(home: Path, like: str, dtype: str, repos: tuple[str, str] = RANDOM_REPOS,
+              tokenizer_dir: str | None = None) -> dict[str, Path]:
     """Two random models in `home` laid out as huggingface_hub caches a pull:
     hub/models--owner--name/refs/main and snapshots/<commit>/. {repo: snapshot}."""
     from benchmarks.random_models.text import write_random_model
@@ -119,7 +124,8 @@ def write_hub(home: Path, like: str, dtype: str, repos: tuple[str, str] = RANDOM
         (folder / "refs").mkdir(parents=True, exist_ok=True)
         (folder / "refs" / "main").write_text(COMMIT)
         out[repo] = folder / "snapshots" / COMMIT
-        write_random_model(like, out[repo], dtype=dtype, seed=seed)
+        write_random_model(like, out[repo], dtype=dtype, seed=seed,
+                           tokenizer_dir=Path(tokenizer_dir) if tokenizer_dir else None)
     return out
 
 
@@ -146,34 +152,41 @@ def user_turn(seed: int, agent: int, turn: int, n_words: int) -> str:
 # ---------------------------------------------------------------- memory
 
 def gpu_bytes(pids: set[int]) -> int | None:
-    """GPU memory nvidia-smi reports for these processes (None: no nvidia-smi)."""
-    if not shutil.which("nvidia-smi"):
-        return None
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=5).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    total = 0
-    for line in out.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) in pids:
-            total += int(float(parts[1])) * 2**20
-    return total
+    """GPU memory nvidia-smi reports for these processes (None: no nvidia-smi).
+    In a container it may list no process ids of ours: then every GPU's
+    memory in use, device-wide (a lent machine runs nothing else)."""
+    total = {"pids": 0.0, "all": 0.0}
+    for query, key in (("--query-compute-apps=pid,used_memory", "pids"), ("--query-gpu=memory.used", "all")):
+        try:
+            out = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"], capture_output=True,
+                                 text=True, timeout=5).stdout if shutil.which("nvidia-smi") else None
+        except (OSError, subprocess.SubprocessError):
+            out = None
+        if out is None:
+            return None
+        rows = [[p.strip() for p in line.split(",")] for line in out.splitlines()]
+        total[key] = sum(float(r[-1]) for r in rows if r[-1].replace(".", "").isdigit()
+                         and (key == "all" or r[0].isdigit() and int(r[0]) in pids))
+    return int((total["pids"] or total["all"]) * 2**20)
 
 
-def memory_now(roots: list[int]) -> dict:
-    """Summed RSS and PSS (and GPU memory) of every process under `roots` now."""
+def memory_now(roots: list[int], roles: dict[int, str] | None = None) -> dict:
+    """Summed RSS and PSS (and GPU memory) of every process under `roots`
+    now; with `roles` (pid -> name), each process's own too."""
     pids = {p for r in roots for p in tree_pids(r)}
     rss = pss = n = 0
-    for pid in pids:
+    each = []
+    for pid in sorted(pids):
         current, _ = rss_bytes(pid)
         if current is None:
             continue
-        n += 1
-        rss += current
-        pss += pss_bytes(pid) or 0
-    return {"processes": n, "rss_bytes": rss, "pss_bytes": pss or None, "gpu_bytes": gpu_bytes(pids)}
+        own = pss_bytes(pid) or 0
+        rss, pss, n = rss + current, pss + own, n + 1
+        if roles is not None:
+            each.append({"pid": pid, "name": roles.get(pid) or process_name(pid), "rss_bytes": current,
+                         "pss_bytes": own or None})
+    out = {"processes": n, "rss_bytes": rss, "pss_bytes": pss or None, "gpu_bytes": gpu_bytes(pids)}
+    return {**out, "each": each} if roles is not None else out
 
 
 class PeakSampler:
@@ -250,11 +263,7 @@ class System:
 
     def startup_models(self) -> list[Endpoint]:
         """Each Tandem server's --model (the first model served at each URL)."""
-        first: dict[str, Endpoint] = {}
-        for e in self.endpoints:
-            if e.tandem:
-                first.setdefault(e.url, e)
-        return list(first.values())
+        return list({e.url: e for e in reversed(self.endpoints) if e.tandem}.values())[::-1]
 
     @property
     def roots(self) -> list[int]:
@@ -269,13 +278,21 @@ class System:
         for s in self.servers:
             s.stop()
 
-    def logs(self) -> list[str]:
-        return [str(s.log_path) for s in self.servers]
+    def roles(self) -> dict[int, str]:
+        """pid -> role, from Tandem's 'started X (pid N)' log lines; each server's root is its supervisor."""
+        out: dict[int, str] = {}
+        for s in self.servers:
+            prefix = f"{s.spec.name}:" if len(self.servers) > 1 else ""
+            out.update({int(pid): prefix + role for role, pid in re.findall(r"started (\S+) \(pid (\d+)\)",
+                                                                             s.log_tail(1 << 20))})
+            if s.proc is not None:
+                out[s.proc.pid] = prefix + ("supervisor" if self.tandem else s.spec.name)
+        return out
 
 
 async def loaded_models(client: httpx.AsyncClient, url: str) -> list[str]:
-    r = await client.get(url + "/health", timeout=10.0)
-    return [m["name"] for m in (r.json().get("models") or []) if m.get("state") in ("ready", "loading")]
+    models = (await client.get(url + "/health", timeout=10.0)).json().get("models") or []
+    return [m["name"] for m in models if m.get("state") in ("ready", "loading")]
 
 
 async def model_loads(client: httpx.AsyncClient, system: System) -> int | None:
@@ -289,13 +306,13 @@ async def model_loads(client: httpx.AsyncClient, system: System) -> int | None:
     return total
 
 
-async def settled(roots: list[int]) -> dict:
+async def settled(system: "System") -> dict:
     """Memory once the process count has held for 2 s (workers told to stop
     may take seconds to exit on a busy machine), at least SETTLE_S on."""
     t0 = time.monotonic()
     counts: list[int] = []
     while True:
-        now = memory_now(roots)
+        now = memory_now(system.roots, system.roles())
         counts = (counts + [now["processes"]])[-5:]
         waited = time.monotonic() - t0
         if waited >= SETTLE_MAX_S or waited >= SETTLE_S and len(counts) == 5 and len(set(counts)) == 1:
@@ -342,7 +359,7 @@ async def measure(system: System, cfg: TwoModelsConfig, wl: WorkloadConfig, star
                 if not r.ok:
                     raise RuntimeError(f"{system.name}: keep_alive 0 request failed: {r.status} {r.error}")
             await wait_unloaded(client, system, 60.0)
-            out["idle_baseline"] = await settled(system.roots)
+            out["idle_baseline"] = await settled(system)
             out["cold_s"] = []
             for i, end in enumerate(system.endpoints):  # each model's first request, its load included
                 r, _ = await ask(client, end, [{"role": "user", "content": user_turn(wl.seed, -1, i, 20)}],
@@ -365,7 +382,7 @@ async def measure(system: System, cfg: TwoModelsConfig, wl: WorkloadConfig, star
             else:  # no idle unload: the same wait
                 await asyncio.sleep(max(0.0, cfg.keep_alive_s + 1.0 - (time.monotonic() - t_last)))
                 out["unloaded_after_s"] = None
-            out["after_idle"] = await settled(system.roots)
+            out["after_idle"] = await settled(system)
     finally:
         out["peak"] = sampler.stop()
     return out
@@ -408,7 +425,7 @@ def bench_system(name: str, repos, snapshots, home: Path, run_dir: Path, taken: 
     system = System(name, repos, snapshots, home, run_dir, args.port_base, taken, cfg,
                     shlex.split(args.tandem_args), shlex.split(args.mlx_lm_args))
     entry["commands"] = [s.command for s in system.servers]
-    entry["logs"] = system.logs()
+    entry["logs"] = [str(s.log_path) for s in system.servers]
     try:
         t0 = time.monotonic()
         system.start(args.start_timeout)
@@ -464,14 +481,17 @@ def run(args: argparse.Namespace, wl: WorkloadConfig, run_dir: Path) -> int:
         home = run_dir / "hf"
         repos = RANDOM_REPOS
         print(f"tandem bench: two-models: writing two random {cfg.like} ({cfg.dtype}) into {home}", file=sys.stderr)
-        snapshots = write_hub(home, cfg.like, cfg.dtype)
+        snapshots = write_hub(home, cfg.like, cfg.dtype, tokenizer_dir=cfg.tokenizer_dir)
     taken: set[int] = set()
-    entries = [bench_system(name, repos, snapshots, home, run_dir, taken, cfg, wl, args) for name in cfg.systems]
+    entries: list[dict] = []
+    for name in cfg.systems:
+        entries.append(bench_system(name, repos, snapshots, home, run_dir, taken, cfg, wl, args))
+        if args.json:  # after each system: a run cut short keeps what it measured
+            Path(args.json).write_text(json.dumps({
+                "workload": "two-models", "models": list(repos), "like": cfg.like, "dtype": cfg.dtype,
+                "keep_alive_s": cfg.keep_alive_s, "agents": wl.agents, "turns": wl.turns,
+                "max_tokens": wl.max_tokens, "command": " ".join(sys.argv), "systems": entries}, indent=2))
     print(render(entries))
     if args.json:
-        Path(args.json).write_text(json.dumps({"workload": "two-models", "models": list(repos), "like": cfg.like,
-                                               "dtype": cfg.dtype, "keep_alive_s": cfg.keep_alive_s,
-                                               "agents": wl.agents, "turns": wl.turns, "max_tokens": wl.max_tokens,
-                                               "command": " ".join(sys.argv), "systems": entries}, indent=2))
         print(f"\nJSON: {args.json}")
     return 1 if any(e.get("error") for e in entries) else 0
