@@ -68,6 +68,18 @@ def test_inputs_batched_right_padded_give_each_its_vector_alone(qwen):
     assert np.abs(padded_end - batch[1]).max() > 1e-2  # the pads' state is another vector
 
 
+def test_a_gpus_bucketed_shapes_give_the_same_vectors(qwen, bert):
+    """Rows and tokens padded up to powers of two (a GPU's passes): the extra
+    rows and columns change no vector."""
+    for engine in (qwen, bert):
+        engine.buckets = True
+        try:
+            bucketed = engine.embed(ROWS)  # 3 rows of up to 7 tokens run as 4 rows of 16
+        finally:
+            engine.buckets = False
+        np.testing.assert_allclose(bucketed, engine.embed(ROWS), atol=1e-5)
+
+
 def test_an_input_longer_than_a_pass_runs_a_pass_at_a_time_to_the_same_vector(qwen):
     tokens = list(range(3, 3 + 75))  # 3 passes of 32
     assert qwen.runs_long(len(tokens)) and not qwen.runs_long(32)
