@@ -63,15 +63,17 @@ class EmbedEngine:
     def __init__(self, model_dir: str, tokens_per_pass: int, model=None, buckets: bool | None = None):
         self.config = embedding_config(model_dir)
         self.tokens_per_pass = max(1, tokens_per_pass)
-        # A pass's shape rounded up to powers of two (rows, and tokens from 16) on
-        # a GPU, where each new shape is slow the first time it runs (measured on the
-        # H200: 64 concurrent one-input requests ran passes of 1-17 rows, each its own
-        # shape, 7x slower than one pass of 64); on the CPU padding is only cost.
+        # A pass's shape rounded up to powers of two (rows, and tokens from 16, within
+        # the model's positions) on a GPU, where a shape's first pass is slow (on the
+        # H200 a first pass of 56-58 rows took ~300 ms, against 12 ms once warm):
+        # bounded shapes pay that a few dozen times, not per batch size and length.
+        # On the CPU padding is only cost.
         self.buckets = not on_cpu() if buckets is None else buckets
         self.model = model if model is not None else (_load_decoder(model_dir) if self.config.decoder
                                                        else _load_encoder(model_dir))
         self.width = _width(self.model)
         self.vocab = _vocab(self.model)  # ids past it would read outside the embedding table
+        self.positions = _arg(self.model, "max_position_embeddings") or 1 << 30
 
     @property
     def matryoshka(self) -> bool:
@@ -98,7 +100,7 @@ class EmbedEngine:
         lengths = [len(r) for r in rows]
         longest = max(lengths)
         if self.buckets:  # padding rows (one pad token each) and columns: no real token sees them
-            longest = max(MIN_BUCKET, _next_power_of_two(longest))
+            longest = max(longest, min(max(MIN_BUCKET, _next_power_of_two(longest)), self.positions))
             rows, lengths = rows + [[PAD_ID]] * (_next_power_of_two(n) - n), lengths + [1] * (_next_power_of_two(n) - n)
         ids = mx.array([r + [PAD_ID] * (longest - len(r)) for r in rows], dtype=mx.int32)
         if self.config.decoder:
@@ -133,14 +135,17 @@ def _next_power_of_two(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _arg(model, name: str):
+    """A model's config value: mlx-lm's keep it in `args`, mlx-embeddings' in `config`."""
+    return getattr(getattr(model, "args", None) or getattr(model, "config", None), name, None)
+
+
 def _vocab(model) -> int:
-    args = getattr(model, "args", None) or getattr(model, "config", None)
-    return int(getattr(args, "vocab_size"))
+    return int(_arg(model, "vocab_size"))
 
 
 def _width(model) -> int:
-    args = getattr(model, "args", None) or getattr(model, "config", None)
-    return int(getattr(args, "hidden_size"))
+    return int(_arg(model, "hidden_size"))
 
 
 def _load_decoder(model_dir: str):
