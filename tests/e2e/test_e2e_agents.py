@@ -1,10 +1,18 @@
-"""Agents against a real `tandem serve` on the embedded model (router, prefill
-and decode workers, cache service): forced tool calls and JSON answers decoded
-under their grammars in the continuous batch, schema-valid however the small
-model would have answered; free requests untouched beside them; and a tool
-loop run by an agent framework (the OpenAI Agents SDK, from the package index);
+"""Agents against a real `tandem serve` (router, prefill and decode workers,
+cache service): forced tool calls and JSON answers decoded under their
+grammars in the continuous batch, schema-valid however the model would have
+answered; free requests untouched beside them; and a tool loop run by an
+agent framework (the OpenAI Agents SDK, from the package index);
 structured-output clients (instructor, LangChain's `with_structured_output`)
-at the max_tokens they send."""
+at the max_tokens they send.
+
+Two servers. What only the grammars decide (a call's shape, its deltas, a
+client's parsing) is asked of a float32 random tiny llama with the embedded
+tokenizer and chat template (the same grammars over the same vocabulary; a
+random model tries every continuation a grammar leaves open, and a token costs
+~1 ms of model instead of ~0.1 s: a forced call is ~40 tokens). What needs a
+model that follows the conversation (the agent framework's arguments, a
+second turn re-rendering the call as generated) is asked of the embedded model."""
 
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from tests.support.groups import random_model
 from tests.support.server import module_server
 
 WEATHER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
@@ -42,12 +51,20 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris this week?
 
 @pytest.fixture(scope="module")
 def server(request, tmp_path_factory, embedded_model_dir):
+    """The embedded model: for the tests whose model must follow the conversation."""
     return module_server(request, tmp_path_factory, "--prefill-chunk", "64")
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=180, max_retries=0)
+def tiny_server(request, tmp_path_factory, embedded_model_dir):
+    """The random tiny llama (tests/support/groups.py): for what the grammars alone decide."""
+    tiny = random_model(tmp_path_factory, "tiny-llama", embedded_model_dir)
+    return module_server(request, tmp_path_factory, "--model", str(tiny), "--prefill-chunk", "64")
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server):
+    return openai.OpenAI(base_url=tiny_server.base_url + "/v1", api_key="unused", timeout=180, max_retries=0)
 
 
 def valid_call(call, schemas: dict) -> dict:
@@ -185,8 +202,8 @@ def test_an_agent_framework_runs_tool_loops_to_final_answers(server):
     assert "Sunny" in second.final_output or "14:05" in second.final_output
 
 
-def test_anthropic_sdk_tool_use_is_schema_valid(server):
-    client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", timeout=180, max_retries=0)
+def test_anthropic_sdk_tool_use_is_schema_valid(tiny_server):
+    client = anthropic.Anthropic(base_url=tiny_server.base_url, api_key="unused", timeout=180, max_retries=0)
     tools = [{"name": "get_weather", "description": "Weather forecast for a city", "input_schema": WEATHER_SCHEMA}]
     message = client.messages.create(model="default", max_tokens=32000, tools=tools,
                                      tool_choice={"type": "tool", "name": "get_weather",
@@ -231,18 +248,22 @@ FORECAST_ASK = [{"role": "user", "content": "Give the forecast for Paris for the
 
 # instructor, LangChain and the Agents SDK are imported where used: each costs every test process
 # ~1-3 s at collection otherwise. The modes by name: instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA.
-@pytest.mark.parametrize("mode, max_tokens", [("TOOLS", None), ("TOOLS", 64), ("JSON_SCHEMA", None)])
-def test_instructor_gets_a_schema_valid_object(server, mode, max_tokens):
+@pytest.mark.parametrize("mode, max_tokens, served", [("TOOLS", None, "tiny_server"), ("TOOLS", 64, "server"),
+                                                       ("JSON_SCHEMA", None, "tiny_server")])
+def test_instructor_gets_a_schema_valid_object(request, mode, max_tokens, served):
     """instructor forces one named function (TOOLS: tool_choice names it,
     parallel_tool_calls left at its default, on) or sends a json_schema
     response_format; it sends no max_tokens of its own (the model's default
     applies) and fails on finish_reason "length" or more than one call. 64:
     the issue's case, where the grammar let a named function be called twice
-    (this case fails with that grammar back). Sampled at the model's default
+    (this case fails with that grammar back), on the embedded model, which
+    calls again where a grammar lets it (the random model stops or goes on by
+    chance: it passed with that grammar). Sampled at the model's default
     temperature, seeded."""
     import instructor
 
-    client = instructor.from_openai(openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=180,
+    srv = request.getfixturevalue(served)
+    client = instructor.from_openai(openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", timeout=180,
                                                   max_retries=0), mode=instructor.Mode[mode])
     extra = {} if max_tokens is None else {"max_tokens": max_tokens}
     forecast = client.chat.completions.create(model="default", response_model=Forecast, messages=FORECAST_ASK,
@@ -252,14 +273,14 @@ def test_instructor_gets_a_schema_valid_object(server, mode, max_tokens):
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
-def test_langchain_with_structured_output_gets_a_schema_valid_object(server, method):
+def test_langchain_with_structured_output_gets_a_schema_valid_object(tiny_server, method):
     """LangChain's ChatOpenAI at its defaults (no max_tokens, no temperature
     sent): `json_schema` (its default method) and `function_calling` (a named
     tool forced)."""
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model="default", base_url=server.base_url + "/v1", api_key="unused", timeout=180, max_retries=0,
-                     seed=3)
+    llm = ChatOpenAI(model="default", base_url=tiny_server.base_url + "/v1", api_key="unused", timeout=180,
+                     max_retries=0, seed=3)
     forecast = llm.with_structured_output(Forecast, method=method).invoke(FORECAST_ASK)
     assert isinstance(forecast, Forecast)
     Forecast.model_validate(forecast.model_dump())
