@@ -53,8 +53,8 @@ def assert_recovers(srv, killed_pid: int) -> None:
 
 def greedy_stream(srv, messages, max_tokens, timeout=30, api_key="unused"):
     """A greedy chat stream's text pieces, as the client saw them (iterator)."""
-    stream = client_for(srv, timeout=timeout, api_key=api_key).chat.completions.create(model="default", messages=messages, max_tokens=max_tokens,
-                                                     temperature=0, stream=True)
+    stream = client_for(srv, timeout=timeout, api_key=api_key).chat.completions.create(
+        model="default", messages=messages, max_tokens=max_tokens, temperature=0, stream=True)
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             yield chunk.choices[0].delta.content
