@@ -218,13 +218,13 @@ def run(args: argparse.Namespace) -> int:
     cfg = workload_config(args)
     run_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-bench-"))
     run_dir.mkdir(parents=True, exist_ok=True)
+    if "two-models" in workloads:  # its own systems and servers (benchmarks/bench/workloads/two_models.py)
+        return two_models_workload.run(args, cfg, run_dir)
     print(f"tandem bench: {', '.join([*systems, *(args.name or args.url)])}; workloads {', '.join(workloads)}; "
           f"logs in {run_dir}", file=sys.stderr)
     if (args.tandem_power_policies or args.tandem_speculative) and not any(s.startswith("tandem") for s in systems):
         print("tandem bench: --tandem-power-policies and --tandem-speculative apply to the Tandem systems started, "
               "and none is", file=sys.stderr)
-    if "two-models" in workloads:  # its own systems and servers (benchmarks/bench/workloads/two_models.py)
-        return two_models_workload.run(args, cfg, run_dir)
     recorder, no_energy = _energy_recorder(args)
     results: list[dict] = []
     try:

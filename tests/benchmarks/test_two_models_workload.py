@@ -51,7 +51,8 @@ def test_each_system_sends_each_model_where_it_is_served(tmp_path):
     pair = _system("tandem-pair", tmp_path)
     assert [s.spec.argv[s.spec.argv.index("--model") + 1] for s in pair.servers] == list(REPOS)
     assert [e.url for e in pair.endpoints] == [s.spec.base_url for s in pair.servers]
-    assert [e.model for e in pair.startup_models()] == list(REPOS) and "--max-loaded-models" not in pair.servers[0].spec.argv
+    assert [e.model for e in pair.startup_models()] == list(REPOS)
+    assert "--max-loaded-models" not in pair.servers[0].spec.argv
     peer = _system("mlx_lm", tmp_path)
     assert "--model" not in peer.servers[0].spec.argv and not peer.tandem and peer.startup_models() == []
     assert [e.model for e in peer.endpoints] == [str(SNAPSHOTS[r]) for r in REPOS]  # a folder: it loads that one
@@ -101,7 +102,8 @@ def test_agent_loops_go_to_their_models_server_with_their_history(tmp_path):
         assert [m["content"] for m in body["messages"] if m["role"] == "assistant"] == \
             [f"answer {t}" for t in range(turn)]  # the other model's answers are in the history too
     # The closing request's keep_alive goes to Tandem only (mlx_lm.server has none).
-    assert tm.chat_request("m", [], 1, 7)["keep_alive"] == "7s" and "keep_alive" not in tm.chat_request("m", [], 1, None)
+    assert tm.chat_request("m", [], 1, 7)["keep_alive"] == "7s"
+    assert "keep_alive" not in tm.chat_request("m", [], 1, None)
 
 
 def test_the_table_has_a_row_per_system_and_says_why_one_failed():

@@ -100,7 +100,7 @@ def config(args: argparse.Namespace) -> TwoModelsConfig:
     systems = tuple(s.strip() for s in args.two_models_systems.split(",") if s.strip())
     bad = [s for s in systems if s not in SYSTEMS]
     if bad or not systems:
-        raise ValueError(f"--two-models-systems: unknown {', '.join(bad) or '(empty)'}; choose from {','.join(SYSTEMS)}")
+        raise ValueError(f"--two-models-systems: unknown {', '.join(bad) or '(empty)'}; from {','.join(SYSTEMS)}")
     models = None
     if args.two_models:
         models = tuple(m.strip() for m in args.two_models.split(","))
@@ -146,7 +146,7 @@ def turn_model(agent: int, turn: int) -> int:
 
 
 def user_turn(seed: int, agent: int, turn: int, n_words: int) -> str:
-    return f"Agent {agent}, step {turn}: go on with the plan using these notes. {words(n_words, seed, f'two-{agent}-{turn}')}"
+    return f"Agent {agent}, step {turn}: go on with the plan, notes: {words(n_words, seed, f'two-{agent}-{turn}')}"
 
 
 # ---------------------------------------------------------------- memory
@@ -455,8 +455,8 @@ def render(entries: list[dict]) -> str:
                     + ([mib(peak.get("gpu_bytes")), mib(base.get("gpu_bytes")), mib(after.get("gpu_bytes"))]
                        if gpu else []))
     gpu = any(len(r) > 12 for r in rows)
-    header = ["system", "turns/s", "ok/failed", "p50 s", "loads in run", "start s", "cold A / B s", "peak RSS", "peak PSS",
-              "idle baseline PSS", "after idle PSS", "unloaded after s"]
+    header = ["system", "turns/s", "ok/failed", "p50 s", "loads in run", "start s", "cold A / B s", "peak RSS",
+              "peak PSS", "idle baseline PSS", "after idle PSS", "unloaded after s"]
     header += ["peak GPU", "baseline GPU", "after idle GPU"] if gpu else []
     rows = [r + ["-"] * (len(header) - len(r)) for r in rows]
     lines = ["Two models: agents alternating between two models, every process of each system together\n"
@@ -482,6 +482,7 @@ def run(args: argparse.Namespace, wl: WorkloadConfig, run_dir: Path) -> int:
         repos = RANDOM_REPOS
         print(f"tandem bench: two-models: writing two random {cfg.like} ({cfg.dtype}) into {home}", file=sys.stderr)
         snapshots = write_hub(home, cfg.like, cfg.dtype, tokenizer_dir=cfg.tokenizer_dir)
+    print(f"tandem bench: two-models: {', '.join(cfg.systems)}; {', '.join(repos)}; logs in {run_dir}", file=sys.stderr)
     taken: set[int] = set()
     entries: list[dict] = []
     for name in cfg.systems:
