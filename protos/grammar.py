@@ -10,10 +10,15 @@ the served model's tokenizer.
 
 from __future__ import annotations
 
-from functools import lru_cache
+import threading
+import weakref
+
+# By the tokenizer object, for as long as it lives: a model the router unloads
+# takes its llguidance tokenizer (tens of MiB) with it.
+_BUILT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
 
 
-@lru_cache(maxsize=4)
 def ll_tokenizer(tokenizer, n_vocab: int | None = None):
     """llguidance's view of `tokenizer` (anything with a `tokenizers`
     `backend_tokenizer`: the router's ModelTokenizer, mlx-lm's
@@ -21,7 +26,19 @@ def ll_tokenizer(tokenizer, n_vocab: int | None = None):
     end-of-sequence ids.
     `n_vocab`: the width of the model's logits when it exceeds the
     tokenizer's (padded embeddings). Building one takes ~0.5 s (serializing
-    the tokenizer alone ~60 ms): cached by the tokenizer object."""
+    the tokenizer alone ~60 ms): kept while the tokenizer object lives."""
+    with _LOCK:
+        try:
+            built = _BUILT.setdefault(tokenizer, {})
+        except TypeError:  # an object no weak reference can name: built each time
+            built = {}
+        found = built.get(n_vocab)
+    if found is None:  # built outside the lock: another model's lookups never wait for it
+        found = built.setdefault(n_vocab, _build(tokenizer, n_vocab))
+    return found
+
+
+def _build(tokenizer, n_vocab: int | None):
     import llguidance
 
     backend = tokenizer.backend_tokenizer  # TokenizerWrapper forwards it to the HF tokenizer's

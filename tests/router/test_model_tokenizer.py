@@ -411,3 +411,19 @@ def test_the_router_serves_the_same_prompts_and_answers_over_either_tokenizer(pa
         assert message["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'}, name
         assert (message.get("reasoning_content") == "Thinking it over.") is (name == "qwen3-style"), name
         assert served[2][0] == answer and len(served[2][1]) > len(answer.encode()) // 4, name  # bytes tokens
+
+
+def test_llguidances_view_lives_as_long_as_its_tokenizer(embedded_model_dir):
+    """Built once per tokenizer and kept while it lives: a model the router
+    unloads takes its llguidance tokenizer (tens of MiB) with it."""
+    import gc
+
+    from protos import grammar
+
+    tokenizer = ModelTokenizer.load(str(embedded_model_dir))
+    first = grammar.ll_tokenizer(tokenizer)
+    assert grammar.ll_tokenizer(tokenizer) is first and grammar.ll_tokenizer(tokenizer, 49408) is not first
+    before = len(grammar._BUILT)
+    del tokenizer, first
+    gc.collect()
+    assert len(grammar._BUILT) == before - 1
