@@ -51,8 +51,9 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris this week?
 
 @pytest.fixture(scope="module")
 def server(request, tmp_path_factory, embedded_model_dir):
-    """The embedded model: for the tests whose model must follow the conversation."""
-    return module_server(request, tmp_path_factory, "--prefill-chunk", "64")
+    """The embedded model, for the tests whose model must follow the conversation: colocated (half the
+    processes to start); the split layout's grammars (prefill samples the first token) are the tiny server's."""
+    return module_server(request, tmp_path_factory, "--colocate", "--prefill-chunk", "64")
 
 
 @pytest.fixture(scope="module")
