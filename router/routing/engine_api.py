@@ -74,6 +74,12 @@ class Engine(Protocol):
         """
         ...
 
+    async def embed(self, inputs: list[list[int]], dimensions: int, deadline: float):
+        """An embedding model's: (vectors, float32 [len(inputs), d], tokens embedded)
+        by `deadline` (time.monotonic()). Raises EngineError (400 for bad input,
+        503 with no worker ready, 504 past the deadline)."""
+        ...
+
     async def metrics_text(self) -> str:
         """Prometheus exposition text; may be ""."""
         ...
