@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import json
-from typing import Literal
+from typing import Annotated, Literal
 
 import anthropic
 import jsonschema
@@ -47,6 +47,9 @@ ANSWER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["
                                 "rivers": {"type": "array", "items": {"type": "string", "maxLength": 30},
                                            "maxItems": 3}}}
 ASK = [{"role": "user", "content": "What is the weather like in Paris this week?"}]
+# The agent framework's tools' argument (module level: the SDK resolves the annotations from the module).
+# Bounded: a random model's string ends only where its schema ends it.
+City = Annotated[str, Field(max_length=40)]
 
 
 @pytest.fixture(scope="module")
@@ -138,13 +141,15 @@ def test_free_requests_decode_the_same_beside_constrained_ones(client):
                 valid_call(call, {"get_weather": WEATHER_SCHEMA})
 
 
-def test_an_agent_framework_runs_tool_loops_to_final_answers(server):
+def test_an_agent_framework_runs_tool_loops_to_final_answers(server, tiny_server):
     """The OpenAI Agents SDK over chat completions, two loops:
     - a forced first call (tool_choice names the tool; the SDK resets it to
-      auto after a call), its result, then the model's own final answer;
+      auto after a call), its result, then the model's own final answer
+      (the embedded model: it must name Paris and answer);
     - call -> result -> next call -> result, each turn forced to some call
       (`required`), until the agent's tool-use policy takes the results as
-      its final output.
+      its final output (the random tiny model: the loop's turns, not the
+      calls' sense, are under test).
     Every call the SDK gets parses and fits its function's schema (the SDK
     checks them with pydantic), because Tandem decodes forced calls under
     their grammars; the results reach the model under the calls' ids."""
@@ -153,13 +158,13 @@ def test_an_agent_framework_runs_tool_loops_to_final_answers(server):
     calls: list[tuple[str, str]] = []
 
     @agents.function_tool
-    def get_weather(city: str) -> str:
+    def get_weather(city: City) -> str:
         """Weather forecast for a city."""
         calls.append(("get_weather", city))
         return f"Sunny and 21 C in {city}."
 
     @agents.function_tool
-    def get_time(city: str) -> str:
+    def get_time(city: City) -> str:
         """The local time in a city."""
         calls.append(("get_time", city))
         return f"It is 14:05 in {city}."
@@ -169,8 +174,11 @@ def test_an_agent_framework_runs_tool_loops_to_final_answers(server):
         return agents.ToolsToFinalOutputResult(is_final_output=done,
                                                final_output=" ".join(r.output for r in results) if done else None)
 
-    client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=180, max_retries=0)
-    model = agents.OpenAIChatCompletionsModel(model="default", openai_client=client)
+    def model_of(srv):
+        client = openai.AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="unused", timeout=180, max_retries=0)
+        return agents.OpenAIChatCompletionsModel(model="default", openai_client=client)
+
+    model, tiny_model = model_of(server), model_of(tiny_server)
     settings = dict(temperature=0, max_tokens=120, parallel_tool_calls=False)
     question = "What is the weather in Paris, and what time is it there?"
     answer_after_one = agents.Agent(
@@ -179,7 +187,7 @@ def test_an_agent_framework_runs_tool_loops_to_final_answers(server):
         model_settings=agents.ModelSettings(tool_choice="get_weather", **settings))
     two_calls = agents.Agent(
         name="planner", instructions="Call get_weather, then call get_time.", tools=[get_weather, get_time],
-        model=model, reset_tool_choice=False, tool_use_behavior=two_results,
+        model=tiny_model, reset_tool_choice=False, tool_use_behavior=two_results,
         model_settings=agents.ModelSettings(tool_choice="required", **settings))
     agents.set_tracing_disabled(True)
 
