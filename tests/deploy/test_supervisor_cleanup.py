@@ -43,7 +43,9 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR], cwd=REPO, env=env, start_new_session=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        found = [p for p in tmp_path.glob(f"tandem-{proc.pid}-*") if (p / ARENAS).exists()]
+        # Written, not just made: the arena's name is one write after the file's creation.
+        found = [p for p in tmp_path.glob(f"tandem-{proc.pid}-*") if (p / ARENAS).exists()
+                 and (p / ARENAS).stat().st_size]
         if found:
             return proc, found[0]
         assert proc.poll() is None, f"the supervisor exited with {proc.returncode}"
