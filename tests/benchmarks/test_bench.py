@@ -594,12 +594,14 @@ def test_vision_options_and_system_specs(tmp_path):
 
 
 def test_bench_vision_on_a_tiny_vlm(tmp_path, tmp_path_factory, capsys):
-    """The real thing, small: `tandem bench --systems tandem --workload vision` on a tiny Qwen2.5-VL."""
+    """The real thing, small: `tandem bench --systems tandem-colocate --workload vision` on a tiny
+    Qwen2.5-VL, colocated: two processes to start, not four (the split layout's argv is
+    tests/benchmarks/test_energy.py's, its serving of pictures tests/e2e/test_e2e_vision.py's)."""
     model = tiny_vlm(tmp_path_factory)
     p = bench_cmd.argparse.ArgumentParser()
     bench_cmd.add_arguments(p)
     out = tmp_path / "v.json"
-    args = p.parse_args(["--systems", "tandem", "--model", str(model), "--workload", "vision", "--warmup", "0",
+    args = p.parse_args(["--systems", "tandem-colocate", "--model", str(model), "--workload", "vision", "--warmup", "0",
                          "--image-size", "256", "--video-frames", "4", "--vision-repeats", "1",
                          "--vision-max-tokens", "4", "--timeout", "60", "--start-timeout", "120",
                          "--port-base", str(free_port()), "--json", str(out), "--log-dir", str(tmp_path / "logs")])
