@@ -26,8 +26,8 @@ from tests.support.fake_engine import FakeEngine
 from tests.support.router_server import serve_app, wait_for
 
 STREAMS = 4
-TOKEN_DELAY_S = 0.02  # the scripted engine's pace: 50 tokens/s per stream
-QUIET_S = 3.0
+TOKEN_DELAY_S = 0.05  # the scripted engine's pace: 20 tokens/s per stream (a gap of MAX_GAP_S is 40 tokens late)
+QUIET_S = 1.0  # only printed, for comparison
 BODY_BYTES = 8 * 1024 * 1024  # the default --max-request-bytes
 MAX_GAP_S = 2.0  # the worst inter-token gap while the prompt is prepared; a freeze is 8-40 s
 
