@@ -10,8 +10,10 @@ the served model's tokenizer.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
+from collections import OrderedDict
 
 # By the tokenizer object, for as long as it lives: a model the router unloads
 # takes its llguidance tokenizer (tens of MiB) with it.
@@ -36,6 +38,37 @@ def ll_tokenizer(tokenizer, n_vocab: int | None = None):
     if found is None:  # built outside the lock: another model's lookups never wait for it
         found = built.setdefault(n_vocab, _build(tokenizer, n_vocab))
     return found
+
+
+def per_tokenizer(maxsize: int):
+    """A cache for `fn(tokenizer, *args)`: per tokenizer object (weakly: an
+    unloaded model's tokenizer is not kept by it), its `maxsize` most recent
+    argument tuples."""
+
+    def wrap(fn):
+        tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        lock = threading.Lock()
+
+        @functools.wraps(fn)
+        def cached(tokenizer, *args):
+            with lock:
+                try:
+                    table = tables.setdefault(tokenizer, OrderedDict())
+                except TypeError:  # no weak reference to it: not cached
+                    table = OrderedDict()
+                if args in table:
+                    table.move_to_end(args)
+                    return table[args]
+            value = fn(tokenizer, *args)
+            with lock:
+                table[args] = value
+                while len(table) > maxsize:
+                    table.popitem(last=False)
+            return value
+
+        return cached
+
+    return wrap
 
 
 def _build(tokenizer, n_vocab: int | None):

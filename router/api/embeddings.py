@@ -27,6 +27,7 @@ import numpy as np
 from starlette.responses import Response
 
 from environment.embedding_config import EmbeddingConfig, embedding_config
+from protos.grammar import per_tokenizer
 from router.api.errors import ApiError, invalid, only
 
 log = logging.getLogger("tandem.router")
@@ -113,7 +114,7 @@ def _tokens(item, index: int, tokenizer, config: EmbeddingConfig) -> list[int]:
     return ids + [end] if end is not None and (not ids or ids[-1] != end) else ids
 
 
-@functools.lru_cache(maxsize=8)
+@per_tokenizer(maxsize=1)
 def _appended_end(tokenizer) -> int | None:
     """The end token a last-token model's text needs appended here: None when
     its tokenizer adds special tokens itself (or has no END_TOKEN)."""

@@ -19,9 +19,8 @@ grammar text: a swarm sends the same schema with every request.
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 
-from protos.grammar import grammar_error, ll_tokenizer
+from protos.grammar import grammar_error, ll_tokenizer, per_tokenizer
 from router.api.errors import ApiError, invalid, only
 from router.api.tools import ToolFormat, ToolRequest, call_grammar_lark, laid_out, local_refs, rebased_refs
 
@@ -75,11 +74,11 @@ def build_grammar(schema: dict | None, tools: ToolRequest | None, fmt: ToolForma
         grammar, param = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(laid_out(schema))), "response_format"
     else:
         return ""
-    problem = _check(grammar, tokenizer)
+    problem = _check(tokenizer, grammar)
     if not problem and schema is not None and param == "response_format":
-        problem = _ref_targets(json.dumps(schema), tokenizer)
+        problem = _ref_targets(tokenizer, json.dumps(schema))
     for f in calls if not problem else ():
-        problem, param = _ref_targets(json.dumps(tools.schema_of(f["name"])), tokenizer), "tools"
+        problem, param = _ref_targets(tokenizer, json.dumps(tools.schema_of(f["name"]))), "tools"
         if problem:
             break
     if problem:
@@ -88,8 +87,8 @@ def build_grammar(schema: dict | None, tools: ToolRequest | None, fmt: ToolForma
     return grammar
 
 
-@lru_cache(maxsize=256)
-def _check(grammar: str, tokenizer) -> str:
+@per_tokenizer(maxsize=256)
+def _check(tokenizer, grammar: str) -> str:
     return grammar_error(grammar, ll_tokenizer(tokenizer))
 
 
@@ -97,8 +96,8 @@ def _check(grammar: str, tokenizer) -> str:
 MAX_REF_TARGETS = 32
 
 
-@lru_cache(maxsize=256)
-def _ref_targets(schema_json: str, tokenizer) -> str:
+@per_tokenizer(maxsize=256)
+def _ref_targets(tokenizer, schema_json: str) -> str:
     """What is wrong with the subschemas a schema's local `$ref`s lead to
     ("": nothing). llguidance follows a $ref only when the output reaches
     it, so a target that leads only back to itself ({"$ref": "#/$defs/a"} as
@@ -111,7 +110,7 @@ def _ref_targets(schema_json: str, tokenizer) -> str:
     root = "#/$defs/tandem_root"
     for ref in sorted(local_refs(schema))[:MAX_REF_TARGETS]:
         target = {"$defs": {"tandem_root": rebased_refs(schema, root)}, "$ref": root + ref[1:]}
-        problem = _check(llguidance.LLMatcher.grammar_from_json_schema(json.dumps(laid_out(target))), tokenizer)
+        problem = _check(tokenizer, llguidance.LLMatcher.grammar_from_json_schema(json.dumps(laid_out(target))))
         if problem:
             return f"'$ref' {ref!r}: {problem}"
     return ""

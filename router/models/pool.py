@@ -25,6 +25,8 @@ workers come back on the same socket when it is loaded again); others' go.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import gc
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -331,6 +333,8 @@ class ModelPool:
                 table.drop(wid)
         elif entry.served is not None:
             await entry.served.engine.stop()
+            entry.served = None
+            _give_back_memory()
 
     # -------------------------------------------------------------- idle --
     async def _reap_loop(self) -> None:
@@ -414,6 +418,17 @@ def _slot_named(slots: list[ModelSlot], name: str, required: bool = True) -> Mod
     if required:
         raise ModelControlError(503, "the supervisor lists no such model after loading it")
     return None
+
+
+def _give_back_memory() -> None:
+    """An unloaded model's tokenizer and tables freed, and the heap's free
+    pages handed back to the system (glibc keeps them otherwise; macOS's
+    allocator returns them itself)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _gib(n: int) -> str:
