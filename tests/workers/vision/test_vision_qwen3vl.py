@@ -339,19 +339,23 @@ def test_qwen3_vl_2b_shape_has_the_published_parameter_count():
 
 
 def test_served_end_to_end(request, tmp_path_factory):
-    """`tandem serve` (router, prefill, decode, vision-0 processes) with the
-    openai client: the answer equals mlx-vlm's; a follow-up turn reuses the
+    """`tandem serve --colocate` (one worker process: prefill, decode and
+    vision; the cache service stores the embeddings as in the split layout)
+    with the openai client: the answer equals mlx-vlm's; a follow-up turn reuses the
     prompt's KV and the stored embedding (DeepStack rows included) without
     running the encoder; a video_url part goes in as a video (frame pairs,
     "<t.t seconds>" blocks from its frames' times) and its answer equals
     mlx-vlm's for those frames with their VideoMetadata; a second turn about
     it skips the encoder and reuses the prompt's KV; the picture and the clip
-    in one message are answered as mlx-vlm answers them."""
+    in one message are answered as mlx-vlm answers them. Colocated: two
+    processes fewer to start; an M-RoPE prompt's KV and rope offset handed
+    from a prefill process to a decode process is tests/e2e/test_e2e_vision.py's
+    (a split Qwen2.5-VL server; the offset is a number, whatever the model)."""
     from mlx_vlm.utils import VideoMetadata
 
     folder = tiny_vlm(tmp_path_factory, TINY_QWEN3_VL)
     media = tmp_path_factory.mktemp("media")
-    srv = TandemServer("--model", str(folder), "--no-disk-cache", "--block-size", "16",
+    srv = TandemServer("--model", str(folder), "--no-disk-cache", "--colocate", "--block-size", "16",
                        "--allow-local-media", str(media), log_path=tmp_path_factory.mktemp("srv") / "server.log")
     request.addfinalizer(srv.stop)
     srv.start()
