@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from benchmarks.bench import bench_cmd
+from benchmarks.bench.measures import bandwidth
 from benchmarks.bench.measures.memory import ProcessTreeMemory
 from benchmarks.bench.reporting import report
 from benchmarks.bench.servers import systems
@@ -310,13 +311,16 @@ def test_metric_sum():
 
 # ------------------------------------------------------------ the command and its report
 
-def test_bench_command_json_report(scripted, tmp_path, capsys):
+def test_bench_command_json_report(scripted, tmp_path, capsys, monkeypatch):
     base, _ = scripted
+    # The single-stream table's copy measured on 8 MiB, not 256 MiB five times (~2 CPU-s).
+    real_copy = bandwidth.copy_bandwidth
+    monkeypatch.setattr(bandwidth, "copy_bandwidth", lambda: real_copy(8 << 20, 2))
     p = bench_cmd.argparse.ArgumentParser()
     bench_cmd.add_arguments(p)
     out = tmp_path / "r.json"
     args = p.parse_args(["--url", base + "/ok", "--name", "scripted", "--workload", "all", "--concurrency", "1,2",
-                         "--requests-per-level", "4", "--warmup", "1", "--streams", "2", "--long-prompts", "1",
+                         "--requests-per-level", "2", "--warmup", "1", "--streams", "2", "--long-prompts", "1",
                          "--prefix-repeats", "1", "--agents", "2", "--turns", "2", "--timeout", "5",
                          "--json", str(out), "--log-dir", str(tmp_path / "logs")])
     assert bench_cmd.run(args) == 0
@@ -331,7 +335,7 @@ def test_bench_command_json_report(scripted, tmp_path, capsys):
     for lv in levels:
         assert {"requests", "ok", "errors", "rejected_429", "output_tok_s", "requests_s", "ttft_p50_s", "ttft_p99_s",
                 "itl_p50_s", "itl_p99_s", "goodput"} <= lv.keys()
-        assert lv["ok"] == 4 and lv["output_tokens"] == 16
+        assert lv["ok"] == 2 and lv["output_tokens"] == 8
     loud = res["interference"]["loud"]
     assert res["interference"]["quiet"]["ok"] == 2 and loud["long_prompts_sent"] == 1
     assert loud["gaps_during_long"] > 0 and loud["itl_p99_during_long_s"] < 1.0
@@ -344,6 +348,7 @@ def test_bench_command_json_report(scripted, tmp_path, capsys):
     assert res["swarm"]["metrics_computed_prompt_tokens"] == 4 * (10 - 3)
     single = res["single_stream"]  # no --model: tokens/s without a bandwidth share
     assert single["decode_tok_s"] == pytest.approx(1 / GAP_S, rel=0.3) and single["bandwidth_share"] is None
+    assert single["copy_bandwidth_bytes_s"] > 0
     printed = capsys.readouterr().out
     assert "Sweep" in printed and "scripted" in printed and "Swarm" in printed
 
