@@ -534,7 +534,8 @@ def test_vision_workload_turns_ratios_and_video(fake_vlm):
     assert r0["text"]["prompt_tokens"] == added  # the text-only request matches what turn 3 adds
     assert out["turn3_computed_tokens"] == out["turn3_prompt_tokens"] - out["turn3_cached_tokens"]
     # 1 ms per computed token: turn 1 computes the picture, turn 3 only its new tokens
-    assert out["turn1_over_turn3"] > 2 and out["turn1_over_turn3"] == pytest.approx(
+    # Timings are reported, never asserted (a loaded box inverts them): the skip is in the token counts above.
+    assert out["turn1_over_turn3"] > 0 and out["turn1_over_turn3"] == pytest.approx(
         out["turn1_ttft_s"] / out["turn3_ttft_s"])
     assert out["turn3_over_text"] == pytest.approx(out["turn3_ttft_s"] / out["text_ttft_s"])
     assert [v["frames"] for v in out["video"]] == [4, 8]
@@ -542,8 +543,7 @@ def test_vision_workload_turns_ratios_and_video(fake_vlm):
         assert v["errors"] == 0 and len(v["repeats"]) == 2
         assert v["cold_prompt_tokens"] > 25 * v["frames"] and v["cold_cached_tokens"] <= 6
         assert v["cached_cached_tokens"] > 25 * v["frames"]  # same video, new question
-        assert v["cold_over_cached"] > 1
-    assert out["video"][1]["cold_ttft_s"] > out["video"][0]["cold_ttft_s"]
+        assert v["cold_over_cached"] == pytest.approx(v["cold_ttft_s"] / v["cached_ttft_s"])
 
 
 def test_vision_workload_falls_back_to_http_and_records_refusals(fake_vlm):
