@@ -18,11 +18,7 @@ E2E = "tests/e2e/"
 # by CPU (measured alone) the unit is then pipeline 189, tensor-parallel 164,
 # faults 79, remote-worker 49, group-hosts ~30 and the new modules; late are
 # prefix-cache ~80, agents ~80 and vision ~65, after ~330 CPU-s of the other modules.
-# The model service's modules (many models, Ollama's client, embeddings) joined them too, and each
-# late module is a unit of its own: whichever worker is free takes the next (a full run had the
-# end-to-end unit done at 508 s and the other worker at 596 s, the late modules one unit on it).
-E2E_LATE = ("tests/e2e/test_e2e_agents.py", "tests/e2e/test_e2e_prefix_cache.py", "tests/e2e/test_e2e_vision.py",
-            "tests/e2e/test_many_models.py", "tests/e2e/test_ollama_client.py", "tests/e2e/test_embeddings.py")
+E2E_LATE = ("tests/e2e/test_e2e_agents.py", "tests/e2e/test_e2e_vision.py", "tests/e2e/test_e2e_prefix_cache.py")
 
 
 def _part(nodeid: str) -> int:
@@ -38,13 +34,12 @@ def pytest_xdist_make_scheduler(config, log):
     go to one worker as one unit, first, one after another (each runs whole
     servers; two at once would starve each other's deadlines), while the
     other worker takes the other modules, each whole (its module fixtures
-    made once), then the late end-to-end modules (E2E_LATE), each whole,
-    the first worker too once its unit is done."""
+    made once), then the late end-to-end modules (E2E_LATE), as one unit."""
     from xdist.scheduler import LoadScopeScheduling
 
     class EndToEndApart(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "e2e" if _part(nodeid) == 0 else nodeid.split("::", 1)[0]
+            return ("e2e", "", "e2e-late")[_part(nodeid)] or nodeid.split("::", 1)[0]
 
     config.option.loadscopereorder = False  # the collection's order: the end-to-end unit first
     return EndToEndApart(config, log)
