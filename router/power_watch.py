@@ -64,7 +64,10 @@ class PowerWatch:
         """Poll until cancelled; a reading that fails or hangs keeps the last state."""
         while True:
             try:
-                state = await asyncio.wait_for(asyncio.to_thread(self.read, self.settings), READ_TIMEOUT_S)
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a
+                # cancel that comes as the read ends, and this loop never ends.
+                async with asyncio.timeout(READ_TIMEOUT_S):
+                    state = await asyncio.to_thread(self.read, self.settings)
                 self.update(state)
             except (TimeoutError, asyncio.TimeoutError):
                 log.warning("power state: no reading within %.0f s; keeping %s", READ_TIMEOUT_S, self.policy.name)

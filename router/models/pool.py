@@ -292,8 +292,9 @@ class ModelPool:
                 raise ModelControlError(503, "no room: every loaded model is busy (" +
                                         ", ".join(e.name for e in others) + ")")
             try:
-                await asyncio.wait_for(self.changed.wait(), left)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(left):  # not wait_for: 3.11's can lose a cancel (router/power_watch.py)
+                    await self.changed.wait()
+            except TimeoutError:
                 pass
 
     async def unload(self, name: str, why: str = "asked") -> bool:

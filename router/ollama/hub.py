@@ -83,8 +83,9 @@ class PullResponse:
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", NDJSON.encode())]})
         while not (task.done() and queue.empty()):
             try:
-                statuses = await asyncio.wait_for(queue.get(), QUIET_S)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(QUIET_S):  # not wait_for: 3.11's can lose a cancel (router/power_watch.py)
+                    statuses = await queue.get()
+            except TimeoutError:
                 continue
             if self.stream:
                 await send({"type": "http.response.body", "body": b"".join(map(line, statuses)), "more_body": True})

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 ORPHANS_KEPT = 4096  # wire ids of unknown requests already cancelled
 EMBED_LOST = object()  # an embed call's answer when its worker died under it
+STOP_LOOPS_S = 5.0  # how long stop waits for its cancelled loops
 
 
 class Dispatcher(RequestMoves):
@@ -93,7 +94,11 @@ class Dispatcher(RequestMoves):
     async def stop(self) -> None:
         for task in self._tasks + list(self._moving):
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._moving, return_exceptions=True)
+        tasks = self._tasks + list(self._moving)
+        if tasks:  # bounded: a loop that swallowed its cancel must not hold the router's stop (or a test) forever
+            _, stuck = await asyncio.wait(tasks, timeout=STOP_LOOPS_S)
+            for task in stuck:
+                log.error("a dispatcher task did not end within %.0f s of its cancel: %s", STOP_LOOPS_S, task.get_coro())
         for st in list(self.requests.values()):
             st.events.put_nowait(EngineError(503, "server is shutting down"))
         if self._cache:
