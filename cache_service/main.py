@@ -23,7 +23,7 @@ from cache_service.arena import Arena, new_arena_name
 from cache_service.disk_tier import DiskTier
 from cache_service.service import CacheService, error_reply
 from environment.logs import setup_logging
-from environment.memory_pressure import PressurePoll, PressureReader
+from environment.memory_pressure import UNLOAD_FIRST_S, PressurePoll, PressureReader
 from environment.power.policy import decide
 from environment.power.readers import read_power
 from environment.settings import Settings
@@ -77,7 +77,8 @@ def run(settings: Settings, ready=None) -> None:
     ctx = zmq.Context()
     sock = service = None
     try:
-        pressure = PressurePoll(PressureReader(settings.memory_pressure_file), settings.memory_poll_s, time.monotonic)
+        pressure = PressurePoll(PressureReader(settings.memory_pressure_file), settings.memory_poll_s, time.monotonic,
+                                grace_s=UNLOAD_FIRST_S)
         service = CacheService(arena, settings.cache_memory_bytes, _open_disk_tier(settings), pressure)
         os.makedirs(settings.run_dir, exist_ok=True)
         sock = make_socket(ctx, zmq.ROUTER)

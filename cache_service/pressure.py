@@ -3,7 +3,8 @@ before the system swaps (environment/memory_pressure.py reads the level).
 
 On warn the blocks may hold at most half of what they held when the
 pressure began; on critical, nothing: every block nobody is reading goes.
-The ceiling holds, checked at every reading, until the level is normal
+Pressure acts once it has lasted UNLOAD_FIRST_S (the router unloads idle
+models first). The ceiling holds, checked at every reading, until the level is normal
 again, so a busy server cannot grow the cache back while the machine is
 short. Least recently used blocks go first; leased, pinned (being written
 to disk) and half-written blocks and handoffs stay, so no request in flight
@@ -46,7 +47,8 @@ class PressureShrinker:
             log.info("memory pressure unread: %s", reading.error)
         if reading.level != previous.level:
             log.warning("memory pressure %s -> %s (%s)", previous.level, reading.level, reading.detail or reading.reader)
-        self.apply(reading)
+        if reading.level == NORMAL or self.poll.acting():  # idle models are unloaded first (UNLOAD_FIRST_S)
+            self.apply(reading)
 
     def apply(self, reading: MemoryPressure) -> int:
         """Shrink for one reading; the arena bytes freed."""

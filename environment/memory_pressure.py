@@ -196,14 +196,25 @@ class PressureReader:
         return MemoryPressure(level, "+".join(n for n, _, _ in readings), detail="; ".join(d for _, _, d in readings))
 
 
-class PressurePoll:
-    """The level, read at most every `poll_s` seconds (callers ask every loop turn)."""
+# A process that shrinks its caches under pressure (the cache service, a model
+# worker) acts once the level has stayed above normal this long: the router's
+# model pool, reading every second, unloads idle models first (a whole model's
+# weights, often relief enough); only pressure that outlasts it shrinks the rest.
+UNLOAD_FIRST_S = 2.0
 
-    def __init__(self, reader: PressureReader, poll_s: float, clock: Callable[[], float]):
+
+class PressurePoll:
+    """The level, read at most every `poll_s` seconds (callers ask every loop
+    turn). `grace_s`: how long a level above normal must last before
+    `acting` (0: at once)."""
+
+    def __init__(self, reader: PressureReader, poll_s: float, clock: Callable[[], float], grace_s: float = 0.0):
         self.reader = reader
         self.poll_s = poll_s
+        self.grace_s = grace_s
         self._clock = clock
         self._next = float("-inf")
+        self._pressed_since: float | None = None
         self.last = MemoryPressure()
 
     def due(self) -> bool:
@@ -211,6 +222,15 @@ class PressurePoll:
 
     def read(self) -> MemoryPressure:
         """A fresh reading (call when `due`)."""
-        self._next = self._clock() + self.poll_s
+        now = self._clock()
+        self._next = now + self.poll_s
         self.last = self.reader.read()
+        if self.last.level == NORMAL:
+            self._pressed_since = None
+        elif self._pressed_since is None:
+            self._pressed_since = now
         return self.last
+
+    def acting(self) -> bool:
+        """Whether the last reading is to be acted on: above normal for `grace_s` or more."""
+        return self._pressed_since is not None and self._clock() - self._pressed_since >= self.grace_s

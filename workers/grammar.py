@@ -74,8 +74,9 @@ def mask_thread() -> ThreadPoolExecutor:
 
 
 class Grammars:
-    """The grammars one worker process follows, over `tokenizer` (mlx-lm's
-    TokenizerWrapper) and `n_vocab`, the width of the model's logits (may
+    """The grammars one worker process follows, over `tokenizer` (its
+    backend_tokenizer and eos_token_ids: the folder's FolderTokenizer, or
+    mlx-lm's TokenizerWrapper) and `n_vocab`, the width of the model's logits (may
     exceed the tokenizer's vocabulary; None: the tokenizer's)."""
 
     def __init__(self, tokenizer, n_vocab: Optional[int] = None, capacity: int = COMPILED_GRAMMARS):

@@ -1,6 +1,7 @@
 """A model worker under memory pressure gives back what it only keeps for speed.
 
-While environment/memory_pressure.py reads warn or critical, at every reading
+While environment/memory_pressure.py reads warn or critical (for UNLOAD_FIRST_S
+already: the router unloads idle models first), at every reading
 (every `Settings.memory_poll_s`) the worker drops its hot KV tier (copies of
 arena blocks, workers/kv/hot_blocks.py: the arena and the disk tier still have
 them) and MLX's cache of freed buffers (`mx.clear_cache`). Both refill as
@@ -20,7 +21,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from environment.memory_pressure import NORMAL, PressurePoll, PressureReader
+from environment.memory_pressure import NORMAL, UNLOAD_FIRST_S, PressurePoll, PressureReader
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class MemoryRelief:
         hello.memory_pressure = reading.value
         if reading.level != previous:
             log.warning("memory pressure %s -> %s (%s)", previous, reading.level, reading.detail or reading.error)
-        if reading.level == NORMAL:
+        if reading.level == NORMAL or not self.poll.acting():  # idle models are unloaded first (UNLOAD_FIRST_S)
             return 0
         hot = prefix.hot.drop() if prefix is not None else 0
         buffers = self._cache_memory()
@@ -65,6 +66,7 @@ def relieve_memory(settings, prefix, hello) -> None:
     MemoryRelief, made at the first call from `settings`."""
     global _relief
     if _relief is None:
-        poll = PressurePoll(PressureReader(settings.memory_pressure_file), settings.memory_poll_s, time.monotonic)
+        poll = PressurePoll(PressureReader(settings.memory_pressure_file), settings.memory_poll_s, time.monotonic,
+                            grace_s=UNLOAD_FIRST_S)
         _relief = MemoryRelief(poll)
     _relief.tick(prefix, hello)

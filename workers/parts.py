@@ -25,6 +25,7 @@ from cache_service.client import CacheClient
 from environment.backend import on_cpu, on_cuda
 from environment.model_folder import context_length, is_vlm
 from environment.settings import Settings
+from environment.tokenizer_files import FolderTokenizer
 from protos.messages import DecodeRequest, EmbedRequest, PrefillRequest, VisionRequest
 from workers.decode.engine import DecodeEngine
 from workers.decode.role import DecodeRole
@@ -38,7 +39,7 @@ from workers.kv.prefix_cache import make_prefix_cache
 from workers.kv.store_thread import StoreThread
 from workers.loop_clock import LoopClock
 from workers.memory_relief import relieve_memory
-from workers.models.loading import hot_kv_bytes, load_model, size_buffer_cache
+from workers.models.loading import hot_kv_bytes, load_weights, size_buffer_cache
 from workers.models.sharding import shard_model
 from workers.power_limits import PowerLimits
 from workers.prefill.ane.backend import make_ane_body
@@ -133,7 +134,8 @@ class WorkerParts:
         """The model (a group's: this rank's shard) and its prefix cache; the
         grammars over its tokenizer."""
         group, pipeline = self.group, self.settings.pipeline_parallel > 1
-        model, tokenizer = load_model(self.settings.model_dir, lazy=group is not None)
+        model = load_weights(self.settings.model_dir, lazy=group is not None)
+        tokenizer = FolderTokenizer.load(self.settings.model_dir)  # the grammars' vocabulary, no transformers
         if group is not None:
             shard_model(model, group, pipeline=pipeline)
         self.model = model

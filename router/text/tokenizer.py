@@ -6,7 +6,7 @@ tokenizer) cost every router start ~2.5 CPU-s and mapped MLX's libraries
 tokenizer, read from the model folder's files:
 
 - tokenizer.json through the `tokenizers` library, with what transformers
-  changes on load (tokenizer_files.py), so the ids, the vocabulary and
+  changes on load (environment/tokenizer_files.py), so the ids, the vocabulary and
   llguidance's view of it (`backend_tokenizer`) are transformers' own;
   `decode` cleans up spaces where transformers would;
 - the chat template (chat_template.py), rendered as transformers renders it,
@@ -34,10 +34,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from environment.model_folder import ModelError
 from router.text.chat_template import Templates, load_templates, pick_template, render
 from router.text.text_stream import byte_level_bytes
-from router.text.tokenizer_files import load_backend, read_json
+from environment.tokenizer_files import FolderTokenizer, token_id
 from router.text.tool_calls import JSON_TOOLS, TOOL_CALL_END, TOOL_CALL_START, parse_json_tool_call, parser_for
 
 log = logging.getLogger(__name__)
@@ -53,26 +52,21 @@ _SPM_DECODERS = [[{"type": "Replace", "pattern": {"String": "\u2581"}, "content"
 class ModelTokenizer:
     """Build with `ModelTokenizer.load(folder)`."""
 
-    def __init__(self, backend: Tokenizer, config: dict, special: dict[str, str], templates: Templates):
+    def __init__(self, files: FolderTokenizer, templates: Templates):
+        backend, config = files.backend_tokenizer, files.config
         self.backend_tokenizer = backend  # llguidance builds its view from it (protos/grammar.py)
         self.chat_template = templates
-        self.special_tokens_map = special  # what templates see as bos_token, eos_token, ...
+        self.special_tokens_map = files.special_tokens_map  # what templates see as bos_token, eos_token, ...
         self._cleanup = bool(config.get("clean_up_tokenization_spaces", False)) and type(backend.model).__name__ != "BPE"
-        eos = self.convert_tokens_to_ids(special["eos_token"]) if "eos_token" in special else None
-        self.eos_token_id = eos
-        self.eos_token_ids = {eos} if eos is not None else set()
+        self.eos_token_id, self.eos_token_ids = files.eos_token_id, files.eos_token_ids
         self._pieces = _piece_kind(backend)
         self._infer_thinking()
         self._infer_tool_calls(config.get("tool_parser_type"))
 
     @classmethod
     def load(cls, folder: str | Path) -> "ModelTokenizer":
-        folder = Path(folder)
-        if not (folder / "tokenizer.json").is_file():
-            raise ModelError(f"{folder}: no tokenizer.json (the router reads a model's tokenizer from it)")
-        config = read_json(folder / "tokenizer_config.json")
-        backend, special = load_backend(folder, config)
-        return cls(backend, config, special, load_templates(folder, config))
+        files = FolderTokenizer.load(folder)
+        return cls(files, load_templates(Path(folder), files.config))
 
     # ------------------------------------------------------------------ ids and text
 
@@ -87,10 +81,7 @@ class ModelTokenizer:
         return _clean_up_spaces(text) if self._cleanup else text
 
     def convert_tokens_to_ids(self, token: str) -> int | None:
-        found = self.backend_tokenizer.token_to_id(token)
-        if found is None and "unk_token" in self.special_tokens_map:
-            return self.backend_tokenizer.token_to_id(self.special_tokens_map["unk_token"])
-        return found
+        return token_id(self.backend_tokenizer, self.special_tokens_map, token)
 
     def get_vocab(self) -> dict[str, int]:
         return self.backend_tokenizer.get_vocab(with_added_tokens=True)

@@ -12,8 +12,9 @@ import os
 
 import pytest
 
-from environment.memory_pressure import (CRITICAL, MACOS_SYSCTL, MEMINFO_PATH, NORMAL, PSI_PATH, WARN, PressurePoll,
-                                    PressureReader, level_from_meminfo, level_from_psi, read_text, sysctl_int)
+from environment.memory_pressure import (CRITICAL, MACOS_SYSCTL, MEMINFO_PATH, NORMAL, PSI_PATH, UNLOAD_FIRST_S, WARN,
+                                         MemoryPressure, PressurePoll, PressureReader, level_from_meminfo, level_from_psi,
+                                         read_text, sysctl_int)
 
 PSI_QUIET = "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
 PSI_RECLAIMING = "some avg10=23.51 avg60=8.02 avg300=1.90 total=81234567\nfull avg10=2.10 avg60=0.50 avg300=0.10 total=1234\n"
@@ -145,3 +146,30 @@ def test_poll_reads_only_when_due():
     assert not poll.due()
     now[0] = 2.0
     assert poll.due()
+
+
+def test_pressure_is_acted_on_once_it_outlasts_the_grace():
+    """The cache service and the workers shrink only pressure that has lasted
+    UNLOAD_FIRST_S, so the router's pool (a reading every second) unloads idle
+    models before anything else shrinks; normal again resets the wait."""
+    now, level = [0.0], ["critical"]
+
+    class Reader:
+        def read(self):
+            return MemoryPressure(level[0], "file")
+
+    poll = PressurePoll(Reader(), 2.0, lambda: now[0], grace_s=UNLOAD_FIRST_S)
+    poll.read()
+    assert poll.last.level == "critical" and not poll.acting()  # first seen: the router's turn
+    now[0] = 2.0
+    poll.read()
+    assert poll.acting()
+    level[0], now[0] = "normal", 4.0
+    poll.read()
+    assert not poll.acting()
+    level[0], now[0] = "warn", 6.0
+    poll.read()
+    assert not poll.acting()  # a new episode waits again
+    at_once = PressurePoll(Reader(), 2.0, lambda: now[0])  # grace 0: acted on at the first reading
+    at_once.read()
+    assert at_once.acting()

@@ -41,9 +41,9 @@ def client(server):
 @pytest.fixture(scope="module")
 def local(folder):
     """(tokenizer, vector(ids)): the model's own pass here, as the embed worker loads it."""
-    from workers.models.loading import load_model
+    from workers.models.loading import load_weights
 
-    model, _ = load_model(folder)
+    model = load_weights(folder)
     tok = ModelTokenizer.load(folder)
 
     def vector(ids):
@@ -90,6 +90,22 @@ def test_concurrent_requests_share_the_worker_and_each_gets_its_own(client, loca
                              texts))
     for t, out in zip(texts, outs):
         np.testing.assert_allclose(out.data[0].embedding, vector(tok.encode(t)), atol=1e-5)
+
+
+def test_ollamas_client_embeds_through_the_same_worker(server, local):
+    """The `ollama` client's embed (/api/embed: a list, Ollama's L2-normalised
+    vectors, prompt tokens counted) and its legacy embeddings call
+    (/api/embeddings: one prompt), served by the same embed worker."""
+    import ollama
+
+    tok, vector = local
+    client = ollama.Client(host=server.base_url, timeout=60)
+    out = client.embed(model="default", input=TEXTS[:2])
+    assert len(out.embeddings) == 2 and out.prompt_eval_count == sum(len(tok.encode(t)) for t in TEXTS[:2])
+    for got, text in zip(out.embeddings, TEXTS[:2]):
+        np.testing.assert_allclose(got, vector(tok.encode(text)), atol=1e-5)
+    legacy = client.embeddings(model="default", prompt=TEXTS[2])
+    np.testing.assert_allclose(legacy.embedding, vector(tok.encode(TEXTS[2])), atol=1e-5)
 
 
 @pytest.mark.parametrize("kwargs, needle", [

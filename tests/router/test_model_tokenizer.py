@@ -19,7 +19,7 @@ import httpx
 import pytest
 from mlx_lm.tool_parsers import json_tools
 from mlx_lm.tokenizer_utils import _infer_tool_parser
-from mlx_lm.utils import load_tokenizer
+from mlx_lm.utils import load_config, load_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from benchmarks.random_models import text as random_text
@@ -149,6 +149,12 @@ def _qwen3_style_folder(folder: Path, small: Path) -> None:
                           "special": False} for i, t in enumerate(["<think>", "</think>", "<tool_call>", "</tool_call>"])}
     config.update(added_tokens_decoder={**config.get("added_tokens_decoder", {}), **added}, chat_template=QWEN3_STYLE)
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    # As Qwen's and Gemma's: the model's config ends generation on more than the tokenizer's eos,
+    # generation_config.json's list over config.json's.
+    ids = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": ids.token_to_id("<|im_end|>")}))
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [ids.token_to_id("<|im_end|>"), ids.token_to_id("<|endoftext|>")]}))
 
 
 def _named_templates_folder(folder: Path, small: Path) -> None:
@@ -191,8 +197,12 @@ def folders(tmp_path_factory, embedded_model_dir) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def pairs(folders) -> dict[str, tuple[ModelTokenizer, object]]:
-    """(ours, mlx-lm's as the router loaded it) per folder."""
-    return {name: (ModelTokenizer.load(folder), load_tokenizer(folder)) for name, folder in folders.items()}
+    """(ours, mlx-lm's as mlx_lm.load gives it: with the config's eos ids) per folder."""
+    def mlx_lms(folder: Path):
+        eos = load_config(folder).get("eos_token_id") if (folder / "config.json").is_file() else None
+        return load_tokenizer(folder, eos_token_ids=eos)
+
+    return {name: (ModelTokenizer.load(folder), mlx_lms(Path(folder))) for name, folder in folders.items()}
 
 
 def test_the_same_backend_special_tokens_and_markers(pairs):
@@ -206,6 +216,7 @@ def test_the_same_backend_special_tokens_and_markers(pairs):
             assert getattr(ours, attr) == getattr(theirs, attr), (name, attr)
         assert (ours.tool_parser is None) == (theirs.tool_parser is None), name
     assert pairs["chatml-thinking"][0].has_thinking and pairs["qwen3-style"][0].has_thinking
+    assert len(pairs["qwen3-style"][0].eos_token_ids) == 2  # <|endoftext|> too, from generation_config.json
     spm = pairs["spm"][0]
     assert spm.special_tokens_map["pad_token"] == "<pad>" and spm.convert_tokens_to_ids("<pad>") == len(spm) - 1
     assert spm.encode("Hello")[0] == 1 and spm.encode("Hello", add_special_tokens=False)[0] != 1

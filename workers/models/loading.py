@@ -133,16 +133,28 @@ def size_buffer_cache(processes: int = 1) -> None:
 
 
 def load_model(folder: str | os.PathLike, dequantize: bool | None = None, lazy: bool = False):
-    """(model, tokenizer) for an MLX model folder, via mlx_lm.load.
+    """(model, tokenizer) for an MLX model folder, as mlx_lm.load gives them
+    (the tokenizer mlx-lm's TokenizerWrapper): `load_weights`, then mlx-lm's
+    tokenizer, for the command line and the tests' references. A worker
+    needs only the weights (workers/parts.py)."""
+    from mlx_lm.utils import load_config, load_tokenizer
+
+    model = load_weights(folder, dequantize, lazy)
+    folder = Path(folder)
+    return model, load_tokenizer(folder, eos_token_ids=load_config(folder).get("eos_token_id"))
+
+
+def load_weights(folder: str | os.PathLike, dequantize: bool | None = None, lazy: bool = False):
+    """The model of an MLX model folder, through mlx-lm's `load_model`.
     `dequantize` defaults to "only on the CPU backend". `lazy`: the weights
     stay unread until evaluated (a tensor-parallel rank cuts its shard first,
     so it never holds the whole model: workers/models/sharding.py)."""
-    from mlx_lm import load
     from mlx_lm.utils import dequantize_model
+    from mlx_lm.utils import load_model as mlx_lm_load_model
 
     folder = Path(folder)
     try:
-        model, tokenizer = load(str(folder), lazy=lazy)
+        model, _config = mlx_lm_load_model(folder, lazy=lazy)
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise ModelError(f"{folder}: cannot load model ({_one_line(e)})") from None
     if on_cpu() if dequantize is None else dequantize:
@@ -154,7 +166,7 @@ def load_model(folder: str | os.PathLike, dequantize: bool | None = None, lazy: 
         model.set_dtype(mx.float32)  # float16 checkpoints too: no fast fp16 BLAS
         if not lazy:
             mx.eval(model.parameters())
-    return model, tokenizer
+    return model
 
 
 def _one_line(e: Exception) -> str:

@@ -1,5 +1,8 @@
 """A model folder's tokenizer files read as transformers 5 reads them, into a
-`tokenizers` backend and its named special tokens.
+`tokenizers` backend, its named special tokens and its end-of-sequence ids
+(FolderTokenizer): what the router's ModelTokenizer builds on, and all a
+worker needs of a tokenizer (its grammars' vocabulary and end) without
+transformers (~0.7 CPU-s of every worker start).
 
 What transformers does on load besides reading tokenizer.json, mirrored here
 so that the router's ids are the ones mlx-lm's tokenizer gave:
@@ -25,9 +28,12 @@ files match.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+
+from environment.model_folder import ModelError
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # transformers 5's Qwen2Tokenizer: its split pattern, and its special tokens where the config names none.
@@ -41,6 +47,46 @@ QWEN2_MODEL_TYPES = frozenset(("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl", "
 
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+@dataclass(eq=False)  # hashed by identity: per-tokenizer caches hold it weakly (protos/grammar.py)
+class FolderTokenizer:
+    """A model folder's tokenizer: `FolderTokenizer.load(folder)`."""
+
+    backend_tokenizer: Tokenizer  # llguidance builds its view from it (protos/grammar.py)
+    config: dict  # tokenizer_config.json
+    special_tokens_map: dict[str, str]  # what templates see as bos_token, eos_token, ...
+    eos_token_id: int | None  # the tokenizer's own
+    eos_token_ids: set[int]  # where generation ends: the tokenizer's and the model config's
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "FolderTokenizer":
+        folder = Path(folder)
+        if not (folder / "tokenizer.json").is_file():
+            raise ModelError(f"{folder}: no tokenizer.json (Tandem reads a model's tokenizer from it)")
+        config = read_json(folder / "tokenizer_config.json")
+        backend, special = load_backend(folder, config)
+        eos = token_id(backend, special, special["eos_token"]) if "eos_token" in special else None
+        return cls(backend, config, special, eos, model_eos_ids(folder) | ({eos} if eos is not None else set()))
+
+
+def token_id(backend: Tokenizer, special: dict[str, str], token: str) -> int | None:
+    """`token`'s id, else the unknown token's (as transformers converts it)."""
+    found = backend.token_to_id(token)
+    if found is None and "unk_token" in special:
+        return backend.token_to_id(special["unk_token"])
+    return found
+
+
+def model_eos_ids(folder: Path) -> set[int]:
+    """The end-of-sequence ids the model's config names, generation_config.json's
+    over config.json's, as mlx-lm's `load` reads them: a chat model often ends
+    its turn with one its tokenizer does not call eos (Gemma 3's <end_of_turn>,
+    Llama 3's <|eom_id|>)."""
+    ids = read_json(folder / "generation_config.json").get("eos_token_id") \
+        or read_json(folder / "config.json").get("eos_token_id")
+    ids = [ids] if isinstance(ids, int) else ids if isinstance(ids, list) else []
+    return {int(i) for i in ids if isinstance(i, int) and not isinstance(i, bool)}
 
 
 def load_backend(folder: Path, config: dict) -> tuple[Tokenizer, dict[str, str]]:
