@@ -9,23 +9,23 @@ from tests.support.server import TandemServer
 from tests.support.tiny_models import load_tiny_model, make_tiny_llama
 
 E2E = "tests/e2e/"
-# End-to-end modules that run last, on the other worker, once its own modules
-# are done: the end-to-end unit alone took ~840 s of a ~860 s run, the other
-# worker ~490 s. Modules without kills or tight deadlines, so a second server
-# beside the unit's is safe. The prefix-cache module joined them (issue 39) when
-# the agents module's CPU halved (169 -> ~80 CPU-s, a tiny model for what the
-# grammars decide) and this session's model-service modules joined the unit:
-# by CPU (measured alone) the unit is then pipeline 189, tensor-parallel 164,
-# faults 79, remote-worker 49, group-hosts ~30 and the new modules; late are
-# prefix-cache ~80, agents ~80 and vision ~65, after ~330 CPU-s of the other modules.
-E2E_LATE = ("tests/e2e/test_e2e_agents.py", "tests/e2e/test_e2e_vision.py", "tests/e2e/test_e2e_prefix_cache.py")
+# End-to-end modules that run last, each a unit of its own, longest first, so
+# whichever worker is free takes the next: modules without kills or tight
+# deadlines, so a second server beside the end-to-end unit's is safe. A full
+# run (base 823b37d, seconds from its first test): the end-to-end unit
+# (faults, pipeline, groups, remote workers, the model service's modules)
+# done at 529 s, the other worker's modules at 478 s, then the late modules as
+# one unit until 634 s on that worker alone, the first idle for 105 s.
+E2E_LATE = ("tests/e2e/test_e2e_agents.py", "tests/e2e/test_e2e_prefix_cache.py", "tests/e2e/test_e2e_vision.py",
+            "tests/e2e/test_many_models.py", "tests/e2e/test_ollama_client.py", "tests/e2e/test_embeddings.py")
 
 
-def _part(nodeid: str) -> int:
-    """0: the end-to-end unit; 1: every other module; 2: the late end-to-end modules."""
-    if nodeid.startswith(E2E_LATE):
-        return 2
-    return 0 if nodeid.startswith(E2E) else 1
+def _part(nodeid: str) -> tuple[int, int]:
+    """(0, 0): the end-to-end unit; (1, 0): every other module; (2, i): the i-th late end-to-end module."""
+    for i, module in enumerate(E2E_LATE):
+        if nodeid.startswith(module):
+            return 2, i
+    return (0, 0) if nodeid.startswith(E2E) else (1, 0)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -34,12 +34,13 @@ def pytest_xdist_make_scheduler(config, log):
     go to one worker as one unit, first, one after another (each runs whole
     servers; two at once would starve each other's deadlines), while the
     other worker takes the other modules, each whole (its module fixtures
-    made once), then the late end-to-end modules (E2E_LATE), as one unit."""
+    made once); then the late end-to-end modules (E2E_LATE), each whole, go
+    to whichever worker is free first."""
     from xdist.scheduler import LoadScopeScheduling
 
     class EndToEndApart(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return ("e2e", "", "e2e-late")[_part(nodeid)] or nodeid.split("::", 1)[0]
+            return "e2e" if _part(nodeid) == (0, 0) else nodeid.split("::", 1)[0]
 
     config.option.loadscopereorder = False  # the collection's order: the end-to-end unit first
     return EndToEndApart(config, log)
@@ -48,8 +49,8 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(config, items):
     """The end-to-end unit first (each part keeps its order): it is the
     longest, so it starts at once on its worker; the late end-to-end modules
-    last, so the other worker takes them after its own. (Under xdist only:
-    a worker has `workerinput`; a plain run keeps the files' order.)"""
+    last, longest first. (Under xdist only: a worker has `workerinput`; a
+    plain run keeps the files' order.)"""
     if hasattr(config, "workerinput"):
         items.sort(key=lambda item: _part(item.nodeid))
 
