@@ -71,11 +71,15 @@ async def _first_then_hang():
 class Scripted:
     def __init__(self):
         self.calls = 0
+        self.prompts: list[str] = []  # the prefill mode's, in arrival order
 
     async def chat(self, request: Request) -> Response:
         mode = request.path_params["mode"]
-        await request.json()
+        body = await request.json()
         self.calls += 1
+        if mode == "prefill":  # a first token after time in proportion to the prompt's length
+            self.prompts.append(body["messages"][-1]["content"])
+            await asyncio.sleep(len(self.prompts[-1]) / 20_000)
         if mode == "busy" or (mode == "mixed" and self.calls % 3 == 0):
             return JSONResponse({"error": {"message": "queue full"}}, status_code=429, headers={"Retry-After": "0"})
         if mode == "fail" or (mode == "mixed" and self.calls % 3 == 1):
@@ -240,6 +244,30 @@ def test_closed_loop_counts_429_and_errors_and_is_bounded_by_duration(scripted):
 
 
 # ------------------------------------------------------------ prompts and metrics
+
+def test_fairness_warms_up_then_sends_one_short_then_a_stream_beside_long_prompts(scripted):
+    """The fairness workload's order and bookkeeping against a scripted server
+    whose first token comes after a time in proportion to the prompt: a
+    warm-up long and short (not counted), shorts alone, a long alone, a long
+    with one short beside it (issue 42's case), a long with a stream of
+    shorts; every prompt new. (Its figures are the server's: the scripted one
+    has no prefill to be fair with, so no ratio is asserted.)"""
+    from benchmarks.bench.workloads import fairness as fw
+
+    base, state = scripted
+    start = len(state.prompts)
+    target = workloads.Target("scripted", base + "/prefill", "m")
+    out = asyncio.run(fw.fairness(target, workloads.WorkloadConfig(timeout_s=10.0, long_prompt_words=1500)))
+    sent = state.prompts[start:]
+    # Warm-up long and short, three shorts alone, a long alone, a long and one short, a long and the stream.
+    assert [len(p.split()) > 1000 for p in sent[:9]] == [True, False, False, False, False, True, True, False, True]
+    assert not any(len(p.split()) > 1000 for p in sent[9:]) and len(set(sent)) == len(sent)
+    assert out["errors"] == 0 and out["long_prompt_tokens"] == 10  # the scripted usage
+    assert out["one_short_ttft_s"] > 0 and out["long_one_ttft_s"] > out["one_short_ttft_s"]
+    assert out["one_short_ratio"] > 0 and out["long_one_ratio"] > 0
+    table = "\n".join(fw.fairness_table([{"name": "scripted", "results": {"fairness": out}}]))
+    assert "1 short: short/alone" in table and "scripted" in table
+
 
 def test_prompts_are_seeded_and_distinct():
     a = workloads.user_prompt(0, "client0", 50)
