@@ -9,7 +9,9 @@ all of it, and the long prompt should lose little).
 In order, each prompt new (nothing cached):
 0. a warm-up: a long prompt and a short one, not counted. MLX's CUDA backend
    prepares its kernels for each new shape (~1 s for a long prompt's chunks
-   the first time), so without it "alone" was cold as often as not;
+   the first time), so without it "alone" was cold as often as not. Before
+   each long prompt the server is left quiet for about a long prompt's time
+   (its predecessor's KV is still being stored);
 1. `SHORTS` short prompts alone, one after the other;
 2. a long prompt (`--long-prompt-words`) alone;
 3. another long prompt and, once it has been in flight for a tenth of the
@@ -34,6 +36,7 @@ from benchmarks.bench.workloads.loadgen import Progress, RequestResult, percenti
 SHORTS = 3  # short prompts alone; beside the long one, as many as its prefill leaves time for (at most SHORTS_BESIDE)
 SHORTS_BESIDE = 12
 SHORT_WORDS = 8
+SETTLE_MIN_S, SETTLE_MAX_S = 0.2, 5.0
 MIN_DELAY_S = 0.05  # else a tenth of the long prompt's time alone (a warm 6k tokens: ~0.5 s on an H200)
 
 
@@ -46,13 +49,17 @@ async def fairness(target: Target, cfg: WorkloadConfig) -> dict:
             return r
 
         warm = [await one("long-warm", cfg.long_prompt_words), await one("short-warm", SHORT_WORDS)]
+        settle = _settle(warm[0])
+        await asyncio.sleep(settle)
         alone = [await one(f"short-alone{i}", SHORT_WORDS) for i in range(SHORTS)]
         long_alone = await one("long-alone", cfg.long_prompt_words)
-        delay = max(MIN_DELAY_S, 0.1 * (long_alone.ttft or 0.0))
+        delay, settle = max(MIN_DELAY_S, 0.1 * (long_alone.ttft or 0.0)), _settle(long_alone)
+        await asyncio.sleep(settle)
         long_task = asyncio.create_task(one("long-one", cfg.long_prompt_words))
         await asyncio.sleep(delay)
         one_short = await one("short-one", SHORT_WORDS)
         long_one = await long_task
+        await asyncio.sleep(settle)
         long_task = asyncio.create_task(one("long-beside", cfg.long_prompt_words))
         await asyncio.sleep(delay)
         beside = []
@@ -87,6 +94,14 @@ async def fairness(target: Target, cfg: WorkloadConfig) -> dict:
         out["short_beside_first_ttft_s"] = beside[0].ttft
         out["short_ratio"] = _ratio(beside[0].ttft, short_alone)
     return out
+
+
+def _settle(long: RequestResult) -> float:
+    """How long to leave the server quiet before the next long prompt: after
+    its answer, a long prompt's KV is still being stored (~100 ms for 6k tokens
+    of an 8B model on an H200), which slowed the next long prompt's prefill
+    (measured beside its shorts, never alone) by about as much."""
+    return min(SETTLE_MAX_S, max(SETTLE_MIN_S, long.ttft or long.latency or 0.0))
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
