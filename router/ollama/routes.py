@@ -194,10 +194,7 @@ class OllamaApi:
     async def show(self, request: Request):
         body = await self._small_body(request)
         refuse_unknown(body, SHOW_FIELDS)
-        name = body.get("model") or body.get("name")
-        if not isinstance(name, str) or not name:
-            raise ApiError(400, "model is required", param="model")
-        request.state.ollama_model = name
+        name = request.state.ollama_model = _model_name(body)
         model = await self._find(name)
         return JSONResponse(await asyncio.to_thread(show_body, name, model.get("model_dir") or "",
                                                     model.get("kind") or "chat", model.get("loaded_at")))
@@ -234,23 +231,18 @@ class OllamaApi:
         if body.get("insecure"):
             raise ApiError(400, "'insecure' does not apply: Tandem pulls from the Hugging Face Hub "
                            "(HF_ENDPOINT names another)", param="insecure")
-        name = body.get("model") or body.get("name")
-        if not isinstance(name, str) or not name:
-            raise ApiError(400, "model is required", param="model")
+        name = _model_name(body)
         stream = body.get("stream", True)
         if not isinstance(stream, bool):
             raise ApiError(400, "'stream' must be a boolean", param="stream")
-        forget = getattr(self.api.models.catalog, "forget", None)  # the listing's cached scan, stale once pulled
-        return PullResponse(tandem_name(name), stream, forget)
+        # The listing's cached scan is stale once the pull lands.
+        return PullResponse(tandem_name(name), stream, self.api.models.catalog.forget)
 
     @ollama_errors
     async def delete(self, request: Request):
         body = await self._small_body(request)
         refuse_unknown(body, DELETE_FIELDS)
-        name = body.get("model") or body.get("name")
-        if not isinstance(name, str) or not name:
-            raise ApiError(400, "model is required", param="model")
-        request.state.ollama_model = name
+        name = request.state.ollama_model = _model_name(body)
         model = tandem_name(name)
         if model == self.api.models.default_model.model_id:
             raise ApiError(409, f'"{name}" is the model this server started with (--model): it is not deleted here')
@@ -258,8 +250,14 @@ class OllamaApi:
         if loaded and not await self.api.models.unload(loaded[0]["name"], "deleted (Ollama)"):
             raise ApiError(409, f'"{name}" is answering requests: delete it once they end')
         freed = await asyncio.to_thread(delete_model, model)
-        forget = getattr(self.api.models.catalog, "forget", None)
-        if forget is not None:
-            forget()
+        self.api.models.catalog.forget()
         log.info("deleted %s for an Ollama client (%d bytes freed)", model, freed)
         return JSONResponse({})
+
+
+def _model_name(body: dict) -> str:
+    """The model a show, pull or delete names (`model`, or Ollama's older `name`)."""
+    name = body.get("model") or body.get("name")
+    if not isinstance(name, str) or not name:
+        raise ApiError(400, "model is required", param="model")
+    return name

@@ -19,16 +19,14 @@ from router.api.embeddings import MAX_INPUTS, parse_embeddings, serve_embeddings
 from router.api.errors import ApiError
 from router.text.tokenizer import ModelTokenizer
 from tokenizers import processors
-from tests.support.tiny_embedders import EOT, write_embedder_tokenizer, write_sentence_transformers
+from tests.support.tiny_embedders import EOT, InlineTicket, last_token_embedder_files
 
 LAST, MEAN = EmbeddingConfig("last"), EmbeddingConfig("mean")
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    path = write_embedder_tokenizer(tmp_path_factory.mktemp("embedder"))
-    write_sentence_transformers(path, "last", 8)
-    return path
+    return last_token_embedder_files(tmp_path_factory.mktemp("embedder"))
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +59,8 @@ class Model:
     engine: Engine = field(default_factory=Engine)
 
 
-class Ticket:
-    async def off_loop(self, fn, *args):
-        return fn(*args)
-
-
 def call(model, body) -> dict:
-    response = asyncio.run(serve_embeddings(Ticket(), body, model, timeout_s=5))
+    response = asyncio.run(serve_embeddings(InlineTicket(), body, model, timeout_s=5))
     return json.loads(response.body)
 
 

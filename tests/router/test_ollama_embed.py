@@ -14,14 +14,12 @@ import pytest
 from router.api.errors import ApiError
 from router.ollama.embed import serve_embed
 from router.text.tokenizer import ModelTokenizer
-from tests.support.tiny_embedders import EOT, write_embedder_tokenizer, write_sentence_transformers
+from tests.support.tiny_embedders import EOT, InlineTicket, last_token_embedder_files
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    path = write_embedder_tokenizer(tmp_path_factory.mktemp("embedder"))
-    write_sentence_transformers(path, "last", 8)
-    return path
+    return last_token_embedder_files(tmp_path_factory.mktemp("embedder"))
 
 
 @pytest.fixture(scope="module")
@@ -51,17 +49,9 @@ def api_for(model):
                                  settings=types.SimpleNamespace(request_timeout_s=5))
 
 
-class Ticket:
-    async def off_loop(self, fn, *args):
-        return fn(*args)
-
-    def also_release(self, fn):
-        pass
-
-
 def embed(api, body, legacy=False) -> dict:
     request = types.SimpleNamespace(state=types.SimpleNamespace())
-    return json.loads(asyncio.run(serve_embed(api, Ticket(), body, legacy, 0, request)).body)
+    return json.loads(asyncio.run(serve_embed(api, InlineTicket(), body, legacy, 0, request)).body)
 
 
 def model_of(tok, folder, kind="embedding", max_context=64):

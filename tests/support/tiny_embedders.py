@@ -115,3 +115,22 @@ def make_tiny_bert(path, pooling: str | None = None, seed: int = 0) -> Path:
     if pooling is not None:
         write_sentence_transformers(path, pooling, TINY_BERT["hidden_size"])
     return path
+
+
+def last_token_embedder_files(path) -> Path:
+    """A Qwen3-Embedding-like folder without weights (the tokenizer and
+    sentence-transformers' files, last-token pooling, 8 wide): what the
+    router reads of an embedding model."""
+    path = write_embedder_tokenizer(path)
+    write_sentence_transformers(path, "last", 8)
+    return path
+
+
+class InlineTicket:
+    """An admission ticket (router/guards/admission.py) whose off-loop work runs inline."""
+
+    async def off_loop(self, fn, *args):
+        return fn(*args)
+
+    def also_release(self, fn):
+        pass
