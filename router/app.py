@@ -40,7 +40,7 @@ from router.api.http_stream import GenerationResponse
 from router.media.decode import MediaLimits
 from router.media.parts import load_media_parts
 from router.media.video import DecodedVideo
-from router.metrics import AdmissionMetrics
+from router.metrics import AdmissionMetrics, labelled_by_model
 from router.ollama.routes import ollama_routes
 from router.models.keep_alive import KeepAliveError, parse_keep_alive, parse_ttl
 from router.models.catalog import model_key
@@ -347,7 +347,11 @@ class _Api:
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def metrics(self, request: Request) -> Response:
-        text = await self.engine.metrics_text() + self.admission_metrics.text() + self.models.metrics_text()
+        text = await self.engine.metrics_text()
+        others = self.models.other_engines()
+        if others:  # each model loaded on demand: its dispatcher's series, labelled model="..."
+            text = labelled_by_model([(None, text)] + [(name, await engine.metrics_text()) for name, engine in others])
+        text += self.admission_metrics.text() + self.models.metrics_text()
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -212,3 +212,37 @@ class Metrics:
 
     def text(self) -> str:
         return generate_latest(self.registry).decode()
+
+
+def labelled_by_model(texts: list[tuple[str | None, str]]) -> str:
+    """One exposition from several dispatchers' (model, text): the server's
+    own model's samples (model None) as they are, every other model's with
+    a `model` label, each metric family once (Prometheus refuses a family
+    whose lines are split or repeated)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, object] = {}
+    for model, text in texts:
+        for family in text_string_to_metric_families(text):
+            merged = families.setdefault(family.name, family)
+            if merged is not family:
+                merged.samples.extend(_labelled(family.samples, model))
+            elif model is not None:
+                family.samples[:] = _labelled(family.samples, model)
+    registry = CollectorRegistry()
+    registry.register(_Families(list(families.values())))
+    return generate_latest(registry).decode()
+
+
+def _labelled(samples, model: str | None) -> list:
+    return list(samples) if model is None else [s._replace(labels={**s.labels, "model": model}) for s in samples]
+
+
+class _Families:
+    """A collector of metric families already made (parsed)."""
+
+    def __init__(self, families: list):
+        self.families = families
+
+    def collect(self):
+        return self.families

@@ -369,6 +369,12 @@ class ModelPool:
                     await self.unload(entry.name, "memory pressure " + level if level in ("warn", "critical")
                                       else "power saver")
 
+    def other_engines(self) -> list[tuple[str, object]]:
+        """(name, engine) of every model loaded on demand and ready: their
+        dispatchers' /metrics, labelled with the model (router/metrics.py)."""
+        return [(e.name, e.served.engine) for e in self.entries.values()
+                if e is not self.default and e.state == "ready" and e.served is not None]
+
     def metrics_text(self) -> str:
         ready = sum(e.state == "ready" for e in self.entries.values())
         return (f"# HELP tandem_models_loaded Models loaded now\n# TYPE tandem_models_loaded gauge\n"

@@ -8,6 +8,7 @@ downloaded, or a path, is a 404."""
 
 from __future__ import annotations
 
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +16,7 @@ import httpx
 import pytest
 
 from tests.support.embedded_chat import reference
-from tests.support.server import TandemServer, pid_alive
+from tests.support.server import TandemServer, metric, pid_alive
 
 COMMIT = "a" * 40
 REPOS = {"tests/tiny-a": 3, "tests/tiny-b": 4, "tests/tiny-c": 5}  # name: weights' seed
@@ -84,6 +85,15 @@ def test_two_models_answer_side_by_side_as_each_alone(server, models):
         assert body["choices"][0]["message"]["content"] == expected, (repo, question)
     assert set(loaded(server)) == {"tests/tiny-a", "tests/tiny-b"}
     assert loaded(server)["tests/tiny-b"]["workers"] == ["m1.worker-0"]
+    # /metrics: the server's own model's series as before, the one loaded on demand's labelled with it,
+    # each family once (as Prometheus requires).
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    types = re.findall(r"^# TYPE (\S+)", text, re.M)
+    assert len(types) == len(set(types))
+    made = {repo: sum(r.json()["usage"]["completion_tokens"] for (rr, _), r in zip(asks, answers) if rr == repo)
+            for repo in ("tests/tiny-a", "tests/tiny-b")}
+    assert metric(server, "tandem_generation_tokens_total") == made["tests/tiny-a"]
+    assert metric(server, "tandem_generation_tokens_total", '{model="tests/tiny-b"}') == made["tests/tiny-b"]
 
 
 def test_models_lists_every_downloaded_model_and_which_are_loaded(server):

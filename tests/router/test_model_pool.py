@@ -249,3 +249,24 @@ def test_a_busy_model_asked_to_stop_goes_once_its_requests_end(monkeypatch):
         assert ("unload", "x/a") in control.calls
         assert not await pool.unload_soon("x/a")  # not loaded any more
     run(main())
+
+
+def test_metrics_of_models_loaded_on_demand_are_labelled_and_each_family_is_once():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+    from router.metrics import labelled_by_model
+
+    def exposition(tokens: int, extra: bool) -> str:
+        registry = CollectorRegistry()
+        Counter("tandem_generation_tokens", "Tokens generated", registry=registry).inc(tokens)
+        if extra:  # a family only that model's dispatcher has
+            Gauge("tandem_worker_up", "Workers up", ["worker"], registry=registry).labels("m1.worker-0").set(1)
+        return generate_latest(registry).decode()
+
+    text = labelled_by_model([(None, exposition(5, False)), ("tests/tiny-b", exposition(7, True))])
+    lines = text.splitlines()
+    assert "tandem_generation_tokens_total 5.0" in lines
+    assert 'tandem_generation_tokens_total{model="tests/tiny-b"} 7.0' in lines
+    assert 'tandem_worker_up{model="tests/tiny-b",worker="m1.worker-0"} 1.0' in lines
+    types = [line.split()[2] for line in lines if line.startswith("# TYPE")]
+    assert len(types) == len(set(types))
