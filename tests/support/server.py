@@ -35,6 +35,8 @@ def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(")")[-1].split()[0] != "Z"
+    except ProcessLookupError:  # reaped between the open and the read (ESRCH)
+        return False
     except FileNotFoundError:
         return sys.platform == "darwin"
 

@@ -10,7 +10,8 @@ reader thread; free the slot; take the held blocks, PrefixCache.take; join
 them), or gives it back unread (`give_back`, a request cancelled before).
 
 By value (`write_handoff(by_value=True)`, PrefillRequest.kv_by_value: the
-decode worker is on another host): the same layout written into a numpy
+decode worker is on another host; or `write_handoff_anyway` when this
+host's arena has no room): the same layout written into a numpy
 buffer of its own instead of an arena slot, sent in the message itself
 (KVHandoff.payload, one zero-copy frame), no blocks by reference; the decode
 end reads it from there (`handoff_buf`) and has nothing to free.
@@ -191,6 +192,21 @@ def write_handoff(client, arena_buf: Callable[[str], object], request_id: str, r
               "wrote" if staged is None else "laid out", nbytes, " by value" if by_value else "",
               handoff.write_ms, blocks.tokens)
     return handoff
+
+
+def write_handoff_anyway(client, arena_buf: Callable[[str], object], request_id: str, result,
+                         held: Optional[HeldBlocks] = None, staged: Optional[list] = None,
+                         release_held: Callable[[int], None] = lambda lease: None) -> KVHandoff:
+    """`write_handoff` through the arena, or, when the arena refuses it (full
+    of other handoffs in flight and leased blocks, as under a burst of
+    prompts on a small arena; or the cache service restarting), by value:
+    all the prompt's KV in the message, `held` released. Slower (the KV
+    crosses the sockets), but the request goes on instead of failing."""
+    try:
+        return write_handoff(client, arena_buf, request_id, result, held, staged, release_held)
+    except CacheUnavailable as exc:
+        log.warning("handoff %s: %s; its KV goes in the message instead", request_id, exc)
+        return write_handoff(client, arena_buf, request_id, result, None, staged, by_value=True)
 
 
 def handoff_buf(h: KVHandoff, arena_buf: Callable[[str], object]):

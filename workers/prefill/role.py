@@ -352,7 +352,8 @@ class PrefillRole(Role):
                  staged: Optional[list] = None) -> KVHandoff:
         """Put the prompt's KV in the arena (workers/kv/handoff.py
         write_handoff), after `hold`'s blocks only when given; or, for a
-        decode worker on another host, in the message (`kv_by_value`). A
+        decode worker on another host (`kv_by_value`) or when the arena has
+        no room (write_handoff_anyway), in the message. A
         group's rank writes its own part and learns the others'
         (workers/group/handoff_shards.py)."""
         release = self.prefix.release if self.prefix is not None else (lambda lease: None)
@@ -362,7 +363,11 @@ class PrefillRole(Role):
                                             release_held=release, by_value=req.kv_by_value)
 
         if self.group is None:
-            return write()
+            if req.kv_by_value:
+                return write()
+            # An arena with no room for it: by value instead (a group's ranks must agree, so not theirs).
+            return kv_handoff.write_handoff_anyway(self.cache, self.arena_buf, req.request_id, result, hold,
+                                                   staged, release_held=release)
         if req.kv_by_value:  # the router never asks a group for it (router/routing/handoff_route.py)
             raise ValueError("a worker group hands its KV off through this host's arena, rank by rank, "
                              "not by value")

@@ -154,3 +154,25 @@ def test_a_payload_shorter_than_its_slices_is_refused_not_read_past(pair):
     got.payload = got.payload[: got.payload.size // 2]
     with pytest.raises(ValueError):
         handoff.take_in(got, FakeCacheService(strict_leases=False), None, None, LoopClock("t"))
+
+
+def test_an_arena_with_no_room_sends_the_kv_by_value_instead_of_failing(pair):
+    """A burst of prompts on a small arena (handoffs in flight and leased
+    blocks fill it) refused a handoff, and its request failed with a 503
+    (a full suite run, tests/e2e/test_e2e_prefix_cache.py's tiny arena):
+    write_handoff_anyway sends the whole KV in the message then, the held
+    blocks released, and the decode end takes it as any handoff by value."""
+    cache = _cache("plain")
+    result = SimpleNamespace(cache=cache, num_tokens=TOKENS, rope_offset=TOKENS)
+    full = FakeCacheService(nbytes=1024)  # smaller than the KV: every alloc is refused
+    held = HeldBlocks(hashes=[b"x" * 16], offsets=[0], arena="fake-arena", lease=7, tokens=4)
+    released = []
+    with pytest.raises(handoff.CacheUnavailable):
+        handoff.write_handoff(full, full.buffer, "r5", result, held=held, release_held=released.append)
+    h = handoff.write_handoff_anyway(full, full.buffer, "r5", result, held=held, release_held=released.append)
+    assert released == [7, 7]  # the refused reservation gave the held blocks back, each time
+    assert h.payload is not None and h.blocks == HeldBlocks() and h.num_tokens == TOKENS
+    back = handoff.take_in(_over(pair, h), FakeCacheService(strict_leases=False), None, None, LoopClock("t"))
+    assert all(mx.array_equal(a.keys[..., :TOKENS, :], b.keys) for a, b in zip(cache, back))
+    roomy = FakeCacheService()
+    assert handoff.write_handoff_anyway(roomy, roomy.buffer, "r6", result).payload is None  # room: the arena
