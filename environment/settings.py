@@ -73,6 +73,21 @@ def default_spec_rows() -> int:
     return 4 if on_cpu() else 8
 
 
+def default_prefill_chunk() -> int:
+    """Tokens per prefill step: 512 on a GPU, 128 where MLX runs on the CPU.
+
+    A step is what a short prompt beside a long one waits for (prompts take
+    turns a chunk at a time: workers/prefill/turns.py), and in --colocate
+    what every decode row waits for. On the 2-core CPU box a 512-token
+    chunk of the embedded model took ~3.5 s: one short prompt beside a
+    1,053-token prompt waited 3.9 s (10.1x its 0.39 s alone); at 128 it
+    took 1.04x, the long prompt 11.8 s against 11.4 s (the box's noise;
+    in-process the 128-token chunks were faster: 16.1-16.6 s against
+    18.8-19.4 s). On a GPU a 512-token chunk of an 8B model is ~30 ms
+    (docs/benchmarks-log.md, session 30)."""
+    return 128 if on_cpu() else 512
+
+
 def default_prefill_batch() -> int:
     """Prompts one prefill pass may take together: 16 on a GPU, 1 (none)
     where MLX runs on the CPU. On an H100 a burst's passes cost 3.8-11x less
@@ -197,7 +212,8 @@ class Settings:
     memory_pressure_file: str | None = None
     # Scheduling and admission
     max_batch: int = 32  # decode batch size per decode worker
-    prefill_chunk: int = 512  # tokens per prefill step (bounds how long decode waits in --colocate)
+    # Tokens per prefill step: what a short prompt beside a long one, and colocated decode, wait for.
+    prefill_chunk: int = field(default_factory=default_prefill_chunk)
     # Where prompts are prefilled (workers/prefill/ane/): "mlx" (the GPU), "ane"
     # (the Neural Engine, every prompt its buckets hold; macOS only), "auto"
     # (uncached parts of ane_min_tokens or more there, the rest on the GPU).
