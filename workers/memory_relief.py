@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from environment.memory_pressure import NORMAL, UNLOAD_FIRST_S, PressurePoll, PressureReader
+from environment.memory_pressure import UNLOAD_FIRST_S, PressurePoll, PressureReader
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class MemoryRelief:
         hello.memory_pressure = reading.value
         if reading.level != previous:
             log.warning("memory pressure %s -> %s (%s)", previous, reading.level, reading.detail or reading.error)
-        if reading.level == NORMAL or not self.poll.acting():  # idle models are unloaded first (UNLOAD_FIRST_S)
+        if not self.poll.acting():  # normal, or pressed for less than UNLOAD_FIRST_S: idle models go first
             return 0
         hot = prefix.hot.drop() if prefix is not None else 0
         buffers = self._cache_memory()

@@ -92,9 +92,9 @@ class Dispatcher(RequestMoves):
         return [name for name, task in zip(("receive", "watch", "cache", "power"), self._tasks) if task.done()]
 
     async def stop(self) -> None:
-        for task in self._tasks + list(self._moving):
-            task.cancel()
         tasks = self._tasks + list(self._moving)
+        for task in tasks:
+            task.cancel()
         if tasks:  # bounded: a loop that swallowed its cancel must not hold the router's stop (or a test) forever
             _, stuck = await asyncio.wait(tasks, timeout=STOP_LOOPS_S)
             for task in stuck:

@@ -137,11 +137,10 @@ def load_model(folder: str | os.PathLike, dequantize: bool | None = None, lazy: 
     (the tokenizer mlx-lm's TokenizerWrapper): `load_weights`, then mlx-lm's
     tokenizer, for the command line and the tests' references. A worker
     needs only the weights (workers/parts.py)."""
-    from mlx_lm.utils import load_config, load_tokenizer
+    from mlx_lm.utils import load_tokenizer
 
-    model = load_weights(folder, dequantize, lazy)
-    folder = Path(folder)
-    return model, load_tokenizer(folder, eos_token_ids=load_config(folder).get("eos_token_id"))
+    model, config = _load(Path(folder), dequantize, lazy)
+    return model, load_tokenizer(Path(folder), eos_token_ids=config.get("eos_token_id"))
 
 
 def load_weights(folder: str | os.PathLike, dequantize: bool | None = None, lazy: bool = False):
@@ -149,12 +148,16 @@ def load_weights(folder: str | os.PathLike, dequantize: bool | None = None, lazy
     `dequantize` defaults to "only on the CPU backend". `lazy`: the weights
     stay unread until evaluated (a tensor-parallel rank cuts its shard first,
     so it never holds the whole model: workers/models/sharding.py)."""
+    return _load(Path(folder), dequantize, lazy)[0]
+
+
+def _load(folder: Path, dequantize: bool | None, lazy: bool):
+    """(model, its config as mlx-lm read it: generation_config.json's eos ids merged)."""
     from mlx_lm.utils import dequantize_model
     from mlx_lm.utils import load_model as mlx_lm_load_model
 
-    folder = Path(folder)
     try:
-        model, _config = mlx_lm_load_model(folder, lazy=lazy)
+        model, config = mlx_lm_load_model(folder, lazy=lazy)
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise ModelError(f"{folder}: cannot load model ({_one_line(e)})") from None
     if on_cpu() if dequantize is None else dequantize:
@@ -166,7 +169,7 @@ def load_weights(folder: str | os.PathLike, dequantize: bool | None = None, lazy
         model.set_dtype(mx.float32)  # float16 checkpoints too: no fast fp16 BLAS
         if not lazy:
             mx.eval(model.parameters())
-    return model
+    return model, config
 
 
 def _one_line(e: Exception) -> str:
