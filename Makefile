@@ -27,11 +27,14 @@ $(VENV)/.installed: pyproject.toml deploy/setup_system.sh
 serve: setup
 	$(BIN)/tandem serve $(ARGS)
 
-# Two pytest-xdist workers: the end-to-end tests one after another on one, the rest on the
-# other (tests/conftest.py pytest_xdist_make_scheduler); `make test ARGS="-n 0 ..."` runs serially.
+# Three pytest-xdist workers on a 2-core box: the end-to-end tests one after another on one,
+# the rest on the others (tests/conftest.py pytest_xdist_make_scheduler). A third worker fills
+# the cores while the end-to-end servers wait (heartbeats, restarts, deadlines): measured on the
+# 2-core box, 550 s with two, 501 s with three, idle core-seconds 157 -> 64.
+# `make test ARGS="-n 0 ..."` runs serially.
 # OPENBLAS_THREAD_TIMEOUT=4: the test processes' idle BLAS threads sleep at once, as the
 # servers' do (deploy/blas.py), instead of spinning beside them on a small machine.
-# OPENBLAS_NUM_THREADS=1: two test workers, each with servers, already fill two cores; a second
+# OPENBLAS_NUM_THREADS=1: the test workers, with their servers, already fill two cores; a second
 # BLAS thread per process then costs CPU for no time (measured: an mlx-lm reference answer
 # 3.2 CPU-s and 1.85 s with two threads, 2.2 CPU-s and 2.0 s with one).
 # PYTHONDONTWRITEBYTECODE cleared: where the environment sets it (this project's CI boxes do), no
@@ -39,7 +42,7 @@ serve: setup
 # processes compiled what it imported again: `import mlx_lm` 3.0 s against 1.7 s from bytecode.
 test: setup
 	PYTHONDONTWRITEBYTECODE= LD_PRELOAD=$(OPENBLAS) OPENBLAS_THREAD_TIMEOUT=4 OPENBLAS_NUM_THREADS=1 \
-		$(BIN)/python -m pytest -n 2 $(ARGS)
+		$(BIN)/python -m pytest -n 3 $(ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -30,10 +30,10 @@ def _part(nodeid: str) -> tuple[int, int]:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """With pytest-xdist's two workers (`make test`): the end-to-end tests
+    """With pytest-xdist's workers (`make test`: three): the end-to-end tests
     go to one worker as one unit, first, one after another (each runs whole
     servers; two at once would starve each other's deadlines), while the
-    other worker takes the other modules, each whole (its module fixtures
+    other workers take the other modules, each whole (its module fixtures
     made once); then the late end-to-end modules (E2E_LATE), each whole, go
     to whichever worker is free first."""
     from xdist.scheduler import LoadScopeScheduling
