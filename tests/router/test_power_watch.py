@@ -90,14 +90,18 @@ def test_a_reader_that_fails_or_hangs_keeps_the_policy(monkeypatch):
 
     watch = PowerWatch(Settings(power_poll_s=0.05), read=flaky)
 
-    async def run_a_while():
+    async def run_until_past_a_hang():
+        """Until a fourth reading starts: the third hung, and the watch gave up on it and polled on
+        (a deadline, not a fixed time: on a loaded box the first readings alone took 0.8 s)."""
         task = asyncio.create_task(watch.run())
-        await asyncio.sleep(0.8)
+        deadline = time.monotonic() + 10
+        while len(calls) < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
-    asyncio.run(run_a_while())
-    assert len(calls) >= 3 and watch.policy.name == "saver"  # the last good reading stands
+    asyncio.run(run_until_past_a_hang())
+    assert len(calls) >= 4 and watch.policy.name == "saver"  # the last good reading stands
 
 
 def test_a_cancel_that_comes_as_a_reading_ends_stops_the_watch():
