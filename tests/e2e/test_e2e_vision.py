@@ -28,7 +28,7 @@ class _Files(http.server.SimpleHTTPRequestHandler):
     def do_GET(self):
         self.requested.append(self.path)
         if self.path.startswith("/slow"):
-            self.hang_up.wait(timeout=3)  # past the server's 1 s limit; then hang up
+            self.hang_up.wait(timeout=10)  # past the server's 3 s limit; then hang up
             self.close_connection = True
             return None
         return super().do_GET()
@@ -41,7 +41,7 @@ def media_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http_base(media_dir):
-    """A local web server over media_dir; /slow... hangs up after 3 s (or when the module ends)."""
+    """A local web server over media_dir; /slow... hangs up after 10 s (or when the module ends)."""
     _Files.hang_up.clear()
     handler = lambda *a, **kw: _Files(*a, directory=str(media_dir), **kw)  # noqa: E731
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -56,7 +56,8 @@ def _server(request, tmp_path_factory, like, media_dir):
     folder = tiny_vlm(tmp_path_factory, like)
     srv = TandemServer("--model", str(folder), "--no-disk-cache", "--block-size", "16",
                        "--allow-local-media", str(media_dir), "--max-images", "3",
-                       "--media-fetch-timeout", "1", "--allow-media-hosts", "127.0.0.1",  # http_base
+                       # 3 s: a loaded 2-core box took more than 1 s to fetch a small picture from http_base
+                       "--media-fetch-timeout", "3", "--allow-media-hosts", "127.0.0.1",
                        log_path=tmp_path_factory.mktemp("srv") / "server.log")
     request.addfinalizer(srv.stop)
     srv.start()

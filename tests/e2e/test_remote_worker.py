@@ -208,10 +208,12 @@ def test_a_remote_prefill_worker_hands_its_kv_to_this_hosts_decoder_by_value(req
     request.addfinalizer(lambda: remote.proc.poll() is not None or os.killpg(remote.proc.pid, signal.SIGKILL))
     split = module_server(request, tmp_path_factory, "--model", tiny, "--no-disk-cache", "--worker-listen", listen,
                           "--worker-keys", str(keys / "ours" / "router"))
-    local_prefill = next(w["pid"] for w in workers(split).values() if w["role"] == "prefill")
     try:
-        ws = wait_workers(split, lambda ws: any(w.get("kv_host") and w["state"] == "ready" for w in ws.values()),
-                          "a ready remote prefill worker")
+        # Both ready before either is told apart: on a loaded box the remote one may join before this
+        # host's prefill-0 (which was then not yet in the table to be dropped, and the remote one was).
+        ws = wait_workers(split, lambda ws: ws.get("prefill-0", {}).get("state") == "ready" and any(
+            w.get("kv_host") and w["state"] == "ready" for w in ws.values()), "a ready remote and local prefill worker")
+        local_prefill = ws["prefill-0"]["pid"]
         rid, remote_w = next((i, w) for i, w in ws.items() if w.get("kv_host"))
         assert remote_w["role"] == "prefill" and remote_w["kv_host"] == rid  # its own cache service's KV
         os.kill(local_prefill, signal.SIGSTOP)  # the router drops it: only the remote one prefills
