@@ -9,33 +9,33 @@ from tests.support.server import TandemServer
 from tests.support.tiny_models import load_tiny_model, make_tiny_llama
 
 E2E = "tests/e2e/"
-# End-to-end modules without kills or tight deadlines, so a server beside the
-# end-to-end unit's is safe: each a unit of its own, queued right after that
-# unit, longest first, then the other modules, whose many short units fill
-# the end (longest first: the run ends when its longest chain does). Three
-# workers on the 2-core box, fresh clones: with these modules last and the
-# pipeline's in the end-to-end unit, 492 and 530 s, that unit the last to end.
-E2E_BESIDE = ("tests/e2e/test_e2e_pipeline.py", "tests/e2e/test_e2e_prefix_cache.py", "tests/e2e/test_e2e_agents.py",
-              "tests/e2e/test_e2e_vision.py", "tests/e2e/test_many_models.py", "tests/e2e/test_ollama_client.py",
-              "tests/e2e/test_embeddings.py")
+# End-to-end modules that run last, each a unit of its own, longest first, so
+# whichever worker is free takes the next: modules without kills or tight
+# deadlines, so a second server beside the end-to-end unit's is safe. A full
+# run (base 823b37d, seconds from its first test): the end-to-end unit
+# (faults, pipeline, groups, remote workers, the model service's modules)
+# done at 529 s, the other worker's modules at 478 s, then the late modules as
+# one unit until 634 s on that worker alone, the first idle for 105 s.
+E2E_LATE = ("tests/e2e/test_e2e_agents.py", "tests/e2e/test_e2e_prefix_cache.py", "tests/e2e/test_e2e_vision.py",
+            "tests/e2e/test_many_models.py", "tests/e2e/test_ollama_client.py", "tests/e2e/test_embeddings.py")
 
 
 def _part(nodeid: str) -> tuple[int, int]:
-    """(0, 0): the end-to-end unit; (1, i): the i-th end-to-end module beside it; (2, 0): every other module."""
-    for i, module in enumerate(E2E_BESIDE):
+    """(0, 0): the end-to-end unit; (1, 0): every other module; (2, i): the i-th late end-to-end module."""
+    for i, module in enumerate(E2E_LATE):
         if nodeid.startswith(module):
-            return 1, i
-    return (0, 0) if nodeid.startswith(E2E) else (2, 0)
+            return 2, i
+    return (0, 0) if nodeid.startswith(E2E) else (1, 0)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """With pytest-xdist's workers (`make test`: three): the end-to-end tests
-    that kill or reconfigure servers go to one worker as one unit, first, one
-    after another (each runs whole servers; two at once would starve each
-    other's deadlines); the other end-to-end modules (E2E_BESIDE) and then
-    the rest, each module whole (its module fixtures made once), go to
-    whichever worker is free first."""
+    go to one worker as one unit, first, one after another (each runs whole
+    servers; two at once would starve each other's deadlines), while the
+    other workers take the other modules, each whole (its module fixtures
+    made once); then the late end-to-end modules (E2E_LATE), each whole, go
+    to whichever worker is free first."""
     from xdist.scheduler import LoadScopeScheduling
 
     class EndToEndApart(LoadScopeScheduling):
@@ -48,9 +48,9 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
     """The end-to-end unit first (each part keeps its order): it is the
-    longest, so it starts at once on its worker; then the end-to-end modules
-    beside it, longest first; the other modules last. (Under xdist only: a
-    worker has `workerinput`; a plain run keeps the files' order.)"""
+    longest, so it starts at once on its worker; the late end-to-end modules
+    last, longest first. (Under xdist only: a worker has `workerinput`; a
+    plain run keeps the files' order.)"""
     if hasattr(config, "workerinput"):
         items.sort(key=lambda item: _part(item.nodeid))
 
