@@ -30,7 +30,8 @@ serve: setup
 # Three pytest-xdist workers on a 2-core box: the end-to-end tests one after another on one,
 # the rest on the others (tests/conftest.py pytest_xdist_make_scheduler). A third worker fills
 # the cores while the end-to-end servers wait (heartbeats, restarts, deadlines): measured on the
-# 2-core box, 550 s with two, 501 s with three, idle core-seconds 157 -> 64.
+# 2-core box, 550 s with two, 501 s with three, idle core-seconds 157 -> 64; `.ci/run` in fresh
+# clones 9m49s-10m36s with two, 8m28s-9m15s with three.
 # `make test ARGS="-n 0 ..."` runs serially.
 # OPENBLAS_THREAD_TIMEOUT=4: the test processes' idle BLAS threads sleep at once, as the
 # servers' do (deploy/blas.py), instead of spinning beside them on a small machine.
