@@ -17,8 +17,8 @@ E2E = "tests/e2e/"
 # done at 529 s, the other worker's modules at 478 s, then the late modules as
 # one unit until 634 s on that worker alone, the first idle for 105 s. With
 # three workers, these modules and the pipeline's queued first instead (three
-# servers at once from the start) took more CPU: 541, 542 s in fresh clones
-# against 492, 514, 530 s so.
+# servers at once from the start) gained nothing: 541, 542 s in fresh clones
+# against 492-552 s so.
 E2E_LATE = ("tests/e2e/test_e2e_agents.py", "tests/e2e/test_e2e_prefix_cache.py", "tests/e2e/test_e2e_vision.py",
             "tests/e2e/test_many_models.py", "tests/e2e/test_ollama_client.py", "tests/e2e/test_embeddings.py")
 
