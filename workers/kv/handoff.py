@@ -196,14 +196,15 @@ def write_handoff(client, arena_buf: Callable[[str], object], request_id: str, r
 
 def write_handoff_anyway(client, arena_buf: Callable[[str], object], request_id: str, result,
                          held: Optional[HeldBlocks] = None, staged: Optional[list] = None,
-                         release_held: Callable[[int], None] = lambda lease: None) -> KVHandoff:
-    """`write_handoff` through the arena, or, when the arena refuses it (full
+                         release_held: Callable[[int], None] = lambda lease: None,
+                         by_value: bool = False) -> KVHandoff:
+    """`write_handoff` (by value when asked), or, when the arena refuses it (full
     of other handoffs in flight and leased blocks, as under a burst of
     prompts on a small arena; or the cache service restarting), by value:
     all the prompt's KV in the message, `held` released. Slower (the KV
     crosses the sockets), but the request goes on instead of failing."""
     try:
-        return write_handoff(client, arena_buf, request_id, result, held, staged, release_held)
+        return write_handoff(client, arena_buf, request_id, result, held, staged, release_held, by_value)
     except CacheUnavailable as exc:
         log.warning("handoff %s: %s; its KV goes in the message instead", request_id, exc)
         return write_handoff(client, arena_buf, request_id, result, None, staged, by_value=True)

@@ -357,20 +357,17 @@ class PrefillRole(Role):
         group's rank writes its own part and learns the others'
         (workers/group/handoff_shards.py)."""
         release = self.prefix.release if self.prefix is not None else (lambda lease: None)
-
-        def write():
-            return kv_handoff.write_handoff(self.cache, self.arena_buf, req.request_id, result, hold, staged,
-                                            release_held=release, by_value=req.kv_by_value)
-
-        if self.group is None:
-            if req.kv_by_value:
-                return write()
-            # An arena with no room for it: by value instead (a group's ranks must agree, so not theirs).
+        if self.group is None:  # by value when asked, or when the arena has no room (a group's ranks must agree)
             return kv_handoff.write_handoff_anyway(self.cache, self.arena_buf, req.request_id, result, hold,
-                                                   staged, release_held=release)
+                                                   staged, release_held=release, by_value=req.kv_by_value)
         if req.kv_by_value:  # the router never asks a group for it (router/routing/handoff_route.py)
             raise ValueError("a worker group hands its KV off through this host's arena, rank by rank, "
                              "not by value")
+
+        def write():  # this rank's part, through the arena
+            return kv_handoff.write_handoff(self.cache, self.arena_buf, req.request_id, result, hold, staged,
+                                            release_held=release)
+
         return handoff_shards.hand_off(self.group, write, lambda h: kv_handoff.give_back(self.cache, h))
 
     def handoff_tail(self, h: KVHandoff):
